@@ -1,0 +1,44 @@
+"""Data building blocks: datasets (local files only, never downloaded), partitioners,
+per-client splits and partition statistics.  No Ray / MLflow imports here."""
+
+from .datasets import (
+    DATASETS,
+    LEAF_ALL_LETTERS,
+    DataSpec,
+    DatasetBundle,
+    DatasetNotFoundError,
+    default_data_root,
+    load_dataset,
+    read_idx,
+    to_tensor,
+)
+from .partition import (
+    PARTITIONERS,
+    client_train_test_split,
+    labeled_split,
+    natural_partition,
+    partition,
+    partition_counts,
+    partition_summary,
+    plot_partition,
+)
+
+__all__ = [
+    "DATASETS",
+    "LEAF_ALL_LETTERS",
+    "DataSpec",
+    "DatasetBundle",
+    "DatasetNotFoundError",
+    "default_data_root",
+    "load_dataset",
+    "read_idx",
+    "to_tensor",
+    "PARTITIONERS",
+    "client_train_test_split",
+    "labeled_split",
+    "natural_partition",
+    "partition",
+    "partition_counts",
+    "partition_summary",
+    "plot_partition",
+]
