@@ -145,9 +145,12 @@ def to_tensor(x: np.ndarray, spec: DataSpec) -> torch.Tensor:
     first axis of ``spec.input_shape``; works for a batch ``(N, C, H, W)`` or a single
     sample ``(C, H, W)``); float: float32 as is; tokens: ``torch.long``.
     """
+    a = np.asarray(x)
+    if not a.flags.writeable:  # read-only views straight from Ray's object store
+        a = a.copy()
     if spec.kind == "tokens":
-        return torch.as_tensor(np.asarray(x), dtype=torch.long)
-    t = torch.as_tensor(np.asarray(x))
+        return torch.as_tensor(a, dtype=torch.long)
+    t = torch.from_numpy(a)
     if spec.kind == "float":
         return t.to(torch.float32)
     # image

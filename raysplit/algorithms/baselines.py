@@ -1,0 +1,104 @@
+"""The baselines: SplitNN, PSL, SFLV1, SFLV2 and FedAvg.
+
+Semantics follow CycleSL's code (seed-code.md §4.3): a round is ``train.local_steps`` mini-batches per sampled
+client (default 1); client aggregation is FedAvg weighted by client sample count (``train.aggregation.weights``)
+and written to all clients or only the sampled ones (``train.aggregation.write_to``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raysplit.algorithms.base import Algorithm, AlgorithmParams, Order, register
+
+
+class SequentialParams(AlgorithmParams):
+    order: Order = "random"
+
+
+def ordered(clients: list[int], order: str, rng: np.random.Generator) -> list[int]:
+    """``random``: a fresh permutation per round; ``fixed``: ascending client id."""
+    return [int(c) for c in (rng.permutation(clients) if order == "random" else sorted(clients))]
+
+
+@register
+class SplitNN(Algorithm):
+    """Vanilla split learning (Gupta & Raskar): one client at a time; each trains ``local_steps`` batches through
+    the single server model, then hands its client model on to the next client (counted as upload + download).
+    The last client's model starts the next round and is the one evaluated."""
+
+    name = "splitnn"
+    description = "sequential split learning, client model handed on"
+    Params = SequentialParams
+
+    def run_round(self, rt, rnd, clients, rng):
+        prev = None
+        for c in ordered(clients, self.p.order, rng):
+            if prev is not None:
+                rt.client(c, "load_state", c, prev)
+            for s in range(self.local_steps):
+                rt.backward(c, rt.server("train_step", rt.forward(c, s)))
+            prev = rt.client(c, "get_state", c)
+        rt.install(prev)
+        return prev
+
+
+@register
+class PSL(Algorithm):
+    """Parallel split learning: each sampled client trains against its own copy of the server model; the copies
+    are averaged (by sample count) into the server model at the end of the round. Client models are never
+    aggregated: each client keeps its own."""
+
+    name = "psl"
+    description = "parallel SL: per-client server copies averaged, client models kept"
+    clients_keep_models = True
+    aggregates_clients = False
+
+    def run_round(self, rt, rnd, clients, rng):
+        rt.server("fork", clients)
+        self.split_steps(rt, clients, server_key="per_client")
+        rt.server("merge", rt.weights(clients, self.agg.weights))
+        return None
+
+
+@register
+class SFLV1(PSL):
+    """SplitFed V1 (Thapa et al.): PSL plus FedAvg of the sampled clients' models each round."""
+
+    name = "sflv1"
+    description = "SplitFed V1: per-client server copies averaged + FedAvg of client models"
+    clients_keep_models = False
+    aggregates_clients = True
+
+    def run_round(self, rt, rnd, clients, rng):
+        super().run_round(rt, rnd, clients, rng)
+        return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+
+
+@register
+class SFLV2(Algorithm):
+    """SplitFed V2: one server model; the sampled clients are served one after another in the configured order
+    (``random``: a new permutation each round; ``fixed``: by client id), then client models are FedAvg'd."""
+
+    name = "sflv2"
+    description = "SplitFed V2: one server model, sequential clients, FedAvg of client models"
+    Params = SequentialParams
+
+    def run_round(self, rt, rnd, clients, rng):
+        self.split_steps(rt, ordered(clients, self.p.order, rng))
+        return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+
+
+@register
+class FedAvg(Algorithm):
+    """FedAvg (McMahan et al.): the whole model on the clients, ``local_steps`` local SGD batches each, then the
+    weighted average. The FL baseline; no server model."""
+
+    name = "fedavg"
+    description = "federated averaging, whole model on clients"
+    full_model_on_client = True
+
+    def run_round(self, rt, rnd, clients, rng):
+        for c in clients:
+            rt.client(c, "local_train", c, self.local_steps)
+        return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)

@@ -1,0 +1,81 @@
+"""Command line: ``raysplit run``, ``raysplit list``, ``raysplit compare``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_run(args) -> int:
+    from raysplit.config import load_config
+    from raysplit.experiment import run_experiment
+
+    if args.resume:
+        from raysplit.config import ExperimentConfig
+
+        cfg = load_config(args.config, args.overrides) if args.config else ExperimentConfig()
+        final = run_experiment(cfg, resume_run_id=args.resume)
+    else:
+        if not args.config:
+            print("raysplit run: give a CONFIG file (or --resume RUN_ID)", file=sys.stderr)
+            return 2
+        final = run_experiment(load_config(args.config, args.overrides))
+    keys = ("accuracy", "f1_macro", "mcc", "loss", "sim_time", "wall_time")
+    print("run", final["run_id"], " ".join(f"{k}={final[k]:.4f}" for k in keys if k in final))
+    return 0
+
+
+def _cmd_list(args) -> int:
+    from raysplit.algorithms import ALGORITHMS
+    from raysplit.data import DATASETS, PARTITIONERS
+    from raysplit.models import MODELS
+
+    print("algorithms:")
+    for n, a in sorted(ALGORITHMS.items()):
+        print(f"  {n:<14} {a.description}")
+    print("models:")
+    for n, m in sorted(MODELS.items()):
+        print(f"  {n:<20} input {tuple(m.default_input_shape)}, default cut {m.default_cut!r}")
+    print("datasets:")
+    for n in sorted(DATASETS):
+        print(f"  {n}")
+    print("partitioners:")
+    for n in sorted(PARTITIONERS):
+        print(f"  {n}")
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from raysplit.compare import compare_runs
+
+    print(compare_runs(args.experiment, uri=args.tracking_uri, metric=args.metric, plot=args.plot))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="raysplit", description="split learning on Ray")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run an experiment from a YAML config")
+    r.add_argument("config", nargs="?", help="YAML config file")
+    r.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.rounds=5")
+    r.add_argument("--resume", metavar="RUN_ID", help="continue an MLflow run from its last checkpoint")
+    r.set_defaults(fn=_cmd_run)
+    sub.add_parser("list", help="algorithms, models, datasets, partitioners").set_defaults(fn=_cmd_list)
+    c = sub.add_parser("compare", help="table of an MLflow experiment's runs and their final metrics")
+    c.add_argument("experiment")
+    c.add_argument("--metric", default="accuracy")
+    c.add_argument("--plot", default=None, help="write an overlay plot of the per-round metric to this PNG")
+    c.add_argument("--tracking-uri", default=None)
+    c.set_defaults(fn=_cmd_compare)
+    args = p.parse_args(argv)
+    from raysplit.config import ConfigError
+
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"raysplit: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

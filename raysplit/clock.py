@@ -1,0 +1,77 @@
+"""Virtual clock building blocks: client speed/bandwidth profiles and a cached FLOP counter.
+
+Simulated time is charged as FLOPs / FLOP/s for compute and bytes / (bytes/s) for transfers, so results do not
+depend on the machine that runs the simulation. FLOPs come from ``torch.utils.flop_counter.FlopCounterMode``
+(which counts matmuls and convolutions), measured once per (model part, input shape) and cached.
+
+Profiles (``clock.profile``):
+- ``homogeneous``: every client has ``client_flops`` and ``up/down_bandwidth``.
+- ``uniform``: FLOP/s ~ U(client_flops_range), bandwidths ~ U(up_range), U(down_range).
+- ``gas_cell``: GAS's model (seed-code.md §1.6): FLOP/s ~ U(1e9, 1e10); distance d ~ U(0.1, 1) km; path loss
+  128.1 + 37.6 log10(d) dB; rate W log2(1 + P h / (W N0)) bit/s with W = 10 MHz, P = 0.2 W, N0 = -174 dBm/Hz.
+  GAS models the uplink only; we use the same rate for the downlink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@dataclass(frozen=True)
+class ClientProfile:
+    flops: float  # FLOP/s
+    up: float  # bytes/s
+    down: float  # bytes/s
+
+
+def gas_cell_rate(distance_km: np.ndarray, bandwidth_hz=1e7, power_w=0.2, n0_w_per_hz=3.981e-21) -> np.ndarray:
+    """Uplink rate in bit/s for GAS's cell model."""
+    path_loss_db = 128.1 + 37.6 * np.log10(distance_km)
+    h = 10.0 ** (-path_loss_db / 10.0)
+    return bandwidth_hz * np.log2(1.0 + power_w * h / (bandwidth_hz * n0_w_per_hz))
+
+
+def draw_profiles(clock_cfg, num_clients: int, rng: np.random.Generator) -> list[ClientProfile]:
+    """Per-client profiles drawn deterministically from ``rng`` (a ClockConfig-like object)."""
+    n = num_clients
+    if clock_cfg.profile == "homogeneous":
+        f = np.full(n, clock_cfg.client_flops)
+        up = np.full(n, clock_cfg.up_bandwidth)
+        down = np.full(n, clock_cfg.down_bandwidth)
+    elif clock_cfg.profile == "uniform":
+        f = rng.uniform(*clock_cfg.client_flops_range, size=n)
+        up = rng.uniform(*clock_cfg.up_range, size=n)
+        down = rng.uniform(*clock_cfg.down_range, size=n)
+    elif clock_cfg.profile == "gas_cell":
+        f = rng.uniform(1e9, 1e10, size=n)
+        rate_bytes = gas_cell_rate(rng.uniform(0.1, 1.0, size=n)) / 8.0
+        up = down = rate_bytes
+    else:  # pragma: no cover - the config schema forbids it
+        raise ValueError(f"unknown clock.profile {clock_cfg.profile!r}")
+    return [ClientProfile(float(a), float(b), float(c)) for a, b, c in zip(f, up, down)]
+
+
+class FlopCache:
+    """FLOPs of forward and backward passes, measured once per key (part name + input shape) and cached."""
+
+    def __init__(self):
+        self._cache: dict[tuple, int] = {}
+
+    def run(self, key: tuple, fn):
+        """Run ``fn()``; on the first call for ``key`` count its FLOPs. Returns (result, flops)."""
+        if key in self._cache:
+            return fn(), self._cache[key]
+        with FlopCounterMode(display=False) as counter:
+            out = fn()
+        self._cache[key] = int(counter.get_total_flops())
+        return out, self._cache[key]
+
+
+def nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.element_size() * t.nelement()
+    return int(np.asarray(t).nbytes)

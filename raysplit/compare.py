@@ -1,0 +1,69 @@
+"""Compare the runs of an MLflow experiment: a table of final metrics and an optional overlay plot."""
+
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+
+from raysplit.tracking import resolve_uri
+
+COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"), ("cut", "params.resolved.cut_name"),
+           ("dataset", "params.data.dataset"), ("seed", "params.seed")]
+
+
+def runs_table(experiment: str, uri: str | None = None, metric: str = "accuracy") -> list[dict]:
+    client = MlflowClient(resolve_uri(uri))
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = [e.name for e in client.search_experiments()]
+        raise ValueError(f"no MLflow experiment {experiment!r} at {resolve_uri(uri)}; experiments: {names}")
+    rows = []
+    for run in client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]):
+        p, m = run.data.params, run.data.metrics
+        hist = client.get_metric_history(run.info.run_id, metric) if metric in m else []
+        row = {"run_id": run.info.run_id[:8], "name": run.info.run_name, "status": run.info.status}
+        for col, key in COLUMNS:
+            row[col] = p.get(key.split(".", 1)[1], "")
+        row[f"final_{metric}"] = m.get(metric)
+        row[f"best_{metric}"] = max((h.value for h in hist), default=None)
+        row["rounds"] = (max(h.step for h in hist) + 1) if hist else None
+        row["sim_time"] = m.get("sim_time")
+        row["bytes_up"] = m.get("bytes_up")
+        row["_history"] = [(h.step, h.value) for h in sorted(hist, key=lambda h: h.step)]
+        rows.append(row)
+    return rows
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def compare_runs(experiment: str, uri: str | None = None, metric: str = "accuracy", plot: str | None = None) -> str:
+    rows = runs_table(experiment, uri, metric)
+    if not rows:
+        return f"experiment {experiment!r} has no runs"
+    cols = [c for c in rows[0] if not c.startswith("_")]
+    table = [[_fmt(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)) for t in table]
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in rows:
+            if r["_history"]:
+                xs, ys = zip(*r["_history"])
+                ax.plot(xs, ys, label=f"{r['algorithm']} {r['name']} ({r['run_id']})")
+        ax.set_xlabel("round"), ax.set_ylabel(metric), ax.legend(fontsize=7), ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        plt.close(fig)
+        lines.append(f"plot written to {plot}")
+    return "\n".join(lines)

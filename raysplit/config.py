@@ -1,0 +1,269 @@
+"""Experiment configuration: YAML validated into typed pydantic models.
+
+Every section forbids unknown keys, so a typo is one error naming the dotted key and what is allowed. Dotted
+``key=value`` overrides (CLI, sweeps) go through :func:`apply_overrides` before validation, so they are checked
+exactly like the file. Algorithm-specific parameters are validated by the parameter model the algorithm registers
+(``raysplit.algorithms``), after the generic schema.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key at fault and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PartitionConfig(_Strict):
+    name: str = "dirichlet"
+    alpha: float | None = Field(default=0.5, gt=0)
+    min_size: int = Field(default=10, ge=1)
+    per_client: int = Field(default=2, ge=1)
+    ratio: float = Field(default=0.8, gt=0, le=1)
+
+    def params(self) -> dict[str, Any]:
+        """Only the parameters the chosen partitioner takes."""
+        return {
+            "iid": {},
+            "dirichlet": {"alpha": self.alpha, "min_size": self.min_size},
+            "shards": {"per_client": self.per_client},
+            "dominant_label": {"ratio": self.ratio},
+            "natural": {},
+        }.get(self.name, {})
+
+
+class DataConfig(_Strict):
+    dataset: str = "fashion_mnist"
+    root: str | None = None
+    num_clients: int = Field(default=20, ge=1)
+    partition: PartitionConfig = PartitionConfig()
+    test_fraction: float = Field(default=0.1, ge=0, lt=1, description="per-client sample-wise test split")
+    max_train_samples: int | None = Field(default=None, ge=1, description="subsample the train set (quick runs)")
+    max_test_samples: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict, description="extra loader kwargs (e.g. label: coarse)")
+
+
+class ModelConfig(_Strict):
+    name: str = "cnn_small"
+    cut: int | str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    nesterov: bool = False
+
+
+class ParticipationConfig(_Strict):
+    fraction: float | None = Field(default=1.0, gt=0, le=1)
+    count: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.count is not None and self.fraction not in (None, 1.0):
+            raise ValueError("give participation.fraction or participation.count, not both")
+        return self
+
+
+class AggregationConfig(_Strict):
+    weights: Literal["samples", "uniform"] = "samples"
+    write_to: Literal["all", "sampled"] = "all"
+
+
+class TrainConfig(_Strict):
+    rounds: int = Field(default=50, ge=1)
+    batch_size: int = Field(default=32, ge=1)
+    local_steps: int = Field(default=1, ge=1, description="batches per sampled client per round")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    server_optimizer: OptimizerConfig | None = None
+    participation: ParticipationConfig = ParticipationConfig()
+    aggregation: AggregationConfig = AggregationConfig()
+    stop_on_nonfinite: bool = True
+
+
+class EvalConfig(_Strict):
+    every: int = Field(default=1, ge=1)
+    mode: Literal["auto", "global", "clients"] = "auto"
+    batch_size: int = Field(default=1000, ge=1)
+    target_accuracy: float | None = Field(default=None, gt=0, le=1)
+
+
+class ActorResources(_Strict):
+    num_cpus: float = Field(default=0.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    memory: int | None = Field(default=None, ge=0, description="bytes")
+
+
+class RuntimeConfig(_Strict):
+    backend: Literal["ray", "local"] = "ray"
+    address: str | None = Field(default=None, description="None: start a local Ray; 'auto': join a running cluster")
+    num_workers: int = Field(default=2, ge=1, description="client actors hosting the virtual clients")
+    num_cpus: int | None = Field(default=None, ge=1, description="logical CPUs for a local Ray")
+    object_store_memory: int | None = Field(default=512 * 1024**2, ge=78643200)
+    server: ActorResources = ActorResources(num_cpus=1.0)
+    client: ActorResources = ActorResources(num_cpus=0.5)
+    torch_threads: int | None = Field(default=1, ge=1, description="torch threads per actor (oversubscription)")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    spread_clients: bool = Field(default=False, description="SPREAD client actors over nodes")
+
+
+class ClockConfig(_Strict):
+    profile: Literal["homogeneous", "uniform", "gas_cell"] = "homogeneous"
+    client_flops: float = Field(default=1e10, gt=0, description="FLOP/s (homogeneous)")
+    client_flops_range: tuple[float, float] = (1e9, 1e10)
+    up_bandwidth: float = Field(default=1e7, gt=0, description="bytes/s (homogeneous)")
+    down_bandwidth: float = Field(default=1e7, gt=0)
+    up_range: tuple[float, float] = (1e6, 1e7)
+    down_range: tuple[float, float] = (1e6, 1e7)
+    server_flops: float = Field(default=1e12, gt=0)
+
+
+class TrackingConfig(_Strict):
+    uri: str | None = Field(default=None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    experiment: str = "raysplit"
+    run_name: str | None = None
+    checkpoint_every: int = Field(default=0, ge=0, description="rounds; 0 = only at the end")
+    output_dir: str = "outputs"
+    progress: bool = True
+    log_checkpoint_artifact: bool = True
+
+
+class ExperimentConfig(_Strict):
+    name: str = "experiment"
+    seed: int = 0
+    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "sflv2"})
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    clock: ClockConfig = ClockConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @field_validator("algorithm")
+    @classmethod
+    def _has_name(cls, v):
+        if "name" not in v:
+            raise ValueError("algorithm.name is required")
+        return v
+
+    @property
+    def algorithm_name(self) -> str:
+        return str(self.algorithm["name"])
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value with YAML rules (numbers, bools, null, lists); ``1e-3`` is a float too."""
+    if text == "":
+        return ""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
+    """Apply dotted overrides (``train.rounds=3`` or ``{"train.rounds": 3}``) to a raw config dict."""
+    out = copy.deepcopy(raw)
+    items = overrides.items() if isinstance(overrides, dict) else []
+    if not isinstance(overrides, dict):
+        parsed = []
+        for ov in overrides:
+            if "=" not in ov:
+                raise ConfigError(f"override {ov!r} is not of the form key=value")
+            k, v = ov.split("=", 1)
+            parsed.append((k.strip(), _parse_scalar(v)))
+        items = parsed
+    for key, value in items:
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key!r}: {p!r} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def _format_error(err: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = model
+            for p in e["loc"][:-1]:
+                field = parent.model_fields.get(str(p)) if isinstance(parent, type) else None
+                ann = field.annotation if field else None
+                parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+                if parent is None:
+                    break
+            allowed = sorted(parent.model_fields) if parent is not None else []
+            lines.append(f"unknown key '{key}'" + (f"; allowed here: {', '.join(allowed)}" if allowed else ""))
+        else:
+            lines.append(f"bad value for '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "invalid config: " + "; ".join(lines)
+
+
+def validate(raw: dict) -> ExperimentConfig:
+    """Validate a raw dict into an ExperimentConfig, including the algorithm's own parameters."""
+    try:
+        cfg = ExperimentConfig.model_validate(raw or {})
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, ExperimentConfig)) from None
+    from raysplit.algorithms import algorithm_params  # late import: algorithms register themselves
+
+    algorithm_params(cfg.algorithm)  # raises ConfigError naming algorithm.<key>
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> ExperimentConfig:
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    return validate(raw)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts to dotted keys (MLflow params, sweep spaces)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def dump(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

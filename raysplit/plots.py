@@ -1,0 +1,36 @@
+"""Plots saved as run artifacts (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def plot_curves(history: dict[str, list[tuple[int, float]]], path: str, title: str = "") -> None:
+    keys = [k for k in ("accuracy", "loss", "train_loss", "f1_macro") if history.get(k)]
+    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 3.2))
+    axes = np.atleast_1d(axes)
+    for ax, k in zip(axes, keys):
+        xs, ys = zip(*history[k])
+        ax.plot(xs, ys)
+        ax.set_xlabel("round"), ax.set_title(k), ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_label_heatmap(rounds: list[int], label_acc: np.ndarray, path: str, title: str = "") -> None:
+    """Per-label accuracy (labels x evaluations)."""
+    a = np.asarray(label_acc, dtype=float)
+    fig, ax = plt.subplots(figsize=(min(14, 3 + 0.15 * len(rounds)), min(10, 1.5 + 0.3 * a.shape[1])))
+    im = ax.imshow(a.T, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
+                   extent=(rounds[0] - 0.5, rounds[-1] + 0.5, -0.5, a.shape[1] - 0.5))
+    ax.set_xlabel("round"), ax.set_ylabel("label"), ax.set_title(title or "per-label test accuracy")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,21 @@
+"""Runtime layer: hosts (what runs in actors), the algorithm-facing API, and the backends.
+
+Only ``raysplit.runtime.ray_backend`` imports Ray; it is loaded when a Ray backend is requested.
+"""
+
+from raysplit.runtime.api import LocalBackend, RoundStats, Runtime, RuntimeInputs
+from raysplit.runtime.hosts import ClientHost, HostSpec, NonFiniteLossError, ServerHost
+from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+
+
+def make_backend(rcfg):
+    """Backend for a RuntimeConfig: ``ray`` (actors) or ``local`` (in-process)."""
+    if rcfg.backend == "local":
+        return LocalBackend(rcfg.num_workers)
+    from raysplit.runtime.ray_backend import RayBackend
+
+    return RayBackend(rcfg)
+
+
+__all__ = ["Activation", "ClientHost", "Gradient", "HostSpec", "LocalBackend", "NonFiniteLossError", "RoundStats",
+           "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag", "make_backend"]

@@ -1,0 +1,50 @@
+"""Messages exchanged between client hosts and the server host. Pairing is by ``Tag``, never by arrival order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, order=True)
+class Tag:
+    client: int
+    round: int
+    step: int
+    stream: str = "main"  # e.g. "student"/"teacher" for two feature streams per client
+
+
+@dataclass
+class Activation:
+    tag: Tag
+    x: np.ndarray  # smashed data (transport.pack)
+    y: np.ndarray  # labels (int64)
+    t_sent: float  # simulated time at which the activation has reached the server
+    weight: float = 1.0  # client's sample count (aggregation / loss weighting)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.x.nbytes + self.y.nbytes)
+
+
+@dataclass
+class Gradient:
+    tag: Tag
+    g: np.ndarray | None  # dL/d(activation); None when the server sends nothing back
+    t_sent: float  # simulated time at which the server finished and sent it
+    loss: float = float("nan")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.g.nbytes) if self.g is not None else 0
+
+
+@dataclass
+class StateMsg:
+    """A model state moving between hosts (aggregation, hand-over); ``t_sent`` is when it left its sender."""
+
+    state: dict
+    t_sent: float = 0.0
+    weight: float = 0.0

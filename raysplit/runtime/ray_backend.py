@@ -1,0 +1,145 @@
+"""Ray backend: the server host and the client hosts run in Ray actors; handles are ObjectRefs.
+
+This module (with ``raysplit.runtime.cluster``) is the only code that imports Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from raysplit.runtime.api import RuntimeInputs, host_inputs
+
+
+class ResourceError(RuntimeError):
+    """The requested actors cannot be placed on this cluster (Ray would wait forever)."""
+
+
+class ActorFailure(RuntimeError):
+    """An actor died (node lost, OOM, crash) during a run."""
+
+
+@ray.remote
+class HostActor:
+    """A thin actor around a host object (``ClientHost`` / ``ServerHost`` or an algorithm's subclass)."""
+
+    def __init__(self, host_cls, *args):
+        self.host = host_cls(*args)
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.host, method)(*args, **kwargs)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def init_ray(rcfg) -> bool:
+    """Connect to (``address`` set) or start a local Ray. Returns True if this call started/connected Ray."""
+    if ray.is_initialized():
+        return False
+    if rcfg.address:
+        ray.init(address=rcfg.address, log_to_driver=True)
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local single-user cluster (stack.md §6)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    need = rcfg.server.num_cpus + rcfg.num_workers * rcfg.client.num_cpus
+    num_cpus = rcfg.num_cpus or max(os.cpu_count() or 1, math.ceil(need))
+    ray.init(num_cpus=num_cpus, object_store_memory=rcfg.object_store_memory, include_dashboard=False,
+             resources=None, log_to_driver=True)
+    return True
+
+
+def _bundle(res) -> dict[str, float]:
+    b = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
+    if res.memory:
+        b["memory"] = float(res.memory)
+    return {k: float(v) for k, v in b.items() if v}
+
+
+def check_resources(rcfg) -> None:
+    """Fail at once, naming what is missing, if the server and client actors cannot fit this cluster."""
+    total = ray.cluster_resources()
+    server, client = _bundle(rcfg.server), _bundle(rcfg.client)
+    need: dict[str, float] = defaultdict(float)
+    for k, v in server.items():
+        need[k] += v
+    for k, v in client.items():
+        need[k] += v * rcfg.num_workers
+    problems = [f"{k}: need {v:g} (server {server.get(k, 0):g} + {rcfg.num_workers} client actors x "
+                f"{client.get(k, 0):g}), cluster has {total.get(k, 0):g}"
+                for k, v in need.items() if v > total.get(k, 0) + 1e-9]
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if server and not any(all(n.get(k, 0) >= v for k, v in server.items()) for n in nodes):
+        problems.append(f"no single node offers the server actor's resources {server} "
+                        f"(runtime.server); nodes offer {[{k: v for k, v in n.items() if not k.startswith('node:')} for n in nodes]}")
+    if client and not any(all(n.get(k, 0) >= v for k, v in client.items()) for n in nodes):
+        problems.append(f"no node offers a client actor's resources {client} (runtime.client)")
+    if problems:
+        raise ResourceError("the requested actors do not fit this Ray cluster: " + "; ".join(problems))
+
+
+class RayBackend:
+    def __init__(self, rcfg, get_timeout: float | None = 3600.0):
+        self.rcfg = rcfg
+        self.get_timeout = get_timeout
+        self.workers: list = []
+        self.server = None
+        self.started_ray = False
+
+    def start(self, inputs: RuntimeInputs) -> None:
+        self.started_ray = init_ray(self.rcfg)
+        check_resources(self.rcfg)
+        r = self.rcfg
+        train_ref = ray.put(inputs.train_data)  # the dataset goes into the object store once, shared
+        test_ref = ray.put(inputs.test_data)
+        client_init = ray.put(inputs.client_init)
+        self.server = HostActor.options(
+            num_cpus=r.server.num_cpus, num_gpus=r.server.num_gpus, resources=r.server.resources or None,
+            memory=r.server.memory, name=None,
+        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref)
+        opts = dict(num_cpus=r.client.num_cpus, num_gpus=r.client.num_gpus, resources=r.client.resources or None,
+                    memory=r.client.memory)
+        if r.spread_clients:
+            opts["scheduling_strategy"] = "SPREAD"
+        self.workers = [
+            HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init)
+            for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
+        ]
+        # Constructors raise here (bad data, model errors) rather than at the first round.
+        self.get([a.node_id.remote() for a in [self.server, *self.workers]])
+
+    def call(self, actor, method, *args, **kwargs):
+        return actor.call.remote(method, *args, **kwargs)
+
+    def put(self, value):
+        return ray.put(value)
+
+    def get(self, handles, timeout: float | None = None):
+        try:
+            return ray.get(handles, timeout=timeout or self.get_timeout)
+        except RayTaskError as e:  # re-raise the host's own exception (NonFiniteLossError, KeyError, ...)
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise cause from None
+        except RayActorError as e:
+            raise ActorFailure(f"an actor of this run died ({type(e).__name__}): {e}") from None
+        except GetTimeoutError:
+            raise TimeoutError(f"no result from the actors within {timeout or self.get_timeout} s") from None
+
+    def node_ids(self) -> dict[str, list[str]]:
+        return {"server": self.get([self.server.node_id.remote()]),
+                "workers": self.get([w.node_id.remote() for w in self.workers])}
+
+    def shutdown(self) -> None:
+        for a in [self.server, *self.workers]:
+            if a is not None:
+                try:
+                    ray.kill(a)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+        self.workers, self.server = [], None
+        if self.started_ray and not self.rcfg.address:
+            ray.shutdown()

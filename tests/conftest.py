@@ -1,0 +1,46 @@
+"""Shared fixtures: one Ray instance per test session (stack.md §9), one MLflow sqlite store per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+GET_TIMEOUT = 120  # seconds; every ray.get in tests has one
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, object_store_memory=512 * 1024**2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def make_config(tmp_path, mlflow_uri, **overrides):
+    """A small digits experiment (fast on 2 cores) with dotted-key overrides."""
+    from raysplit.config import load_config
+
+    base = {
+        "name": "test", "seed": 0,
+        "algorithm.name": "sflv2",
+        "data.dataset": "digits", "data.num_clients": 4, "data.partition.name": "iid", "data.test_fraction": 0.2,
+        "model.name": "cnn_small", "model.cut": "conv1",
+        "train.rounds": 2, "train.batch_size": 16, "train.local_steps": 4,
+        "train.optimizer.lr": 0.1,
+        "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
+        "tracking.uri": mlflow_uri, "tracking.experiment": "tests", "tracking.progress": False,
+        "tracking.output_dir": str(tmp_path / "outputs"),
+    }
+    base.update(overrides)
+    return load_config(None, base)

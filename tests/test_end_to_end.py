@@ -1,0 +1,131 @@
+"""Every algorithm end to end through Ray actors and MLflow; resume; failure handling."""
+
+from __future__ import annotations
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import make_config
+from raysplit.algorithms import ALGORITHMS
+from raysplit.config import ConfigError
+from raysplit.experiment import run_experiment
+
+BASELINES = ["splitnn", "psl", "sflv1", "sflv2", "fedavg"]
+
+
+def test_baselines_registered():
+    assert set(BASELINES) <= set(ALGORITHMS)
+
+
+@pytest.mark.parametrize("algorithm", BASELINES)
+def test_algorithm_two_rounds_through_ray_logs_mlflow(ray_session, tmp_path, mlflow_uri, algorithm):
+    cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.name": algorithm, "tracking.experiment": "e2e",
+                                               "train.local_steps": 10})
+    final = run_experiment(cfg)
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(final["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["algorithm.name"] == algorithm
+    hist = client.get_metric_history(final["run_id"], "accuracy")
+    assert [h.step for h in hist] == [0, 1]
+    # trained something on 10-class digits: well above chance (0.1) after 2 rounds of 4 clients x 10 steps
+    assert hist[-1].value > 0.25
+    for key in ("train_loss", "sim_time", "bytes_up", "bytes_down", "client_flops", "f1_macro", "mcc",
+                "performance_gap", "backward_transfer"):
+        assert key in run.data.metrics, key
+    assert run.data.metrics["bytes_up"] > 0 and run.data.metrics["client_flops"] > 0
+    if algorithm != "fedavg":
+        assert run.data.metrics["server_flops"] > 0 and run.data.metrics["grad_norm_mean"] > 0
+    arts = {a.path for a in client.list_artifacts(final["run_id"])}
+    assert {"config.yaml", "partition.png", "curves.png", "label_accuracy.png", "checkpoint.pt"} <= arts
+
+
+def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
+    over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "train.optimizer.name": "adam",
+            "train.optimizer.lr": 0.003, "tracking.experiment": "resume"}
+    full = run_experiment(make_config(tmp_path / "a", mlflow_uri, **over))
+    # the same run stopped after 2 rounds (as if interrupted), then resumed from its checkpoint
+    part = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{**over, "train.rounds": 2}))
+    import torch
+
+    client = MlflowClient(mlflow_uri)
+    ckpt = client.get_run(part["run_id"]).data.tags["raysplit.checkpoint"]
+    state = torch.load(ckpt, weights_only=False)
+    state["config"] = state["config"].replace("rounds: 2", "rounds: 4")
+    torch.save(state, ckpt)
+    resumed = run_experiment(make_config(tmp_path / "b", mlflow_uri, **over), resume_run_id=part["run_id"])
+    assert resumed["run_id"] == part["run_id"]
+    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time"):
+        assert resumed[k] == pytest.approx(full[k], rel=1e-6), k
+    steps = [h.step for h in client.get_metric_history(part["run_id"], "accuracy")]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_nonfinite_loss_stops_naming_round_and_client_and_marks_failed(ray_session, tmp_path, mlflow_uri):
+    cfg = make_config(tmp_path, mlflow_uri, **{"train.optimizer.lr": 1e6, "train.rounds": 30,
+                                               "tracking.experiment": "nan"})
+    from raysplit.runtime import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match=r"round \d+, client \d+"):
+        run_experiment(cfg)
+    runs = MlflowClient(mlflow_uri).search_runs(
+        [mlflow.get_experiment_by_name("nan").experiment_id])
+    assert runs[0].info.status == "FAILED"
+    assert "NonFiniteLossError" in runs[0].data.tags["raysplit.error"]
+
+
+def test_config_and_data_errors_fail_before_any_actor(tmp_path, mlflow_uri, monkeypatch):
+    import raysplit.runtime.api as api
+
+    def no_actors(*a, **k):
+        raise AssertionError("runtime started despite a bad config")
+
+    monkeypatch.setattr(api.Runtime, "__init__", no_actors)
+    with pytest.raises(ConfigError, match="model.cut.*conv1"):
+        run_experiment(make_config(tmp_path, mlflow_uri, **{"model.cut": "conv9"}))
+    with pytest.raises(ConfigError, match="unknown model.name"):
+        run_experiment(make_config(tmp_path, mlflow_uri, **{"model.name": "nope"}))
+    from raysplit.data import DatasetNotFoundError
+
+    with pytest.raises(DatasetNotFoundError, match=str(tmp_path)):
+        run_experiment(make_config(tmp_path, mlflow_uri, **{"data.dataset": "cifar10", "data.root": str(tmp_path)}))
+    with pytest.raises(ConfigError, match="eval.mode=global"):
+        run_experiment(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", "eval.mode": "global"}))
+
+
+def test_missing_resources_fail_at_once_naming_them(ray_session, tmp_path, mlflow_uri):
+    from raysplit.runtime.ray_backend import ResourceError
+
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.server.num_gpus": 1, "runtime.server.resources":
+                                               {"server": 1}, "tracking.experiment": "res"})
+    with pytest.raises(ResourceError) as e:
+        run_experiment(cfg)
+    assert "GPU" in str(e.value) and "server" in str(e.value)
+
+
+def test_same_seed_same_metrics(ray_session, tmp_path, mlflow_uri):
+    a = run_experiment(make_config(tmp_path / "a", mlflow_uri, **{"algorithm.name": "sflv1"}))
+    b = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{"algorithm.name": "sflv1"}))
+    for k in ("accuracy", "loss", "train_loss", "sim_time", "bytes_up"):
+        assert a[k] == b[k], k
+    c = run_experiment(make_config(tmp_path / "c", mlflow_uri, **{"algorithm.name": "sflv1", "seed": 1}))
+    assert c["loss"] != a["loss"]
+
+
+def test_sampling_stream_identical_across_algorithms():
+    from raysplit.experiment import sample_stream
+
+    s = sample_stream(3, 100, 5, 10)
+    assert s.shape == (10, 5) and all(len(set(r)) == 5 for r in s)
+    assert np.array_equal(s, sample_stream(3, 100, 5, 10))
+    assert not np.array_equal(s, sample_stream(4, 100, 5, 10))
+
+
+def test_sflv1_with_plain_sgd_equals_fedavg(tmp_path, mlflow_uri):
+    """Averaged per-client server copies + FedAvg of client parts is FedAvg of the whole model."""
+    over = {"runtime.backend": "local", "train.rounds": 3, "tracking.experiment": "equiv"}
+    a = run_experiment(make_config(tmp_path / "a", mlflow_uri, **{**over, "algorithm.name": "sflv1"}))
+    b = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{**over, "algorithm.name": "fedavg"}))
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]

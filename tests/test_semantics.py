@@ -1,0 +1,171 @@
+"""Semantic checks of the runtime and the baseline algorithms (not smoke tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import GET_TIMEOUT, make_config
+from raysplit.data import to_tensor
+from raysplit.experiment import prepare
+from raysplit.models import build_model
+from raysplit.runtime import Runtime, make_backend, transport
+
+
+def run_rounds(cfg, rounds=None):
+    """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
+    p = prepare(cfg)
+    rt = Runtime(make_backend(cfg.runtime), p.inputs)
+    try:
+        handle, stats = None, []
+        t = 0.0
+        for r in range(rounds or cfg.train.rounds):
+            clients = [int(c) for c in p.sample_stream[r]]
+            rt.begin_round(r, clients, t)
+            h = p.algorithm.run_round(rt, r, clients, np.random.default_rng([cfg.seed, r, 3]))
+            handle = h if h is not None else handle
+            st = rt.end_round()
+            t = st.t_end
+            stats.append(st)
+        client = transport.unpack_state(rt.get(handle, timeout=GET_TIMEOUT).state) if handle is not None else None
+        server = transport.unpack_state(rt.get(rt.server("get_state"), timeout=GET_TIMEOUT).state)
+        return client, server, p, stats
+    finally:
+        rt.shutdown()
+
+
+def centralized_reference(cfg, p, rounds):
+    """Plain SGD on the full model over the exact batches the one client draws (seeded permutation per epoch)."""
+    torch.manual_seed(cfg.seed)
+    spec = p.inputs.spec
+    model = build_model(cfg.model.name, spec.num_classes, spec.input_shape)
+    o = cfg.train.optimizer
+    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum)
+    idx = p.inputs.train_idx[0]
+    x_all, y_all = p.inputs.train_data["x"], p.inputs.train_data["y"]
+    epoch, pos = 0, 0
+    perm = np.random.default_rng([cfg.seed, 0, 0]).permutation(idx)
+    for _ in range(rounds * cfg.train.local_steps):
+        if pos >= len(idx):
+            epoch, pos = epoch + 1, 0
+            perm = np.random.default_rng([cfg.seed, 0, epoch]).permutation(idx)
+        b = perm[pos:pos + cfg.train.batch_size]
+        pos += len(b)
+        opt.zero_grad()
+        F.cross_entropy(model(to_tensor(x_all[b], spec.data_spec)), torch.as_tensor(y_all[b])).backward()
+        opt.step()
+    return model
+
+
+def one_client_cfg(tmp_path, mlflow_uri, algorithm, backend="ray"):
+    return make_config(tmp_path, mlflow_uri, **{
+        "algorithm.name": algorithm, "data.num_clients": 1, "data.test_fraction": 0.0,
+        "data.max_train_samples": 200, "train.local_steps": 5, "train.batch_size": 32, "train.rounds": 3,
+        "train.optimizer.momentum": 0.9, "runtime.backend": backend, "runtime.num_workers": 1})
+
+
+def test_sflv2_one_client_equals_centralized_sgd(ray_session, tmp_path, mlflow_uri):
+    cfg = one_client_cfg(tmp_path, mlflow_uri, "sflv2")
+    rounds = 3  # 15 steps over 160 train samples: crosses an epoch boundary (5 batches per epoch)
+    client, server, p, _ = run_rounds(cfg, rounds)
+    ref = centralized_reference(cfg, p, rounds)
+    full = ref.state_dict()
+    cut = p.cut
+    got = {}
+    for k, v in client.items():
+        i, rest = k.split(".", 1)
+        got[f"blocks.{int(i)}.{rest}"] = v
+    for k, v in server.items():
+        i, rest = k.split(".", 1)
+        got[f"blocks.{int(i)}.{rest}"] = v
+    assert set(got) == set(full)
+    for k in full:
+        torch.testing.assert_close(got[k], full[k], rtol=1e-5, atol=1e-6, msg=k)
+    # and it really trained: weights moved away from the initial ones
+    torch.manual_seed(cfg.seed)
+    init = build_model(cfg.model.name, p.num_classes, p.inputs.spec.input_shape).state_dict()
+    assert any(not torch.allclose(init[k], full[k]) for k in full)
+    assert cut == 1
+
+
+def test_sflv1_one_client_equals_sflv2_one_client(ray_session, tmp_path, mlflow_uri):
+    c1, s1, _, _ = run_rounds(one_client_cfg(tmp_path, mlflow_uri, "sflv1"), 2)
+    c2, s2, _, _ = run_rounds(one_client_cfg(tmp_path, mlflow_uri, "sflv2", backend="local"), 2)
+    for a, b in ((c1, c2), (s1, s2)):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ray_and_local_backends_agree(ray_session, tmp_path, mlflow_uri):
+    cfg_r = make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl"})
+    cfg_l = make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", "runtime.backend": "local"})
+    _, s_r, _, st_r = run_rounds(cfg_r)  # psl keeps no global client model: compare server and clock
+    _, s_l, _, st_l = run_rounds(cfg_l)
+    for k in s_r:
+        torch.testing.assert_close(s_r[k], s_l[k])
+    assert [s.t_end for s in st_r] == pytest.approx([s.t_end for s in st_l])
+
+
+def _flops(fn):
+    with FlopCounterMode(display=False) as fc:
+        out = fn()
+    return out, fc.get_total_flops()
+
+
+def test_virtual_clock_matches_hand_computation(tmp_path, mlflow_uri):
+    """SFLV2, two clients served in fixed order, one step each, homogeneous profile, then FedAvg."""
+    f_c, f_s, up, down = 2e9, 5e10, 1e6, 4e6
+    cfg = make_config(tmp_path, mlflow_uri, **{
+        "algorithm": {"name": "sflv2", "order": "fixed"}, "data.num_clients": 2, "train.local_steps": 1,
+        "train.rounds": 1, "runtime.backend": "local", "clock.client_flops": f_c, "clock.server_flops": f_s,
+        "clock.up_bandwidth": up, "clock.down_bandwidth": down})
+    _, _, p, stats = run_rounds(cfg, 1)
+    st = stats[0]
+    bs = cfg.train.batch_size
+    spec = p.inputs.spec
+    torch.manual_seed(0)
+    client, server = build_model(cfg.model.name, spec.num_classes, spec.input_shape).split(p.cut)
+    x = torch.randn(bs, *spec.input_shape)
+    a, fwd = _flops(lambda: client(x))
+    a_bytes = a.numel() * 4 + bs * 8  # activation + int64 labels
+    g_bytes = a.numel() * 4
+    a_in = a.detach().requires_grad_(True)
+    _, srv = _flops(lambda: F.cross_entropy(server(a_in), torch.zeros(bs, dtype=torch.long)).backward())
+    _, bwd = _flops(lambda: a.backward(torch.ones_like(a)))
+    m_bytes = sum(v.numel() * v.element_size() for v in client.state_dict().values())
+    arrive = fwd / f_c + a_bytes / up  # both clients start at t=0 and compute in parallel
+    s1 = arrive + srv / f_s  # server serves client 0 ...
+    s2 = s1 + srv / f_s  # ... then client 1, which has been waiting
+    uploaded = [s + g_bytes / down + bwd / f_c + m_bytes / up for s in (s1, s2)]
+    end = max(uploaded) + m_bytes / down  # the aggregate exists once the last client model has arrived
+    assert st.clients[0]["t_end"] == pytest.approx(end, rel=1e-9)
+    assert st.clients[1]["t_end"] == pytest.approx(end, rel=1e-9)
+    assert st.t_end == pytest.approx(end, rel=1e-9)
+    assert st.server["t_end"] == pytest.approx(s2, rel=1e-9)
+    assert st.clients[0]["bytes_up"] == a_bytes + m_bytes
+    assert st.clients[0]["bytes_down"] == g_bytes + m_bytes
+    assert st.clients[1]["flops"] == fwd + bwd
+    assert st.server["flops"] == 2 * srv
+
+
+def test_gradient_pairs_by_tag_not_arrival(tmp_path, mlflow_uri):
+    from raysplit.runtime.hosts import ClientHost
+    from raysplit.runtime.messages import Gradient, Tag
+
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.num_workers": 1})
+    p = prepare(cfg)
+    i = p.inputs
+    host = ClientHost(i.spec, 0, i.train_data, dict(enumerate(i.train_idx)), dict(enumerate(i.test_idx)),
+                      dict(enumerate(i.profiles)), i.client_init)
+    host.begin_round(0, [0, 1], 0.0)
+    a0 = host.forward(Tag(0, 0, 0))
+    a1 = host.forward(Tag(1, 0, 0))
+    # gradients arrive in the opposite order; each must be applied to its own activation
+    host.backward(Gradient(a1.tag, np.zeros_like(a1.x), a1.t_sent))
+    host.backward(Gradient(a0.tag, np.zeros_like(a0.x), a0.t_sent))
+    assert not host.pending
+    with pytest.raises(KeyError, match="no pending activation"):
+        host.backward(Gradient(Tag(0, 0, 5), np.zeros_like(a0.x), 0.0))
