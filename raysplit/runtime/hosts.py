@@ -497,7 +497,7 @@ class ServerHost:
         bs = self.spec.eval_batch_size
         for i in range(0, len(self.test_y), bs):
             x = to_tensor(self.test_x[i:i + bs], self.spec.data_spec).to(self.device)
-            y = torch.as_tensor(np.asarray(self.test_y[i:i + bs]), dtype=torch.long, device=self.device)
+            y = torch.tensor(self.test_y[i:i + bs], dtype=torch.long, device=self.device)
             out = server(client(x))
             loss += F.cross_entropy(out, y, reduction="sum").item()
             preds.append(out.argmax(1).cpu().numpy())

@@ -1,0 +1,65 @@
+"""The user surface: `raysplit list`, `raysplit compare`, cluster.yaml against Ray's own schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+from raysplit.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_list_shows_required_names(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ["splitnn", "psl", "sflv1", "sflv2", "fedavg",
+                 "femnist_cnn", "celeba_cnn", "shakespeare_lstm", "resnet9", "alexnet_gas", "vgg16_bn_gas",
+                 "semisfl_cnn", "alexnet2", "mobilenet_v1", "mobilenet_v3_large", "resnet18", "resnet101",
+                 "cnn_small", "fashion_mnist", "digits", "cifar10", "cifar100", "svhn", "femnist", "shakespeare",
+                 "synthetic", "iid", "dirichlet", "shards", "dominant_label"]:
+        assert f"  {name}" in out, name
+
+
+def test_compare_prints_known_runs(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'c.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("cmp")
+    for alg, accs in (("sflv2", [0.5, 0.7, 0.6]), ("psl", [0.4, 0.45, 0.5])):
+        with mlflow.start_run(run_name=f"run-{alg}"):
+            mlflow.log_params({"algorithm.name": alg, "model.name": "cnn_small", "data.dataset": "digits",
+                               "seed": 0, "resolved.cut_name": "conv1"})
+            for i, a in enumerate(accs):
+                mlflow.log_metrics({"accuracy": a, "sim_time": 10.0 * (i + 1), "bytes_up": 1000.0}, step=i)
+    plot = tmp_path / "cmp.png"
+    assert main(["compare", "cmp", "--tracking-uri", uri, "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = out[0].split()
+    rows = {line.split()[1]: dict(zip(header, line.split())) for line in out[1:3]}
+    assert rows["run-sflv2"]["algorithm"] == "sflv2" and rows["run-psl"]["algorithm"] == "psl"
+    assert float(rows["run-sflv2"]["final_accuracy"]) == 0.6 and float(rows["run-sflv2"]["best_accuracy"]) == 0.7
+    assert float(rows["run-psl"]["final_accuracy"]) == 0.5 and rows["run-psl"]["rounds"] == "3"
+    assert plot.stat().st_size > 0
+
+
+def test_compare_unknown_experiment_names_it(tmp_path):
+    from raysplit.compare import compare_runs
+
+    with pytest.raises(ValueError, match="no MLflow experiment 'nope'"):
+        compare_runs("nope", uri=f"sqlite:///{tmp_path / 'e.db'}")
+
+
+def test_cluster_yaml_passes_rays_validator():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(cfg))
+    types = cfg["available_node_types"]
+    assert any("server" in t.get("resources", {}) for t in types.values())
+    assert any("client" in t.get("resources", {}) for t in types.values())
+    broken = dict(cfg, max_workers="many")
+    with pytest.raises(Exception):
+        validate_config(prepare_config(broken))
