@@ -69,12 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(fn=_cmd_compare)
     args = p.parse_args(argv)
     from raysplit.config import ConfigError
+    from raysplit.data import DatasetNotFoundError
+    from raysplit.runtime import NonFiniteLossError
 
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, DatasetNotFoundError) as e:  # bad input: one clear message, nothing started
         print(f"raysplit: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:
+        print(f"raysplit: run stopped: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if type(e).__name__ in ("ResourceError", "ActorFailure"):
+            print(f"raysplit: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ class RuntimeConfig(_Strict):
     torch_threads: int | None = Field(default=1, ge=1, description="torch threads per actor (oversubscription)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     spread_clients: bool = Field(default=False, description="SPREAD client actors over nodes")
+    max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
 
 
 class ClockConfig(_Strict):

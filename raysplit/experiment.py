@@ -245,7 +245,7 @@ def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round, plot
     alg = prepared.algorithm
     hist = History()
     start = 0
-    rt = Runtime(make_backend(cfg.runtime), prepared.inputs)
+    rt = Runtime(make_backend(cfg.runtime), prepared.inputs, cfg.runtime.max_in_flight)
     try:
         global_handle = rt.put(transport.pack_state({}))
         if ckpt_state is not None:
@@ -302,7 +302,8 @@ def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round, plot
                 on_round(rnd, m)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(acc=f"{m.get('accuracy', float('nan')):.3f}", loss=f"{m['train_loss']:.3f}",
+                last_acc = hist.curves["accuracy"][-1][1] if hist.curves.get("accuracy") else float("nan")
+                progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{m['train_loss']:.3f}",
                                      sim=f"{hist.t_sim:.1f}s")
             every = cfg.tracking.checkpoint_every
             if last or (every and (rnd + 1) % every == 0):

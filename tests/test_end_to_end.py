@@ -46,21 +46,30 @@ def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
     over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "train.optimizer.name": "adam",
             "train.optimizer.lr": 0.003, "tracking.experiment": "resume"}
     full = run_experiment(make_config(tmp_path / "a", mlflow_uri, **over))
-    # the same run stopped after 2 rounds (as if interrupted), then resumed from its checkpoint
-    part = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{**over, "train.rounds": 2}))
-    import torch
 
+    class Interrupted(Exception):
+        pass
+
+    def crash_after_round_3(rnd, metrics):
+        if rnd == 2:  # the checkpoint of round index 1 exists; round index 2 is lost with the crash
+            raise Interrupted()
+
+    cfg = make_config(tmp_path / "b", mlflow_uri, **over)
+    with pytest.raises(Interrupted):
+        run_experiment(cfg, on_round=crash_after_round_3)
     client = MlflowClient(mlflow_uri)
-    ckpt = client.get_run(part["run_id"]).data.tags["raysplit.checkpoint"]
-    state = torch.load(ckpt, weights_only=False)
-    state["config"] = state["config"].replace("rounds: 2", "rounds: 4")
-    torch.save(state, ckpt)
-    resumed = run_experiment(make_config(tmp_path / "b", mlflow_uri, **over), resume_run_id=part["run_id"])
-    assert resumed["run_id"] == part["run_id"]
-    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time"):
+    crashed = client.search_runs([client.get_experiment_by_name("resume").experiment_id],
+                                 order_by=["attributes.start_time DESC"])[0]
+    assert crashed.info.status == "FAILED"
+    resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
+    assert resumed["run_id"] == crashed.info.run_id
+    assert client.get_run(crashed.info.run_id).info.status == "FINISHED"
+    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up"):
         assert resumed[k] == pytest.approx(full[k], rel=1e-6), k
-    steps = [h.step for h in client.get_metric_history(part["run_id"], "accuracy")]
-    assert steps == [0, 1, 2, 3]
+    hist = client.get_metric_history(crashed.info.run_id, "accuracy")
+    assert sorted({h.step for h in hist}) == [0, 1, 2, 3]
+    final = [h.value for h in hist if h.step == 3]
+    assert final == [pytest.approx(full["accuracy"])]
 
 
 def test_nonfinite_loss_stops_naming_round_and_client_and_marks_failed(ray_session, tmp_path, mlflow_uri):

@@ -169,3 +169,27 @@ def test_gradient_pairs_by_tag_not_arrival(tmp_path, mlflow_uri):
     assert not host.pending
     with pytest.raises(KeyError, match="no pending activation"):
         host.backward(Gradient(Tag(0, 0, 5), np.zeros_like(a0.x), 0.0))
+
+
+def test_event_queue_orders_by_simulated_time_then_insertion():
+    from raysplit.clock import EventQueue
+
+    q = EventQueue()
+    for t, item in [(3.0, "c"), (1.0, "a"), (2.0, "b1"), (2.0, "b2"), (0.5, "z")]:
+        q.push(t, item)
+    assert [q.pop()[1] for _ in range(len(q))] == ["z", "a", "b1", "b2", "c"]
+
+
+def test_gas_cell_profile_matches_the_formula():
+    from raysplit.clock import draw_profiles, gas_cell_rate
+    from raysplit.config import ClockConfig
+
+    # at d = 1 km: PL = 128.1 dB; rate = 1e7 * log2(1 + 0.2 * 10^-12.81 / (1e7 * 3.981e-21))
+    expected = 1e7 * np.log2(1 + 0.2 * 10 ** (-12.81) / (1e7 * 3.981e-21))
+    assert gas_cell_rate(np.array([1.0]))[0] == pytest.approx(expected)
+    profs = draw_profiles(ClockConfig(profile="gas_cell"), 50, np.random.default_rng(0))
+    assert all(1e9 <= p.flops <= 1e10 for p in profs)
+    lo, hi = gas_cell_rate(np.array([1.0]))[0] / 8, gas_cell_rate(np.array([0.1]))[0] / 8
+    assert all(lo <= p.up <= hi for p in profs)
+    again = draw_profiles(ClockConfig(profile="gas_cell"), 50, np.random.default_rng(0))
+    assert profs == again

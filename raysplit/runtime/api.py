@@ -52,8 +52,10 @@ class RuntimeInputs:
 class Runtime:
     """Algorithm-facing API over a backend (``LocalBackend`` or ``RayBackend``)."""
 
-    def __init__(self, backend, inputs: RuntimeInputs):
+    def __init__(self, backend, inputs: RuntimeInputs, max_in_flight: int = 256):
         self.backend = backend
+        self.max_in_flight = max_in_flight
+        self._inflight: list = []
         self.inputs = inputs
         self.num_clients = len(inputs.train_idx)
         self.sizes = np.array([len(ix) for ix in inputs.train_idx], dtype=float)
@@ -70,6 +72,7 @@ class Runtime:
     # ---- round structure -----------------------------------------------------------------------------------
     def begin_round(self, rnd: int, clients: list[int], t0: float) -> None:
         self.round, self._t0, self._clients = rnd, t0, [int(c) for c in clients]
+        self._inflight = []
         self._wall0 = time.perf_counter()
         self.backend.call(self.backend.server, "begin_round", rnd, t0)
         for w in self.backend.workers:
@@ -94,7 +97,18 @@ class Runtime:
         return self.backend.call(self.worker_of(cid), "forward", tag, batch_size)
 
     def backward(self, cid: int, grad):
-        return self.backend.call(self.worker_of(cid), "backward", grad)
+        ref = self.backend.call(self.worker_of(cid), "backward", grad)
+        self._inflight.append(ref)
+        if len(self._inflight) > self.max_in_flight:  # bound the split steps in flight (object-store memory)
+            self._inflight = self.backend.wait(self._inflight, len(self._inflight) - self.max_in_flight // 2)
+        return ref
+
+    def clocks(self, clients: list[int]) -> dict[int, float]:
+        """Current simulated time of each client (one driver round trip; for event-driven algorithms)."""
+        out: dict[int, float] = {}
+        for part in self.backend.get([self.backend.call(w, "clocks", clients) for w in self.backend.workers]):
+            out.update(part)
+        return out
 
     def server(self, method: str, *args, **kwargs):
         return self.backend.call(self.backend.server, method, *args, **kwargs)
@@ -196,6 +210,9 @@ class LocalBackend:
 
     def get(self, handles, timeout=None):
         return handles
+
+    def wait(self, handles, num_ready):
+        return []
 
     def shutdown(self) -> None:
         self.workers, self.server = [], None

@@ -369,6 +369,10 @@ class ClientHost:
         torch.set_rng_state(st["torch_rng"])
         self._perm.clear()
 
+    def clocks(self, cids: list[int]) -> dict[int, float]:
+        """Simulated time of the given hosted clients (asynchronous algorithms order events by it)."""
+        return {int(c): self.clock[int(c)] for c in cids if int(c) in self.clock}
+
     def client_totals(self) -> dict[int, dict]:
         return {c: dict(v.v) for c, v in self.totals.items()}
 

@@ -129,6 +129,11 @@ class RayBackend:
         except GetTimeoutError:
             raise TimeoutError(f"no result from the actors within {timeout or self.get_timeout} s") from None
 
+    def wait(self, handles: list, num_ready: int) -> list:
+        """Block until ``num_ready`` of ``handles`` are done; return the ones still pending."""
+        _, pending = ray.wait(handles, num_returns=max(1, min(num_ready, len(handles))), fetch_local=False)
+        return pending
+
     def node_ids(self) -> dict[str, list[str]]:
         return {"server": self.get([self.server.node_id.remote()]),
                 "workers": self.get([w.node_id.remote() for w in self.workers])}
