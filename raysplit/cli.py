@@ -52,6 +52,13 @@ def _cmd_compare(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    from raysplit.sweep import run_sweep
+
+    run_sweep(args.sweep, args.overrides)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="raysplit", description="split learning on Ray")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -61,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--resume", metavar="RUN_ID", help="continue an MLflow run from its last checkpoint")
     r.set_defaults(fn=_cmd_run)
     sub.add_parser("list", help="algorithms, models, datasets, partitioners").set_defaults(fn=_cmd_list)
+    sw = sub.add_parser("sweep", help="Ray Tune sweep from a sweep YAML (see raysplit/sweep.py)")
+    sw.add_argument("sweep")
+    sw.add_argument("overrides", nargs="*", help="dotted overrides applied to the base config")
+    sw.set_defaults(fn=_cmd_sweep)
     c = sub.add_parser("compare", help="table of an MLflow experiment's runs and their final metrics")
     c.add_argument("experiment")
     c.add_argument("--metric", default="accuracy")

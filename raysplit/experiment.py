@@ -138,6 +138,9 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                     spec_d.num_classes, counts, partition_summary(counts), cut, cut_name)
 
 
+CLIENT_KEYS = ("bytes_up", "bytes_down", "flops", "steps", "t_end")
+
+
 @dataclass
 class History:
     """What the driver keeps across rounds (and checkpoints)."""
@@ -146,6 +149,7 @@ class History:
     label_acc: list[list[float]] = field(default_factory=list)
     curves: dict[str, list] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
+    client_rows: list[list] = field(default_factory=list)  # per client per round accounting
     best_accuracy: float = 0.0
     rounds_to_target: int | None = None
     t_sim: float = 0.0
@@ -199,7 +203,6 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
                    on_round: Callable[[int, dict], None] | None = None) -> dict:
     """Run (or resume) one experiment tracked in MLflow. Returns the final metrics (plus ``run_id``)."""
     from raysplit.data import plot_partition
-    from raysplit.plots import plot_curves, plot_label_heatmap
     from raysplit.tracking import Tracker, get_run
 
     ckpt_state = None
@@ -237,17 +240,15 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
             np.savetxt(out_dir / "partition_counts.csv", prepared.partition_counts, fmt="%d", delimiter=",")
             tracker.log_artifact(out_dir / "partition_counts.csv")
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path})
-        return _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round,
-                     plot_curves, plot_label_heatmap)
+        return _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round)
 
 
-def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round, plot_curves, plot_label_heatmap):
+def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round):
     alg = prepared.algorithm
     hist = History()
     start = 0
     rt = Runtime(make_backend(cfg.runtime), prepared.inputs, cfg.runtime.max_in_flight)
     try:
-        global_handle = rt.put(transport.pack_state({}))
         if ckpt_state is not None:
             rt.load_state_dict(ckpt_state["runtime"])
             hist = ckpt_state["history"]
@@ -276,6 +277,8 @@ def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round, plot
             m = round_metrics(stats, prepared)
             m["wall_time"] = hist.wall
             hist.grad_norms.extend(stats.server.get("grad_norms", []))
+            hist.client_rows.extend([rnd, c] + [st.get(k, 0.0) for k in CLIENT_KEYS]
+                                    for c, st in sorted(stats.clients.items()))
             last = rnd == cfg.train.rounds - 1
             if (rnd + 1) % cfg.eval.every == 0 or last:
                 ev = evaluate(rt, prepared, global_handle, clients)
@@ -311,8 +314,7 @@ def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round, plot
                               "global": rt.get(global_handle) if global_handle is not None else None}, ckpt_path)
         if progress is not None:
             progress.close()
-        _finish(cfg, prepared, rt, tracker, hist, out_dir, ckpt_path, plot_curves, plot_label_heatmap)
-        final = {k: v for k, v in final.items()}
+        _finish(cfg, prepared, rt, tracker, hist, out_dir, ckpt_path)
         final.update(run_id=tracker.run_id, grad_norm_mean_all=M.mean_std(hist.grad_norms)[0],
                      grad_norm_std_all=M.mean_std(hist.grad_norms)[1])
         return final
@@ -326,8 +328,9 @@ def _initial_global(prepared: Prepared):
     return StateMsg(prepared.inputs.client_init)
 
 
-def _finish(cfg, prepared, rt, tracker, hist: History, out_dir: Path, ckpt_path: Path, plot_curves,
-            plot_label_heatmap) -> None:
+def _finish(cfg, prepared, rt, tracker, hist: History, out_dir: Path, ckpt_path: Path) -> None:
+    from raysplit.plots import plot_curves, plot_label_heatmap
+
     gm, gs = M.mean_std(hist.grad_norms)
     summary = {"final_best_accuracy": hist.best_accuracy, "grad_norm_mean_all": gm, "grad_norm_std_all": gs,
                "sim_time_total": hist.t_sim, "wall_time_total": hist.wall}
@@ -343,6 +346,11 @@ def _finish(cfg, prepared, rt, tracker, hist: History, out_dir: Path, ckpt_path:
             for r, row in zip(hist.rounds, hist.label_acc):
                 w.writerow([r] + row)
         tracker.log_artifact(out_dir / "label_accuracy.csv")
+    with open(out_dir / "client_rounds.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["round", "client", *CLIENT_KEYS])
+        w.writerows(hist.client_rows)
+    tracker.log_artifact(out_dir / "client_rounds.csv")
     totals = rt.client_totals()
     with open(out_dir / "client_accounting.csv", "w", newline="") as f:
         w = csv.writer(f)

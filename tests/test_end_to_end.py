@@ -39,7 +39,17 @@ def test_algorithm_two_rounds_through_ray_logs_mlflow(ray_session, tmp_path, mlf
     if algorithm != "fedavg":
         assert run.data.metrics["server_flops"] > 0 and run.data.metrics["grad_norm_mean"] > 0
     arts = {a.path for a in client.list_artifacts(final["run_id"])}
-    assert {"config.yaml", "partition.png", "curves.png", "label_accuracy.png", "checkpoint.pt"} <= arts
+    assert {"config.yaml", "partition.png", "curves.png", "label_accuracy.png", "checkpoint.pt",
+            "client_rounds.csv", "client_accounting.csv"} <= arts
+    # per-client, per-round accounting: every sampled client of every round has a row that adds up
+    import csv
+
+    local = client.download_artifacts(final["run_id"], "client_rounds.csv", str(tmp_path))
+    rows = list(csv.DictReader(open(local)))
+    assert sorted({int(r["round"]) for r in rows}) == [0, 1]
+    assert len(rows) == 2 * cfg.data.num_clients  # full participation
+    last = [r for r in rows if r["round"] == "1"]
+    assert sum(float(r["bytes_up"]) for r in last) == pytest.approx(run.data.metrics["bytes_up"])
 
 
 def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
