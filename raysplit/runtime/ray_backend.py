@@ -89,6 +89,7 @@ class RayBackend:
         self.workers: list = []
         self.server = None
         self.started_ray = False
+        self.roles: dict[str, str] = {}
 
     def start(self, inputs: RuntimeInputs) -> None:
         self.started_ray = init_ray(self.rcfg)
@@ -109,6 +110,10 @@ class RayBackend:
             HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init)
             for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
         ]
+        self.roles = {self.server._actor_id.hex(): "the server actor"}
+        n = r.num_workers
+        self.roles.update({w._actor_id.hex(): f"client actor {i} (hosting clients {i}, {i + n}, {i + 2 * n}, ...)"
+                           for i, w in enumerate(self.workers)})
         # Constructors raise here (bad data, model errors) rather than at the first round.
         self.get([a.node_id.remote() for a in [self.server, *self.workers]])
 
@@ -125,7 +130,10 @@ class RayBackend:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             raise cause from None
         except RayActorError as e:
-            raise ActorFailure(f"an actor of this run died ({type(e).__name__}): {e}") from None
+            role = self.roles.get(getattr(e, "actor_id", None) or "", "an actor of this run")
+            why = str(e).strip().splitlines()
+            detail = "; ".join(ln.strip() for ln in why if "died because" in ln or "node" in ln.lower())[:500]
+            raise ActorFailure(f"{role} died ({type(e).__name__}): {detail or why[0]}") from None
         except GetTimeoutError:
             raise TimeoutError(f"no result from the actors within {timeout or self.get_timeout} s") from None
 
