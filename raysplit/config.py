@@ -134,6 +134,7 @@ class ClockConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
+    enabled: bool = Field(default=True, description="False: no MLflow run (a Tune callback records the trial)")
     uri: str | None = Field(default=None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment: str = "raysplit"
     run_name: str | None = None

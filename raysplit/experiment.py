@@ -219,7 +219,8 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         cfg = validate(yaml.safe_load(ckpt_state["config"]))
     prepared = prepare(cfg)  # every config/data/model error is raised here, before any actor exists
     tcfg = cfg.tracking
-    tracker = Tracker(tcfg.uri, tcfg.experiment, tcfg.run_name or cfg.name, run_id=resume_run_id)
+    tracker = Tracker(tcfg.uri, tcfg.experiment, tcfg.run_name or cfg.name, run_id=resume_run_id,
+                      enabled=tcfg.enabled)
     with tracker:
         out_dir = Path(tcfg.output_dir) / tracker.run_id
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,59 +1,152 @@
-"""Ray Tune sweep over any dotted config key; each trial is one whole raysplit run tracked in MLflow.
+"""Ray Tune sweep over any dotted config key; each trial is one whole raysplit run.
 
-    raysplit sweep tune/examples/digits_grid.yaml      (or: python tune/sweep.py ...)
+    raysplit sweep tune/examples/digits_grid.yaml [key=value ...]     (same: python tune/sweep.py ...)
 
-A sweep file:
+A sweep file (every key optional except ``base``; unknown keys are errors):
 
-    base: configs/quickstart.yaml        # experiment config (path relative to the sweep file or cwd)
-    overrides: {train.rounds: 5}         # fixed dotted overrides
+    base: ../configs/digits.yaml         # experiment config (relative to the sweep file, or to the cwd)
+    overrides: {train.rounds: 5}         # fixed dotted overrides of the base
     space:                               # dotted key -> one of grid / choice / uniform / loguniform
-      train.optimizer.lr: {grid: [0.01, 0.05]}
-      algorithm.name: {choice: [sflv1, sflv2]}
-    metric: accuracy                     # reported every evaluated round
+      train.optimizer.lr: {loguniform: [1e-4, 1e-1]}
+      algorithm.name: {grid: [sflv1, sflv2]}
+    presets: [cut_points]                # named spaces for the papers' questions (PRESETS below); a preset may
+                                         # carry its own values: {server_epochs: [1, 2]}
+    metric: accuracy                     # reported every evaluated round (eval.every)
     mode: max
-    num_samples: 1                       # repeats of the grid / samples of random dimensions
-    scheduler: asha                      # asha | fifo
-    grace_period: 1
-    max_concurrent_trials: null          # default: what the cluster's CPUs allow
+    num_samples: 1                       # repeats of the grid x samples of the random dimensions
+    scheduler: asha                      # asha | fifo  (ASHA stops trials on the per-round metric)
+    grace_period: 1                      # rounds before ASHA may stop a trial
+    search: random                       # random (Tune's variant generator) | optuna (pip install optuna)
+    mlflow: trial                        # trial: each trial logs its full raysplit run (params, per-round metrics,
+                                         #   artifacts) -- needs a tracking URI every node can reach;
+                                         # callback: Tune's MLflowLoggerCallback logs on the driver instead
+    max_concurrent_trials: null          # default: as many trials as the cluster's CPUs hold at once
     storage_path: outputs/tune
-    name: my-sweep                       # also the MLflow experiment, unless tracking.experiment is overridden
+    name: my-sweep                       # Tune experiment name and MLflow experiment (unless the base sets one)
 
-Each trial reserves its own server and client actors through a placement-group factory, so concurrent trials
-cannot oversubscribe the cluster; per-round metrics go to ``tune.report`` (for ASHA) and to the trial's MLflow run,
-whose params include the swept values. The MLflow experiment is created on the driver before trials start
-(sqlite schema race, stack.md §5).
+Each trial reserves its server and client actors through a placement-group factory (one bundle for the trial,
+one for the server actor, one per client actor), so concurrent trials cannot oversubscribe the cluster. The MLflow
+experiment is created on the driver before any trial starts (sqlite schema race, stack.md §5). Every trial's config
+is validated on the driver first, so a bad key in the space fails at once. Running the same command again resumes
+an interrupted sweep from ``storage_path/name``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
-from ray import tune
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from raysplit.config import ConfigError, apply_overrides, load_config
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform")
 
 
-def build_space(space: dict) -> dict:
+def _cut_points(cfg) -> list:
+    """Every valid cut of the base model, by block name."""
+    from raysplit.models import MODELS, build_model
+
+    info = MODELS[cfg.model.name]
+    model = build_model(cfg.model.name, 10, tuple(info.default_input_shape), **cfg.model.options)
+    by_index: dict[int, str] = {}
+    for name, idx in model.cut_points().items():
+        by_index.setdefault(idx, name)
+    return [by_index[i] for i in sorted(by_index)]
+
+
+# name -> (dotted key, default values or a function of the base config)
+PRESETS: dict[str, tuple[str, Any]] = {
+    "cut_points": ("model.cut", _cut_points),  # where to split
+    "server_epochs": ("algorithm.server_epochs", [1, 2, 4, 8]),  # CycleSL's E
+    "buffer_sizes": ("algorithm.buffer_size", [5, 10, 20]),  # GAS's activation buffer
+    "ks_schedules": ("algorithm.ks_schedule", ["fixed", "adaptive"]),  # Semi-SFL's K_s
+}
+
+
+class SweepFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    base: str
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    space: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    presets: list[str | dict[str, list]] = Field(default_factory=list)
+    metric: str = "accuracy"
+    mode: Literal["max", "min"] = "max"
+    num_samples: int = Field(default=1, ge=1)
+    scheduler: Literal["asha", "fifo"] = "asha"
+    grace_period: int = Field(default=1, ge=1)
+    search: Literal["random", "optuna"] = "random"
+    mlflow: Literal["trial", "callback"] = "trial"
+    max_concurrent_trials: int | None = Field(default=None, ge=1)
+    storage_path: str = "outputs/tune"
+    name: str | None = None
+
+
+def load_sweep(path: str, extra_overrides: list[str] | None = None) -> tuple[SweepFile, dict, Any]:
+    """Parse the sweep file and its base config; return (sweep, base raw dict, validated base config)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"sweep file not found: {p}")
+    try:
+        spec = SweepFile.model_validate(yaml.safe_load(p.read_text()) or {})
+    except ValidationError as e:
+        raise ConfigError(f"sweep file {p}: " + "; ".join(
+            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+    base = Path(spec.base)
+    if not base.is_file():
+        base = p.parent / spec.base
+    if not base.is_file():
+        raise ConfigError(f"sweep file {p}: base config {spec.base} not found (looked in the cwd and {p.parent})")
+    raw = apply_overrides(yaml.safe_load(base.read_text()) or {}, dict(spec.overrides))
+    if extra_overrides:
+        raw = apply_overrides(raw, extra_overrides)
+    return spec, raw, load_config(None, raw)
+
+
+def space_spec(spec: SweepFile, cfg0) -> dict[str, dict]:
+    """The sweep's space with presets expanded: dotted key -> {kind: values}."""
+    space = dict(spec.space)
+    for pr in spec.presets:
+        name, values = (pr, None) if isinstance(pr, str) else next(iter(pr.items()))
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        key, default = PRESETS[name]
+        if values is None:
+            values = default(cfg0) if callable(default) else default
+        space[key] = {"grid": list(values)}
+    for key, s in space.items():
+        if not isinstance(s, dict) or len(s) != 1 or next(iter(s)) not in SPACE_KINDS:
+            raise ConfigError(f"space.{key}: give exactly one of {', '.join(SPACE_KINDS)} (got {s!r})")
+    return space
+
+
+def validate_trials(base_raw: dict, space: dict[str, dict]) -> int:
+    """Validate the config of every combination of the finite dimensions; returns how many there are."""
+    finite = {k: list(next(iter(s.values()))) for k, s in space.items() if next(iter(s)) in ("grid", "choice")}
+    combos = list(itertools.product(*finite.values())) if finite else [()]
+    for values in combos:
+        params = dict(zip(finite, values))
+        try:
+            load_config(None, apply_overrides(base_raw, params))
+        except ConfigError as e:
+            raise ConfigError(f"sweep trial {params}: {e}") from None
+    return len(combos)
+
+
+def tune_space(space: dict[str, dict]) -> dict:
+    from ray import tune
+
     out = {}
-    for key, spec in (space or {}).items():
-        if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in SPACE_KINDS:
-            raise ConfigError(f"space.{key}: give exactly one of {', '.join(SPACE_KINDS)} (got {spec!r})")
-        kind, val = next(iter(spec.items()))
-        if kind == "grid":
-            out[key] = tune.grid_search(list(val))
-        elif kind == "choice":
-            out[key] = tune.choice(list(val))
-        elif kind == "uniform":
-            out[key] = tune.uniform(*val)
-        else:
-            out[key] = tune.loguniform(*val)
+    for key, s in space.items():
+        kind, val = next(iter(s.items()))
+        out[key] = {"grid": lambda v: tune.grid_search(list(v)), "choice": lambda v: tune.choice(list(v)),
+                    "uniform": lambda v: tune.uniform(*v), "loguniform": lambda v: tune.loguniform(*v)}[kind](val)
     return out
 
 
@@ -68,54 +161,79 @@ def trial_bundles(cfg) -> list[dict]:
     return [{"CPU": 0.001}, bundle(r.server)] + [bundle(r.client) for _ in range(r.num_workers)]
 
 
-def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str):
+def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str, log_in_trial: bool, output_dir: str):
+    from ray import tune
+
     def trainable(params: dict):
         from raysplit.config import validate
         from raysplit.experiment import run_experiment
 
-        raw = apply_overrides(base_raw, {**params, "tracking.uri": uri, "tracking.experiment": experiment,
-                                         "tracking.progress": False})
-        cfg = validate(raw)
-        ctx = tune.get_context()
-        cfg.tracking.run_name = ctx.get_trial_name()
-        cfg.tracking.output_dir = str(Path(base_raw.get("tracking", {}).get("output_dir", "outputs")).resolve())
+        cfg = validate(apply_overrides(base_raw, {
+            **params, "tracking.uri": uri, "tracking.experiment": experiment, "tracking.progress": False,
+            "tracking.enabled": log_in_trial, "tracking.output_dir": output_dir,
+            "tracking.run_name": tune.get_context().get_trial_name()}))
+
+        def numbers(m: dict) -> dict:
+            return {k: v for k, v in m.items() if isinstance(v, (int, float))}
 
         def report(rnd: int, m: dict):
-            if metric in m:
-                tune.report({**{k: v for k, v in m.items() if isinstance(v, (int, float))}, "round": rnd + 1})
+            # ASHA compares trials at evaluated rounds; a stop it decides arrives as SystemExit from tune.report
+            # and ends the MLflow run as KILLED. The last round is reported after the run has finished, so that a
+            # trial that runs to the end is FINISHED with all its artifacts.
+            if metric in m and rnd + 1 < cfg.train.rounds:
+                tune.report({**numbers(m), "round": rnd + 1})
 
-        run_experiment(cfg, on_round=report)
+        final = run_experiment(cfg, on_round=report)
+        tune.report({**numbers(final), "round": cfg.train.rounds})
 
     return trainable
+
+
+def closing_callback(uri: str, experiment: str):
+    """A Tune callback that closes the MLflow run of a trial Tune ended early: a trial stopped by the scheduler
+    is killed with its process before its own run can close, so the driver marks the run KILLED (or FAILED when
+    the trial errored) unless the trial finished it itself."""
+    from mlflow.tracking import MlflowClient
+    from ray.tune import Callback
+
+    class CloseTrialRuns(Callback):
+        def _close(self, trial, status: str) -> None:
+            client = MlflowClient(uri)
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                return
+            name = str(trial).replace("'", "")
+            for run in client.search_runs([exp.experiment_id], f"tags.`mlflow.runName` = '{name}'"):
+                if run.info.status == "RUNNING":
+                    client.set_tag(run.info.run_id, "raysplit.stopped", f"trial ended by Tune ({status})")
+                    client.set_terminated(run.info.run_id, status)
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._close(trial, "KILLED")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._close(trial, "FAILED")
+
+    return CloseTrialRuns()
 
 
 def run_sweep(path: str, extra_overrides: list[str] | None = None):
     import mlflow
     import ray
+    from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from raysplit.tracking import resolve_uri
 
-    spec = yaml.safe_load(Path(path).read_text())
-    unknown = set(spec) - {"base", "overrides", "space", "metric", "mode", "num_samples", "scheduler",
-                           "grace_period", "max_concurrent_trials", "storage_path", "name"}
-    if unknown:
-        raise ConfigError(f"sweep file {path}: unknown keys {sorted(unknown)}")
-    base_path = Path(spec["base"])
-    if not base_path.is_file():
-        base_path = Path(path).parent / spec["base"]
-    base_raw = yaml.safe_load(base_path.read_text()) or {}
-    base_raw = apply_overrides(base_raw, {**(spec.get("overrides") or {})})
-    if extra_overrides:
-        base_raw = apply_overrides(base_raw, extra_overrides)
-    cfg0 = load_config(None, base_raw)  # the base must validate before any trial starts
-    name = spec.get("name") or Path(path).stem
+    spec, base_raw, cfg0 = load_sweep(path, extra_overrides)
+    space = space_spec(spec, cfg0)
+    n = validate_trials(base_raw, space)
+    name = spec.name or Path(path).stem
     experiment = cfg0.tracking.experiment if "experiment" in base_raw.get("tracking", {}) else name
     uri = resolve_uri(cfg0.tracking.uri)
     mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)  # create tables and experiment once, on the driver
+    mlflow.set_experiment(experiment)  # create the tables and the experiment once, on the driver
 
-    metric, mode = spec.get("metric", "accuracy"), spec.get("mode", "max")
     bundles = trial_bundles(cfg0)
     per_trial = sum(b.get("CPU", 0) for b in bundles)
     if not ray.is_initialized():
@@ -124,34 +242,53 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
         else:  # a local Ray with enough logical CPUs for at least one trial
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial)), include_dashboard=False)
-    max_conc = spec.get("max_concurrent_trials") or max(1, math.floor(ray.cluster_resources().get("CPU", 1) /
-                                                                      max(per_trial, 1e-3)))
-    if spec.get("scheduler", "asha") == "asha":
-        scheduler = ASHAScheduler(time_attr="round", max_t=cfg0.train.rounds,
-                                  grace_period=spec.get("grace_period", 1), reduction_factor=2)
-    else:
-        scheduler = FIFOScheduler()
-    trainable = tune.with_resources(make_trainable(base_raw, uri, experiment, metric),
-                                    tune.PlacementGroupFactory(bundles, strategy="PACK"))
-    storage = str(Path(spec.get("storage_path", "outputs/tune")).resolve())
+    max_conc = spec.max_concurrent_trials or max(
+        1, math.floor(ray.cluster_resources().get("CPU", 1) / max(per_trial, 1e-3)))
+    scheduler = (ASHAScheduler(time_attr="round", max_t=cfg0.train.rounds, grace_period=spec.grace_period,
+                               reduction_factor=2) if spec.scheduler == "asha" else FIFOScheduler())
+    search_alg = None
+    if spec.search == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+        except ImportError as e:  # optuna is an optional extra
+            raise ConfigError(f"search: optuna needs the optuna package (pip install 'raysplit[optuna]'): {e}")
+        if any(next(iter(s)) == "grid" for s in space.values()):
+            raise ConfigError("search: optuna cannot take grid dimensions; use choice instead")
+        search_alg = OptunaSearch()
+    callbacks = [closing_callback(uri, experiment)] if spec.mlflow == "trial" else []
+    if spec.mlflow == "callback":
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        callbacks.append(MLflowLoggerCallback(tracking_uri=uri, experiment_name=experiment, save_artifact=False))
+    output_dir = str(Path(cfg0.tracking.output_dir).resolve())
+    trainable = tune.with_resources(
+        make_trainable(base_raw, uri, experiment, spec.metric, spec.mlflow == "trial", output_dir),
+        tune.PlacementGroupFactory(bundles, strategy="PACK"))
+    storage = str(Path(spec.storage_path).resolve())
     if tune.Tuner.can_restore(os.path.join(storage, name)):
-        tuner = tune.Tuner.restore(os.path.join(storage, name), trainable, resume_unfinished=True)
+        print(f"resuming the interrupted sweep in {os.path.join(storage, name)}")
+        tuner = tune.Tuner.restore(os.path.join(storage, name), trainable, resume_unfinished=True,
+                                   resume_errored=True)
     else:
         tuner = tune.Tuner(
-            trainable, param_space=build_space(spec.get("space")),
-            tune_config=tune.TuneConfig(metric=metric, mode=mode, scheduler=scheduler,
-                                        num_samples=spec.get("num_samples", 1), max_concurrent_trials=max_conc),
-            run_config=tune.RunConfig(name=name, storage_path=storage),
+            trainable, param_space=tune_space(space),
+            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
+                                        search_alg=search_alg, num_samples=spec.num_samples,
+                                        max_concurrent_trials=max_conc),
+            run_config=tune.RunConfig(name=name, storage_path=storage, callbacks=callbacks),
         )
+    print(f"sweep {name}: {n} configuration(s) x {spec.num_samples} sample(s), up to {max_conc} at once; "
+          f"MLflow experiment {experiment!r} at {uri}")
     results = tuner.fit()
     df = results.get_dataframe()
-    cols = [c for c in df.columns if c.startswith("config/")] + [c for c in (metric, "round") if c in df.columns]
-    print(df[cols].to_string(index=False))
+    cols = [c for c in df.columns if c.startswith("config/")]
+    cols += [c for c in (spec.metric, "best_accuracy", "round", "sim_time") if c in df.columns]
+    print(df[cols].sort_values(spec.metric, ascending=spec.mode == "min").to_string(index=False))
     return results
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description="Ray Tune sweep of raysplit runs")
     p.add_argument("sweep")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)

@@ -1,0 +1,65 @@
+"""`ray job submit` against a local head started with `ray start --head` (RAY_AUTH_MODE=disabled)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.slow
+def test_job_submit_runs_a_two_round_experiment_into_mlflow(tmp_path):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    ray_cli = str(BIN / "ray") if (BIN / "ray").exists() else shutil.which("ray")
+    temp = tempfile.mkdtemp(prefix="rsj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    # --block keeps this head's processes tied to this one command: stopping it stops them (and only them;
+    # `ray stop` would also kill the test session's own Ray)
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port=6391", "--num-cpus=2",
+                             "--disable-usage-stats", "--dashboard-port=8271", f"--temp-dir={temp}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:  # wait for the dashboard's job API
+            try:
+                urllib.request.urlopen("http://127.0.0.1:8271/api/version", timeout=2)
+                break
+            except OSError:
+                assert head.poll() is None, head.stdout.read()[-3000:]
+                assert time.time() < deadline, "the Ray head did not come up in 120 s"
+                time.sleep(1)
+        uri = f"sqlite:///{tmp_path / 'jobs.db'}"
+        sub = subprocess.run(
+            [ray_cli, "job", "submit", "--address", "http://127.0.0.1:8271", "--working-dir", str(ROOT),
+             "--runtime-env", str(ROOT / "jobs" / "runtime_env.yaml"), "--",
+             "python", "jobs/train.py", "configs/digits.yaml", "train.rounds=2", f"tracking.uri={uri}",
+             "tracking.experiment=jobs", "tracking.progress=false", f"tracking.output_dir={tmp_path / 'out'}"],
+            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-3000:])
+        assert "succeeded" in sub.stdout + sub.stderr
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("jobs").experiment_id])
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+        assert [h.step for h in client.get_metric_history(runs[0].info.run_id, "accuracy")] == [0, 1]
+        # the job joined this cluster rather than starting its own Ray
+        assert runs[0].data.params["runtime.address"] == "auto"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        shutil.rmtree(temp, ignore_errors=True)
