@@ -68,3 +68,13 @@ def test_presets_expand_and_bad_trials_fail_before_any_trial(tmp_path):
                    cfg0)
     with pytest.raises(ConfigError, match="sweep file"):
         load_sweep(str(write_sweep(tmp_path, schedulr="asha")))
+
+
+def test_shipped_sweep_examples_validate():
+    from raysplit.sweep import load_sweep, space_spec, validate_trials
+
+    files = sorted((ROOT / "tune" / "examples").glob("*.yaml"))
+    assert files
+    for f in files:
+        spec, raw, cfg0 = load_sweep(str(f))
+        assert validate_trials(raw, space_spec(spec, cfg0)) >= 2, f
