@@ -65,6 +65,8 @@ class OptimizerConfig(_Strict):
     momentum: float = Field(default=0.0, ge=0, lt=1)
     weight_decay: float = Field(default=0.0, ge=0)
     nesterov: bool = False
+    decay: float = Field(default=1.0, gt=0, le=1, description="per-round lr factor: lr_r = max(lr*decay^r, min_lr)")
+    min_lr: float = Field(default=0.0, ge=0)
 
 
 class ParticipationConfig(_Strict):

@@ -251,7 +251,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
         try:
             from ray.tune.search.optuna import OptunaSearch
         except ImportError as e:  # optuna is an optional extra
-            raise ConfigError(f"search: optuna needs the optuna package (pip install 'raysplit[optuna]'): {e}")
+            raise ConfigError(f"search: optuna needs the optuna package (pip install 'raysplit[optuna]'): {e}") from None
         if any(next(iter(s)) == "grid" for s in space.values()):
             raise ConfigError("search: optuna cannot take grid dimensions; use choice instead")
         search_alg = OptunaSearch()

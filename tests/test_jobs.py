@@ -42,12 +42,15 @@ def test_job_submit_runs_a_two_round_experiment_into_mlflow(tmp_path):
                 assert time.time() < deadline, "the Ray head did not come up in 120 s"
                 time.sleep(1)
         uri = f"sqlite:///{tmp_path / 'jobs.db'}"
-        sub = subprocess.run(
-            [ray_cli, "job", "submit", "--address", "http://127.0.0.1:8271", "--working-dir", str(ROOT),
-             "--runtime-env", str(ROOT / "jobs" / "runtime_env.yaml"), "--",
-             "python", "jobs/train.py", "configs/digits.yaml", "train.rounds=2", f"tracking.uri={uri}",
-             "tracking.experiment=jobs", "tracking.progress=false", f"tracking.output_dir={tmp_path / 'out'}"],
-            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        cmd = [ray_cli, "job", "submit", "--address", "http://127.0.0.1:8271", "--working-dir", str(ROOT),
+               "--runtime-env", str(ROOT / "jobs" / "runtime_env.yaml"), "--",
+               "python", "jobs/train.py", "configs/digits.yaml", "train.rounds=2", f"tracking.uri={uri}",
+               "tracking.experiment=jobs", "tracking.progress=false", f"tracking.output_dir={tmp_path / 'out'}"]
+        for _ in range(30):  # the head's job agent comes up a little after its dashboard answers
+            sub = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+            if "No available agent" not in sub.stdout + sub.stderr:
+                break
+            time.sleep(2)
         assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-3000:])
         assert "succeeded" in sub.stdout + sub.stderr
         client = MlflowClient(uri)

@@ -193,3 +193,23 @@ def test_gas_cell_profile_matches_the_formula():
     assert all(lo <= p.up <= hi for p in profs)
     again = draw_profiles(ClockConfig(profile="gas_cell"), 50, np.random.default_rng(0))
     assert profs == again
+
+
+def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_uri):
+    from raysplit.runtime.hosts import round_lr
+
+    cfg = {"lr": 0.05, "decay": 0.5, "min_lr": 0.01}
+    assert [round_lr(cfg, r) for r in range(4)] == pytest.approx([0.05, 0.025, 0.0125, 0.01])
+    c = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 3,
+                                             "train.optimizer.decay": 0.5, "train.optimizer.momentum": 0.9})
+    p = prepare(c)
+    rt = Runtime(make_backend(c.runtime), p.inputs)
+    for r in range(3):
+        clients = [int(x) for x in p.sample_stream[r]]
+        rt.begin_round(r, clients, 0.0)
+        p.algorithm.run_round(rt, r, clients, np.random.default_rng(r))
+        host = rt.backend.workers[clients[0] % 2]
+        # the client's restored optimizer state (momentum) must not bring back an old learning rate
+        assert host.slots[clients[0]].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
+        assert rt.backend.server.models["main"].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
+        rt.end_round()

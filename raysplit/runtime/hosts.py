@@ -77,6 +77,16 @@ def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg['name']!r}")
 
 
+def round_lr(cfg: dict, rnd: int) -> float:
+    """Learning rate of round ``rnd``: ``max(lr * decay**rnd, min_lr)`` (Hydra's per-epoch decay)."""
+    return max(cfg["lr"] * cfg.get("decay", 1.0) ** max(rnd, 0), cfg.get("min_lr", 0.0))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
 def average_states(states: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:
     """Weighted average of state dicts (integer buffers such as num_batches_tracked are rounded back)."""
     total = float(sum(weights))
@@ -99,8 +109,6 @@ class _Slot:
 
 
 class _Counters:
-    KEYS = ("bytes_up", "bytes_down", "flops", "steps")
-
     def __init__(self):
         self.v = defaultdict(float)
 
@@ -155,6 +163,7 @@ class ClientHost:
         opt = make_optimizer(module.parameters(), self.spec.client_optimizer)
         if cid in self.opt_state:
             opt.load_state_dict(self.opt_state[cid])
+        set_lr(opt, round_lr(self.spec.client_optimizer, self.round))
         self.slots[cid] = _Slot(module, opt)
         return self.slots[cid]
 
@@ -410,6 +419,8 @@ class ServerHost:
         self.round = rnd
         self.clock = max(self.clock, t0)
         self._reset_round()
+        for slot in self.models.values():
+            set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd))
 
     def charge(self, flops: float, ready_at: float = 0.0) -> float:
         """Advance the server clock by a computation that can start once ``ready_at`` has passed."""
@@ -457,7 +468,7 @@ class ServerHost:
         for k in keys:
             module = copy.deepcopy(main.module)
             opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
-            opt.load_state_dict(main.optimizer.state_dict())
+            opt.load_state_dict(main.optimizer.state_dict())  # carries the round's lr too
             self.models[k] = _Slot(module, opt)
 
     def merge(self, weights: dict) -> None:

@@ -49,7 +49,7 @@ def init_ray(rcfg) -> bool:
     need = rcfg.server.num_cpus + rcfg.num_workers * rcfg.client.num_cpus
     num_cpus = rcfg.num_cpus or max(os.cpu_count() or 1, math.ceil(need))
     ray.init(num_cpus=num_cpus, object_store_memory=rcfg.object_store_memory, include_dashboard=False,
-             resources=None, log_to_driver=True)
+             log_to_driver=True)
     return True
 
 
@@ -74,8 +74,9 @@ def check_resources(rcfg) -> None:
                 for k, v in need.items() if v > total.get(k, 0) + 1e-9]
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     if server and not any(all(n.get(k, 0) >= v for k, v in server.items()) for n in nodes):
-        problems.append(f"no single node offers the server actor's resources {server} "
-                        f"(runtime.server); nodes offer {[{k: v for k, v in n.items() if not k.startswith('node:')} for n in nodes]}")
+        offered = [{k: v for k, v in n.items() if not k.startswith("node:")} for n in nodes]
+        problems.append(f"no single node offers the server actor's resources {server} (runtime.server); "
+                        f"nodes offer {offered}")
     if client and not any(all(n.get(k, 0) >= v for k, v in client.items()) for n in nodes):
         problems.append(f"no node offers a client actor's resources {client} (runtime.client)")
     if problems:
