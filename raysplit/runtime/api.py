@@ -113,6 +113,11 @@ class Runtime:
     def server(self, method: str, *args, **kwargs):
         return self.backend.call(self.backend.server, method, *args, **kwargs)
 
+    def server_each(self, method: str, n: int, *args, **kwargs) -> list:
+        """Call a server-host method that returns a list of ``n`` results; one handle per result (so each
+        client's gradient travels to its client alone)."""
+        return self.backend.call_n(self.backend.server, n, method, *args, **kwargs)
+
     def client(self, cid: int, method: str, *args, **kwargs):
         return self.backend.call(self.worker_of(cid), method, *args, **kwargs)
 
@@ -204,6 +209,11 @@ class LocalBackend:
 
     def call(self, host, method, *args, **kwargs):
         return getattr(host, method)(*args, **kwargs)
+
+    def call_n(self, host, n, method, *args, **kwargs):
+        out = list(getattr(host, method)(*args, **kwargs))
+        assert len(out) == n, f"{method} returned {len(out)} results, expected {n}"
+        return out
 
     def put(self, value):
         return value

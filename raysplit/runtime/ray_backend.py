@@ -33,6 +33,11 @@ class HostActor:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.host, method)(*args, **kwargs)
 
+    def call_split(self, method: str, *args, **kwargs):
+        """For num_returns=n calls: one object per element of the method's list."""
+        out = list(getattr(self.host, method)(*args, **kwargs))
+        return out[0] if len(out) == 1 else tuple(out)
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -120,6 +125,10 @@ class RayBackend:
 
     def call(self, actor, method, *args, **kwargs):
         return actor.call.remote(method, *args, **kwargs)
+
+    def call_n(self, actor, n, method, *args, **kwargs):
+        refs = actor.call_split.options(num_returns=n).remote(method, *args, **kwargs)
+        return [refs] if n == 1 else list(refs)
 
     def put(self, value):
         return ray.put(value)

@@ -1,0 +1,274 @@
+"""The CycleSL family (Wang et al., ../shared/papers/cyclesl.txt, Algorithm 1) and SGLR (Pal et al. 2021).
+
+CycleSL treats server training as a task of its own over the round's pooled smashed data: the server resamples
+shuffled batches from the pooled features for ``server_epochs`` E, then, with the updated server frozen, computes
+each client's gradient on that client's *original* features; the clients step. CyclePSL = that with no client
+aggregation; CycleSFL = that + FedAvg of client models; CycleSGLR = that + SGLR's gradient averaging.
+
+Choices where the paper and the authors' code (seed-code.md §4.3) differ or are silent:
+- One server epoch is a full shuffled pass over the pooled features in batches of ``server_batch_size`` (the code;
+  ``ceil(N * bs / server_bs)`` steps). Algorithm 1's text reads as one resampled batch per "epoch"; set
+  ``server_steps: one`` for that reading.
+- The resampled-batch loss weights every sample by its client's train-set size: sum_i w_i CE_i / sum_i w_i (code).
+- The gradient pass runs the frozen server in train mode (BatchNorm statistics update again), as the code does;
+  the gradient is that of the mean CE over the client's batch.
+- Client optimizer state persists across rounds (per client; Adam in the CycleSL configs).
+
+SGLR has two variants (``variant``):
+- ``cyclesl`` (CycleSL's code, default): per-client server copies, each stepping once on its client's batch, then
+  averaged; the first ``active_fraction`` of the round's clients (in sampled order) receive one gradient: the
+  per-sample gradients of all their samples averaged with client-size weights, repeated over each batch; the other
+  clients receive their own. No learning-rate scaling, no client aggregation.
+- ``original`` (Pal et al.'s code): one server model takes one step on the concatenated batch with learning rate
+  ``client lr * N ** lr_pow``; while ``round < comm_fraction * rounds`` every client receives the position-wise mean
+  of the clients' gradient slices, afterwards its own slice. No client aggregation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from raysplit.algorithms.base import Algorithm, AlgorithmParams, register
+from raysplit.runtime import ServerHost, transport
+from raysplit.runtime.hosts import round_lr, set_lr
+from raysplit.runtime.messages import Activation, Gradient
+
+
+def sglr_shared_gradient(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """CycleSL's SGLR: mean of every per-sample gradient of the active clients, each client's samples weighted by
+    the client's size: sum_c w_c sum_j g_cj / sum_c w_c n_c (one per-sample gradient)."""
+    num = sum(w * g.sum(axis=0, dtype=np.float64) for g, w in zip(grads, weights))
+    den = sum(w * len(g) for g, w in zip(grads, weights))
+    return (num / den).astype(grads[0].dtype)
+
+
+def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
+    """Original SGLR: g_bar[j] = mean over clients of their j-th gradient row (clients with shorter batches only
+    count for the rows they have)."""
+    n = max(len(g) for g in grads)
+    stack = np.full((len(grads), n, *grads[0].shape[1:]), np.nan, dtype=np.float64)
+    for i, g in enumerate(grads):
+        stack[i, :len(g)] = g
+    return np.nanmean(stack, axis=0).astype(grads[0].dtype)
+
+
+class CycleServer(ServerHost):
+    """Server host with the CycleSL step and SGLR's server-side rules."""
+
+    def _pool(self, acts):
+        feats = [transport.unpack(a.x, self.device, writable=True) for a in acts]
+        ys = [torch.as_tensor(np.array(a.y), device=self.device) for a in acts]
+        return feats, ys
+
+    def cycle_step(self, *acts: Activation) -> list[Gradient]:
+        """Algorithm 1: pool the round's features, train the server for E epochs on resampled batches with
+        client-size-weighted loss, freeze it, return each client's gradient on its original features."""
+        ex = self.spec.extra
+        slot = self.models["main"]
+        model, opt = slot.module, slot.optimizer
+        feats, ys = self._pool(acts)
+        x_all, y_all = torch.cat(feats), torch.cat(ys)
+        w_all = torch.cat([torch.full((len(y),), float(a.weight), device=self.device) for a, y in zip(acts, ys)])
+        self.last_pool = {"tags": [a.tag for a in acts], "rows": int(len(y_all))}  # inspected by tests
+        self.clock = max([self.clock] + [a.t_sent for a in acts])
+        g = torch.Generator().manual_seed(self.spec.seed * 100003 + self.round)
+        bs = ex.get("server_batch_size") or self.spec.batch_size
+        n = len(y_all)
+        for _ in range(ex.get("server_epochs", 1)):
+            perm = torch.randperm(n, generator=g).to(self.device)
+            starts = range(0, n, bs) if ex.get("server_steps", "epoch") == "epoch" else [0]
+            for i in starts:
+                idx = perm[i:i + bs]
+
+                def step(idx=idx):
+                    opt.zero_grad(set_to_none=True)
+                    ce = F.cross_entropy(model(x_all[idx]), y_all[idx], reduction="none")
+                    loss = (w_all[idx] * ce).sum() / w_all[idx].sum()
+                    loss.backward()
+                    return loss
+
+                loss, fl = self.flops.run(("cycle", len(idx)), step)
+                self._check(float(loss.item()), acts[0].tag)
+                opt.step()
+                self.charge(fl)
+                self.losses.append(float(loss.item()))
+        return self._frozen_gradients(model, acts, feats, ys)
+
+    def _frozen_gradients(self, model, acts, feats, ys) -> list[Gradient]:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        out = []
+        try:
+            for a, f, y in zip(acts, feats, ys):
+                x = f.detach().clone().requires_grad_(True)
+
+                def grad_pass(x=x, y=y):
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                    return loss
+
+                loss, fl = self.flops.run(("grad", tuple(x.shape)), grad_pass)
+                self.charge(fl)
+                out.append(Gradient(a.tag, transport.pack(x.grad), self.clock, float(loss.item())))
+        finally:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        for gr in out:
+            self.grad_norms.append(float(np.linalg.norm(gr.g)))
+        return out
+
+    def share_gradients(self, grads: list[Gradient], weights: list[float], active: int) -> list[Gradient]:
+        """CycleSL's SGLR rule on already computed gradients: the first ``active`` get the shared one."""
+        if active < 1:
+            return grads
+        shared = sglr_shared_gradient([g.g for g in grads[:active]], weights[:active])
+        out = [Gradient(g.tag, np.broadcast_to(shared, g.g.shape).copy(), g.t_sent, g.loss) for g in grads[:active]]
+        self.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out + grads[active:]]
+        return out + grads[active:]
+
+    def cycle_sglr_step(self, *acts: Activation) -> list[Gradient]:
+        grads = self.cycle_step(*acts)
+        active = int(self.spec.extra.get("active_fraction", 0.5) * len(acts))
+        return self.share_gradients(grads, [a.weight for a in acts], active)
+
+    def sglr_step(self, *acts: Activation) -> list[Gradient]:
+        """SGLR, ``variant`` cyclesl or original (module docstring)."""
+        ex = self.spec.extra
+        if ex.get("sglr_variant", "cyclesl") == "cyclesl":
+            grads = [self.train_step(a, key=a.tag.client) for a in acts]  # copies forked by the driver
+            active = int(ex.get("active_fraction", 0.5) * len(acts))
+            return self.share_gradients(grads, [a.weight for a in acts], active)
+        slot = self.models["main"]
+        feats, ys = self._pool(acts)
+        x = torch.cat(feats).requires_grad_(True)
+        y = torch.cat(ys)
+        set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round) * len(acts) ** ex.get("lr_pow", 1.0))
+
+        def step():
+            slot.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(slot.module(x), y)
+            loss.backward()
+            return loss
+
+        self.clock = max([self.clock] + [a.t_sent for a in acts])
+        loss, fl = self.flops.run(("concat", tuple(x.shape)), step)
+        self._check(float(loss.item()), acts[0].tag)
+        slot.optimizer.step()
+        self.charge(fl)
+        self.losses.append(float(loss.item()))
+        sizes = np.cumsum([0] + [len(t) for t in ys])
+        slices = [transport.pack(x.grad[sizes[i]:sizes[i + 1]]) for i in range(len(acts))]
+        if self.round < ex.get("comm_fraction", 0.6) * ex.get("rounds", 1):
+            mean = positionwise_mean(slices)
+            slices = [mean[:len(s)].copy() for s in slices]
+        out = [Gradient(a.tag, s, self.clock, float(loss.item())) for a, s in zip(acts, slices)]
+        self.grad_norms.extend(float(np.linalg.norm(g.g)) for g in out)
+        return out
+
+
+class CycleParams(AlgorithmParams):
+    server_epochs: int = Field(default=1, ge=1, description="E: passes over the pooled features per round")
+    server_batch_size: int | None = Field(default=None, ge=1, description="resampling batch (default: client's)")
+    server_steps: Literal["epoch", "one"] = "epoch"
+
+
+class SGLRParams(AlgorithmParams):
+    variant: Literal["cyclesl", "original"] = "cyclesl"
+    active_fraction: float = Field(default=0.5, ge=0, le=1)
+    lr_pow: float = 1.0
+    comm_fraction: float = Field(default=0.6, ge=0, le=1)
+
+
+class CycleSGLRParams(CycleParams):
+    active_fraction: float = Field(default=0.5, ge=0, le=1)
+
+
+class _OneStep(Algorithm):
+    """Rounds of one forward per sampled client (``local_steps`` times), a server call returning one gradient
+    per client, and the clients' backward passes."""
+
+    server_host = CycleServer
+    server_method = "cycle_step"
+
+    def host_extra(self) -> dict:
+        return {k: v for k, v in self.p.model_dump().items() if k != "name"} | {"rounds": self.cfg.train.rounds}
+
+    def split_round(self, rt, clients) -> None:
+        for s in range(self.local_steps):
+            acts = [rt.forward(c, s) for c in clients]
+            for c, g in zip(clients, rt.server_each(self.server_method, len(clients), *acts)):
+                rt.backward(c, g)
+
+
+@register
+class CyclePSL(_OneStep):
+    """CycleSL on PSL: one server model trained on the pooled features; client models are not aggregated."""
+
+    name = "cyclepsl"
+    description = "CycleSL + PSL: pooled feature resampling, frozen-server gradients, no aggregation"
+    Params = CycleParams
+    clients_keep_models = True
+    aggregates_clients = False
+
+    def run_round(self, rt, rnd, clients, rng):
+        self.split_round(rt, clients)
+        return None
+
+
+@register
+class CycleSFL(_OneStep):
+    """CycleSL on SFL: CyclePSL's round, then FedAvg of the client models (to all clients by default)."""
+
+    name = "cyclesfl"
+    description = "CycleSL + SFL: pooled feature resampling, frozen-server gradients, FedAvg of clients"
+    Params = CycleParams
+
+    def run_round(self, rt, rnd, clients, rng):
+        self.split_round(rt, clients)
+        return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+
+
+@register
+class CycleSGLR(_OneStep):
+    """CycleSL on SGLR: CyclePSL's round with SGLR's gradient sharing among the first ``active_fraction``."""
+
+    name = "cyclesglr"
+    description = "CycleSL + SGLR: pooled resampling, frozen-server gradients shared among active clients"
+    Params = CycleSGLRParams
+    server_method = "cycle_sglr_step"
+    clients_keep_models = True
+    aggregates_clients = False
+
+    def run_round(self, rt, rnd, clients, rng):
+        self.split_round(rt, clients)
+        return None
+
+
+@register
+class SGLR(_OneStep):
+    """Server-side local gradient averaging and learning-rate acceleration (Pal et al. 2021); both variants in
+    the module docstring. Client models are never aggregated."""
+
+    name = "sglr"
+    description = "SGLR: server-side gradient averaging (variant cyclesl | original)"
+    Params = SGLRParams
+    server_method = "sglr_step"
+    clients_keep_models = True
+    aggregates_clients = False
+
+    def host_extra(self) -> dict:
+        return super().host_extra() | {"sglr_variant": self.p.variant}
+
+    def run_round(self, rt, rnd, clients, rng):
+        cyclesl = self.p.variant == "cyclesl"
+        if cyclesl:
+            rt.server("fork", clients)
+        self.split_round(rt, clients)
+        if cyclesl:
+            rt.server("merge", rt.weights(clients, self.agg.weights))
+        return None
