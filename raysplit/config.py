@@ -99,6 +99,7 @@ class TrainConfig(_Strict):
 class EvalConfig(_Strict):
     every: int = Field(default=1, ge=1)
     mode: Literal["auto", "global", "clients"] = "auto"
+    clients: Literal["sampled", "all"] = Field(default="sampled", description="whose test splits mode=clients uses")
     batch_size: int = Field(default=1000, ge=1)
     target_accuracy: float | None = Field(default=None, gt=0, le=1)
 

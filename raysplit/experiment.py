@@ -183,7 +183,8 @@ def evaluate(rt: Runtime, prepared: Prepared, global_handle, clients) -> dict:
     if prepared.eval_mode == "global":
         y, p, loss = rt.evaluate_global(global_handle)
     else:
-        y, p, loss = rt.evaluate_clients(list(clients))
+        who = range(len(prepared.inputs.test_idx)) if prepared.cfg.eval.clients == "all" else clients
+        y, p, loss = rt.evaluate_clients(list(who))
     return M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
 
 

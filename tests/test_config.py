@@ -52,5 +52,5 @@ def test_participation_fraction_and_count_exclusive():
 def test_shipped_configs_validate():
     from pathlib import Path
 
-    for p in sorted(Path(__file__).parent.parent.glob("configs/*.yaml")):
+    for p in sorted(Path(__file__).parent.parent.glob("configs/**/*.yaml")):
         load_config(p)

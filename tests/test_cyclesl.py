@@ -145,3 +145,20 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
     acts = [host.forward(Tag(c, 7, 0)) for c in range(3)]
     g = server.sglr_step(*acts)
     assert not np.allclose(g[0].g[:n], g[1].g[:n])
+
+
+def test_clients_eval_covers_sampled_or_all_test_splits(tmp_path, mlflow_uri):
+    from raysplit.experiment import evaluate
+
+    for who in ("sampled", "all"):
+        cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "cyclepsl", **{"eval.clients": who,
+                                                                               "train.participation.count": 2})
+        clients = [int(c) for c in p.sample_stream[0]]
+        rt.begin_round(0, clients, 0.0)
+        p.algorithm.run_round(rt, 0, clients, np.random.default_rng(0))
+        rt.end_round()
+        y, pred, _ = rt.evaluate_clients(clients if who == "sampled" else [0, 1, 2])
+        counted = clients if who == "sampled" else [0, 1, 2]
+        assert len(y) == sum(len(p.inputs.test_idx[c]) for c in counted)
+        m = evaluate(rt, p, None, clients)
+        assert 0.0 <= m["accuracy"] <= 1.0 and m["loss"] > 0
