@@ -13,13 +13,14 @@ from raysplit.config import ConfigError
 from raysplit.experiment import run_experiment
 
 BASELINES = ["splitnn", "psl", "sflv1", "sflv2", "fedavg"]
+CYCLESL = ["sglr", "cyclepsl", "cyclesfl", "cyclesglr"]
 
 
 def test_baselines_registered():
-    assert set(BASELINES) <= set(ALGORITHMS)
+    assert set(BASELINES + CYCLESL) <= set(ALGORITHMS)
 
 
-@pytest.mark.parametrize("algorithm", BASELINES)
+@pytest.mark.parametrize("algorithm", BASELINES + CYCLESL)
 def test_algorithm_two_rounds_through_ray_logs_mlflow(ray_session, tmp_path, mlflow_uri, algorithm):
     cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.name": algorithm, "tracking.experiment": "e2e",
                                                "train.local_steps": 10})

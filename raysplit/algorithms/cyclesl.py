@@ -234,19 +234,13 @@ class CycleSFL(_OneStep):
 
 
 @register
-class CycleSGLR(_OneStep):
+class CycleSGLR(CyclePSL):
     """CycleSL on SGLR: CyclePSL's round with SGLR's gradient sharing among the first ``active_fraction``."""
 
     name = "cyclesglr"
     description = "CycleSL + SGLR: pooled resampling, frozen-server gradients shared among active clients"
     Params = CycleSGLRParams
     server_method = "cycle_sglr_step"
-    clients_keep_models = True
-    aggregates_clients = False
-
-    def run_round(self, rt, rnd, clients, rng):
-        self.split_round(rt, clients)
-        return None
 
 
 @register
