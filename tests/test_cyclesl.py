@@ -14,8 +14,7 @@ from raysplit.algorithms.cyclesl import positionwise_mean, sglr_shared_gradient
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.models import build_model
-from raysplit.runtime import Runtime, make_backend, transport
-from raysplit.runtime.hosts import ClientHost
+from raysplit.runtime import Runtime, make_backend
 from raysplit.runtime.messages import Tag
 from test_semantics import run_rounds
 

@@ -1,6 +1,7 @@
 """Algorithm registry. Importing this package registers every algorithm."""
+# Relative imports: algorithm modules import nothing outside raysplit (and never Ray).
 
-from raysplit.algorithms.base import ALGORITHMS, Algorithm, AlgorithmParams, algorithm_params, get_algorithm, register
-from raysplit.algorithms import baselines, cyclesl  # noqa: F401  (registers)
+from .base import ALGORITHMS, Algorithm, AlgorithmParams, algorithm_params, get_algorithm, register
+from . import baselines, cyclesl  # noqa: F401  (registers)
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "algorithm_params", "get_algorithm", "register"]

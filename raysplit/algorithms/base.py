@@ -7,8 +7,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from raysplit.config import ConfigError
-from raysplit.runtime import ClientHost, ServerHost
+from ..config import ConfigError
+from ..runtime import ClientHost, ServerHost
 
 
 class AlgorithmParams(BaseModel):

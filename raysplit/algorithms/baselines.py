@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from raysplit.algorithms.base import Algorithm, AlgorithmParams, Order, register
+from .base import Algorithm, AlgorithmParams, Order, register
 
 
 class SequentialParams(AlgorithmParams):

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from raysplit.algorithms.base import Algorithm, AlgorithmParams, register
-from raysplit.runtime import ServerHost, transport
-from raysplit.runtime.hosts import round_lr, set_lr
-from raysplit.runtime.messages import Activation, Gradient
+from .base import Algorithm, AlgorithmParams, register
+from ..runtime import ServerHost, transport
+from ..runtime.hosts import round_lr, set_lr
+from ..runtime.messages import Activation, Gradient
 
 
 def sglr_shared_gradient(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
