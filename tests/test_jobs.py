@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,16 @@ def test_job_submit_runs_a_two_round_experiment_into_mlflow(tmp_path):
     temp = tempfile.mkdtemp(prefix="rsj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     # --block keeps this head's processes tied to this one command: stopping it stops them (and only them;
     # `ray stop` would also kill the test session's own Ray)
+    # the test session's own Ray already runs a dashboard agent on the default port: give this head's agent others
+    agent_ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            agent_ports.append(s.getsockname()[1])
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port=6391", "--num-cpus=2",
-                             "--disable-usage-stats", "--dashboard-port=8271", f"--temp-dir={temp}"], env=env,
+                             "--disable-usage-stats", "--dashboard-port=8271", f"--temp-dir={temp}",
+                             f"--dashboard-agent-listen-port={agent_ports[0]}",
+                             f"--dashboard-agent-grpc-port={agent_ports[1]}"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
