@@ -89,6 +89,9 @@ class TrainConfig(_Strict):
     rounds: int = Field(default=50, ge=1)
     batch_size: int = Field(default=32, ge=1)
     local_steps: int = Field(default=1, ge=1, description="batches per sampled client per round")
+    local_epochs: int | None = Field(default=None, ge=1, description="if set: full passes over its data per "
+                                     "sampled client per round (ceil(n/batch_size) batches each; replaces "
+                                     "local_steps), as in Hydra's code")
     optimizer: OptimizerConfig = OptimizerConfig()
     server_optimizer: OptimizerConfig | None = None
     participation: ParticipationConfig = ParticipationConfig()

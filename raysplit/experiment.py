@@ -106,10 +106,14 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         cut_name = next((n for n, i in model.cut_points().items() if i == cut), str(cut))
         client, server = model.split(cut)
 
+    from raysplit.algorithms import SetupInfo
+
+    alg.setup(SetupInfo(model=model, cut=cut, counts=counts, num_classes=spec_d.num_classes, seed=cfg.seed))
     eval_mode = cfg.eval.mode
+    global_ok = alg_cls.aggregates_clients or alg_cls.evaluates_itself
     if eval_mode == "auto":
-        eval_mode = "global" if alg_cls.aggregates_clients else "clients"
-    if eval_mode == "global" and not alg_cls.aggregates_clients:
+        eval_mode = "global" if global_ok else "clients"
+    if eval_mode == "global" and not global_ok:
         raise ConfigError(f"eval.mode=global needs a global client model; {alg_cls.name} keeps per-client models "
                           "(use eval.mode=clients)")
     if eval_mode == "clients" and cfg.data.test_fraction == 0:
@@ -180,7 +184,9 @@ def round_metrics(stats, prepared: Prepared) -> dict:
 
 
 def evaluate(rt: Runtime, prepared: Prepared, global_handle, clients) -> dict:
-    if prepared.eval_mode == "global":
+    if prepared.eval_mode == "global" and prepared.algorithm.evaluates_itself:
+        y, p, loss = prepared.algorithm.evaluate(rt, global_handle)
+    elif prepared.eval_mode == "global":
         y, p, loss = rt.evaluate_global(global_handle)
     else:
         who = range(len(prepared.inputs.test_idx)) if prepared.cfg.eval.clients == "all" else clients
@@ -232,6 +238,7 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
                                 "resolved.clients_per_round": prepared.sample_stream.shape[1],
                                 "resolved.num_clients": len(prepared.inputs.train_idx),
                                 "resolved.eval_mode": prepared.eval_mode})
+            tracker.log_params({f"resolved.{k}": v for k, v in prepared.algorithm.resolved().items()})
             tracker.log_params({f"partition.{k}": round(v, 6) for k, v in prepared.partition_summary.items()})
             cfg_file = out_dir / "config.yaml"
             cfg_file.write_text(dump(cfg))
@@ -266,6 +273,7 @@ def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round):
             progress = tqdm(total=cfg.train.rounds, initial=start, desc=f"{cfg.algorithm_name}", unit="round",
                             dynamic_ncols=True)
         final: dict = {}
+        positions = alg.positions()
         t_wall0 = time.perf_counter() - hist.wall
         for rnd in range(start, cfg.train.rounds):
             clients = [int(c) for c in prepared.sample_stream[rnd]]
@@ -297,6 +305,8 @@ def _loop(cfg, prepared, tracker, out_dir, ckpt_path, ckpt_state, on_round):
                     ev["rounds_to_target"] = hist.rounds_to_target
                 if len(la) <= 20:
                     ev.update({f"label_acc_{i}": a for i, a in enumerate(la) if not np.isnan(a)})
+                if positions is not None:
+                    ev.update({f"position_acc_{i}": a for i, a in enumerate(M.position_accuracy(la, positions))})
                 m.update(ev)
                 for k in ("accuracy", "loss", "f1_macro"):
                     hist.add(k, rnd, ev[k])
@@ -348,6 +358,20 @@ def _finish(cfg, prepared, rt, tracker, hist: History, out_dir: Path, ckpt_path:
             for r, row in zip(hist.rounds, hist.label_acc):
                 w.writerow([r] + row)
         tracker.log_artifact(out_dir / "label_accuracy.csv")
+        positions = prepared.algorithm.positions()
+        if positions is not None:
+            from raysplit.plots import plot_positions
+
+            pos_acc = M.position_accuracy(np.array(hist.label_acc), positions)
+            plot_positions(hist.rounds, pos_acc, positions, str(out_dir / "position_accuracy.png"),
+                           title=f"{cfg.name}: per-position accuracy")
+            tracker.log_artifact(out_dir / "position_accuracy.png")
+            with open(out_dir / "position_accuracy.csv", "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["round"] + [f"position_{i}_label_{lab}" for i, lab in enumerate(positions)])
+                for r, row in zip(hist.rounds, pos_acc):
+                    w.writerow([r] + row.tolist())
+            tracker.log_artifact(out_dir / "position_accuracy.csv")
     with open(out_dir / "client_rounds.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["round", "client", *CLIENT_KEYS])

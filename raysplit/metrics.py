@@ -39,6 +39,13 @@ def backward_transfer(history: np.ndarray) -> float:
     return float(drop.mean()) if drop.size else float("nan")
 
 
+def position_accuracy(label_acc, labels) -> np.ndarray:
+    """Per-position accuracy (Hydra §3.1) for cyclic processing: position i reports the accuracy of the label
+    dominant at the clients served at position i of a cycle, ``labels[i]``. Works on one evaluation or a
+    history (last axis = labels)."""
+    return np.asarray(label_acc, dtype=float)[..., list(labels)]
+
+
 def classification_metrics(y_true, y_pred, num_classes: int, loss_sum: float | None = None) -> dict:
     """loss, accuracy, macro-F1, MCC, per-label accuracy and performance gap for one evaluation."""
     y_true = np.asarray(y_true)

@@ -34,3 +34,18 @@ def plot_label_heatmap(rounds: list[int], label_acc: np.ndarray, path: str, titl
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_positions(rounds: list[int], pos_acc: np.ndarray, labels: list[int], path: str, title: str = "") -> None:
+    """Per-position accuracy over rounds (one line per position in the processing cycle)."""
+    a = np.asarray(pos_acc, dtype=float)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    cmap = plt.get_cmap("viridis", max(a.shape[1], 2))
+    for i, lab in enumerate(labels):
+        ax.plot(rounds, a[:, i], color=cmap(i), lw=1.2, label=f"pos {i + 1} (label {lab})")
+    ax.set_xlabel("round"), ax.set_ylabel("test accuracy of the position's label"), ax.grid(alpha=0.3)
+    ax.set_title(title or "per-position accuracy")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

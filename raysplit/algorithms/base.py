@@ -3,7 +3,11 @@ import Ray: they say which hosts run in the actors and what happens in a round."
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
+
+import numpy as np
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -18,6 +22,17 @@ class AlgorithmParams(BaseModel):
     name: str
 
 
+@dataclass
+class SetupInfo:
+    """What the driver knows before the run starts (given to ``Algorithm.setup``)."""
+
+    model: Any  # the SplitModel (random init), for resolving further cuts
+    cut: int | None  # resolved client/server cut
+    counts: np.ndarray  # (clients, labels) train-label counts of the partition
+    num_classes: int
+    seed: int
+
+
 class Algorithm:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
@@ -28,11 +43,36 @@ class Algorithm:
     clients_keep_models: ClassVar[bool] = False  # un-aggregated client models persist per client
     aggregates_clients: ClassVar[bool] = True  # a global client model exists (eval "auto" -> global test set)
 
+    evaluates_itself: ClassVar[bool] = False  # evaluate() computes predictions on the global test set
+
     def __init__(self, params: AlgorithmParams, cfg):
         self.p = params
         self.cfg = cfg
         self.local_steps = cfg.train.local_steps
+        self.local_epochs = cfg.train.local_epochs
         self.agg = cfg.train.aggregation
+
+    def setup(self, info: SetupInfo) -> None:
+        """Called on the driver before any actor exists (raise ConfigError for a bad combination)."""
+
+    def resolved(self) -> dict:
+        """Values derived at setup worth logging as MLflow params (``resolved.*``)."""
+        return {}
+
+    def evaluate(self, rt, global_handle):
+        """(y_true, y_pred, loss_sum) on the global test set for algorithms with their own inference rule
+        (``evaluates_itself``); the default evaluation is used otherwise."""
+        raise NotImplementedError
+
+    def positions(self) -> list[int] | None:
+        """For ordered processing: the label dominant at the clients served at each position of a cycle."""
+        return None
+
+    def steps_for(self, rt, cid: int) -> int:
+        """Batches client ``cid`` runs this round: ``local_steps``, or ``local_epochs`` full passes."""
+        if self.local_epochs:
+            return self.local_epochs * max(1, math.ceil(rt.sizes[cid] / self.cfg.train.batch_size))
+        return self.local_steps
 
     def run_round(self, rt, rnd: int, clients: list[int], rng) -> Any:
         """Run one round for the sampled ``clients``. Return a handle to the global client model after the round
@@ -45,16 +85,24 @@ class Algorithm:
 
     # shared building steps -----------------------------------------------------------------------------------
     def split_steps(self, rt, clients: list[int], server_key=None) -> None:
-        """``local_steps`` split steps for every client, client forwards submitted together so they run in
-        parallel; the server serves them in the given order (one client's steps consecutively)."""
-        first = {c: rt.forward(c, 0) for c in clients}
-        for c in clients:
-            act = first[c]
-            for s in range(self.local_steps):
-                if s > 0:
-                    act = rt.forward(c, s)
-                key = c if server_key == "per_client" else "main"
-                rt.backward(c, rt.server("train_step", act, key))
+        """``steps_for(c)`` split steps for every client, one client's steps consecutively, clients in the
+        given order."""
+        self.run_sequence(rt, [c for c in clients for _ in range(self.steps_for(rt, c))], server_key)
+
+    def run_sequence(self, rt, seq: list[int], server_key=None, method: str = "train_step") -> None:
+        """One split step per entry of ``seq`` (client ids), served in that order. Every client's first forward
+        is submitted up front so the clients compute them in parallel; a client's later forwards follow its
+        previous backward. ``server_key``: None -> the one server model, "per_client" -> the client's copy."""
+        first = {}
+        for c in seq:
+            if c not in first:
+                first[c] = rt.forward(c, 0)
+        step = dict.fromkeys(first, 0)
+        for c in seq:
+            act = first[c] if step[c] == 0 else rt.forward(c, step[c])
+            step[c] += 1
+            args = (act, c) if server_key == "per_client" else (act,)
+            rt.backward(c, rt.server(method, *args))
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
@@ -88,4 +136,3 @@ def algorithm_params(raw: dict) -> AlgorithmParams:
         raise ConfigError("invalid config: " + "; ".join(msgs)) from None
 
 
-Order = Literal["random", "fixed"]

@@ -7,18 +7,27 @@ and written to all clients or only the sampled ones (``train.aggregation.write_t
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Literal
 
-from .base import Algorithm, AlgorithmParams, Order, register
+import numpy as np
+from pydantic import Field
+
+from . import orders
+from .base import Algorithm, AlgorithmParams, SetupInfo, register
 
 
 class SequentialParams(AlgorithmParams):
-    order: Order = "random"
+    order: Literal["shuffled", "fixed"] = "shuffled"
+
+
+class OrderedParams(AlgorithmParams):
+    order: orders.OrderName = Field(default="shuffled", description="server processing order (algorithms/orders.py)")
+    phi: int = Field(default=10, ge=1, description="cyclic orders: consecutive batches per client turn (Hydra: 10)")
 
 
 def ordered(clients: list[int], order: str, rng: np.random.Generator) -> list[int]:
-    """``random``: a fresh permutation per round; ``fixed``: ascending client id."""
-    return [int(c) for c in (rng.permutation(clients) if order == "random" else sorted(clients))]
+    """``shuffled``: a fresh permutation per round; ``fixed``: ascending client id."""
+    return [int(c) for c in (rng.permutation(clients) if order == "shuffled" else sorted(clients))]
 
 
 @register
@@ -36,7 +45,7 @@ class SplitNN(Algorithm):
         for c in ordered(clients, self.p.order, rng):
             if prev is not None:
                 rt.client(c, "load_state", c, prev)
-            for s in range(self.local_steps):
+            for s in range(self.steps_for(rt, c)):
                 rt.backward(c, rt.server("train_step", rt.forward(c, s)))
             prev = rt.client(c, "get_state", c)
         rt.install(prev)
@@ -77,15 +86,35 @@ class SFLV1(PSL):
 
 @register
 class SFLV2(Algorithm):
-    """SplitFed V2: one server model; the sampled clients are served one after another in the configured order
-    (``random``: a new permutation each round; ``fixed``: by client id), then client models are FedAvg'd."""
+    """SplitFed V2: one server model that serves the sampled clients' batches one at a time in the configured
+    processing order (``algorithm.order``: shuffled | fixed | random | cyclic | cyclic_reverse, see
+    algorithms/orders.py; ``phi`` batches per turn in the cyclic orders), then FedAvg of the client models."""
 
     name = "sflv2"
-    description = "SplitFed V2: one server model, sequential clients, FedAvg of client models"
-    Params = SequentialParams
+    description = "SplitFed V2: one server model, sequential processing in a chosen order, FedAvg of clients"
+    Params = OrderedParams
+
+    def setup(self, info: SetupInfo) -> None:
+        self.dominant = orders.dominant_labels(info.counts)
+        self.labels = orders.label_order(info.seed, info.num_classes)
+
+    def positions(self):
+        return self.labels if self.p.order in orders.CYCLIC else None
+
+    def resolved(self) -> dict:
+        if self.p.order not in orders.CYCLIC:
+            return {}
+        per_label = np.bincount(self.dominant, minlength=len(self.labels))
+        return {"order.labels": " ".join(map(str, self.labels)),
+                "order.clients_per_label": " ".join(map(str, per_label[self.labels]))}
+
+    def order_sequence(self, rt, clients, rng) -> list[int]:
+        steps = {int(c): self.steps_for(rt, int(c)) for c in clients}
+        return orders.sequence(self.p.order, clients, steps, rng, dominant=self.dominant, labels=self.labels,
+                               phi=self.p.phi)
 
     def run_round(self, rt, rnd, clients, rng):
-        self.split_steps(rt, ordered(clients, self.p.order, rng))
+        self.run_sequence(rt, self.order_sequence(rt, clients, rng))
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
 
@@ -100,5 +129,5 @@ class FedAvg(Algorithm):
 
     def run_round(self, rt, rnd, clients, rng):
         for c in clients:
-            rt.client(c, "local_train", c, self.local_steps)
+            rt.client(c, "local_train", c, self.steps_for(rt, c))
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)

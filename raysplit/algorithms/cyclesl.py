@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .base import Algorithm, AlgorithmParams, register
+from ..config import ConfigError
 from ..runtime import ServerHost, transport
 from ..runtime.hosts import round_lr, set_lr
 from ..runtime.messages import Activation, Gradient
@@ -197,6 +198,11 @@ class _OneStep(Algorithm):
 
     def host_extra(self) -> dict:
         return {k: v for k, v in self.p.model_dump().items() if k != "name"} | {"rounds": self.cfg.train.rounds}
+
+    def setup(self, info) -> None:
+        if self.local_epochs:
+            raise ConfigError(f"{self.name} pools one batch per client per step (train.local_steps); "
+                              "train.local_epochs is not supported")
 
     def split_round(self, rt, clients) -> None:
         for s in range(self.local_steps):

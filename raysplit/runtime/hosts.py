@@ -433,21 +433,27 @@ class ServerHost:
 
     def train_step(self, act: Activation, key="main") -> Gradient:
         """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
-        t_wall = time.perf_counter()
         slot = self.models[key]
+        return self.step_through(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
+
+    def step_through(self, act: Activation, module, optimizers: list, flop_key="main") -> Gradient:
+        """One SGD step of ``module`` (and its ``optimizers``) on an activation; returns the client's gradient."""
+        t_wall = time.perf_counter()
         x = transport.unpack(act.x, self.device, writable=True).requires_grad_(True)
         y = torch.tensor(act.y, device=self.device)
 
         def step():
-            slot.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(slot.module(x), y, act)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss = self.loss_fn(module(x), y, act)
             loss.backward()
             return loss
 
-        loss, fl = self.flops.run(("train", key if key == "main" else "copy", tuple(x.shape)), step)
+        loss, fl = self.flops.run(("train", flop_key, tuple(x.shape)), step)
         lv = float(loss.item())
         self._check(lv, act.tag)
-        slot.optimizer.step()
+        for opt in optimizers:
+            opt.step()
         self.charge(fl, act.t_sent)
         g = x.grad
         self.losses.append(lv)
@@ -493,10 +499,10 @@ class ServerHost:
         parts = [p for p in partials if p is not None]
         total = sum(p.weight for p in parts)
         keys = parts[0].state.keys()
-        avg = {k: sum(np.asarray(p.state[k], dtype=np.float64) for p in parts) / total for k in keys}
+        avg = {k: np.asarray(sum(np.asarray(p.state[k], dtype=np.float64) for p in parts) / total) for k in keys}
         ref = self._eval_client.state_dict()
         state = {k: torch.from_numpy(avg[k]).to(ref[k].dtype) if ref[k].is_floating_point()
-                 else torch.from_numpy(np.rint(avg[k])).to(ref[k].dtype) for k in keys}
+                 else torch.from_numpy(np.asarray(np.rint(avg[k]))).to(ref[k].dtype) for k in keys}
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
 
     def get_state(self, key="main") -> StateMsg:

@@ -1,0 +1,128 @@
+"""Reproduce docs/results/hydra.md: Hydra's forgetting study on Fashion-MNIST (configs/hydra/fmnist.yaml).
+
+    .venv/bin/python docs/results/run_hydra.py [--seeds 0 1 2] [--jobs 2] [--backend local]
+
+For c in {1, 2} (10 or 20 clients, dominant label 0.8) runs SFLV2 and SFLV2+Hydra in the cyclic and the random
+order, and SplitFedV1, SplitFedV3 and MultiHead (their per-client server copies make the order irrelevant), each
+seed a full raysplit run logged to MLflow (experiment hydra-fmnist in ./mlflow.db). Prints the markdown table
+(final global accuracy, performance gap, backward transfer; mean ± std over seeds) and writes the per-position
+figure docs/results/hydra_positions.png (cyclic order; accuracy of each position's label averaged over the last
+5 rounds, median over seeds). ``--backend local`` runs the same hosts in-process (identical results to the Ray
+backend, tested in tests/test_semantics.py) so that the 42 runs fit on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+ORDERED = [("SFLV2", "sflv2"), ("SFLV2+Hydra", "hydra")]
+PARALLEL = [("SplitFedV1", "sflv1"), ("SplitFedV3", "sflv3"), ("MultiHead", "multihead")]
+
+
+def jobs(seeds):
+    out = []
+    for c in (1, 2):
+        for order in ("cyclic", "random"):
+            for label, name in ORDERED:
+                out += [(c, order, label, {"name": name, "order": order, "phi": 5, **(
+                    {"cut_b": "conv2"} if name == "hydra" else {})}, s) for s in seeds]
+        for label, name in PARALLEL:
+            out += [(c, "-", label, {"name": name}, s) for s in seeds]
+    return out
+
+
+def one(c, order, label, alg, seed, backend, out_dir):
+    out = out_dir / f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_")
+    if out.is_file():
+        return c, order, label, seed, json.loads(out.read_text())
+    code = f"""
+import json
+from mlflow.tracking import MlflowClient
+from raysplit.config import load_config
+from raysplit.experiment import run_experiment
+cfg = load_config({str(ROOT / 'configs/hydra/fmnist.yaml')!r}, {{"algorithm": {alg!r}, "seed": {seed},
+      "data.num_clients": {10 * c}, "runtime.backend": {backend!r}, "tracking.progress": False,
+      "tracking.run_name": {f'{label} {order} c={c} seed {seed}'!r}}})
+res = run_experiment(cfg)
+out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
+cl = MlflowClient(cfg.tracking.uri)
+for key in ["accuracy", "performance_gap"] + [f"position_acc_{{i}}" for i in range(10)]:
+    h = [m.value for m in sorted(cl.get_metric_history(res["run_id"], key), key=lambda m: m.step)]
+    if h:
+        out[key + "_last5"] = sum(h[-5:]) / len(h[-5:])
+print("RESULT" + json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    if not line:
+        raise RuntimeError(f"{label} {order} c={c} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    res = json.loads(line[-1][6:])
+    out.write_text(json.dumps(res))
+    print(f"done {label} {order} c={c} seed {seed}: acc {res['accuracy']:.4f}", flush=True)
+    return c, order, label, seed, res
+
+
+def figure(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    for ax, c in zip(axes, (1, 2)):
+        for label, color in (("SFLV2", "tab:red"), ("SFLV2+Hydra", "tab:blue")):
+            rows = [r for (cc, o, lab, _), r in results.items() if cc == c and o == "cyclic" and lab == label]
+            if not rows:
+                continue
+            pos = np.array([[r[f"position_acc_{i}_last5"] for i in range(10)] for r in rows])
+            med = np.median(pos, axis=0)
+            ax.plot(range(1, 11), med, "o-", color=color, label=f"{label} (median of {len(rows)} seeds)")
+            ax.fill_between(range(1, 11), pos.min(0), pos.max(0), color=color, alpha=0.15)
+        ax.set_title(f"cyclic order, c = {c} ({10 * c} clients), DL 0.8")
+        ax.set_xlabel("position in the processing cycle"), ax.set_xticks(range(1, 11)), ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy of the position's label\n(mean of the last 5 rounds)")
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--backend", default="local", choices=["local", "ray"])
+    ap.add_argument("--out", default=str(ROOT / "outputs" / "hydra_table"))
+    a = ap.parse_args()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # create the MLflow store once before parallel runs (sqlite schema race)
+    subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
+                    "mlflow.set_experiment('hydra-fmnist')"], cwd=ROOT, check=True, capture_output=True)
+    with ThreadPoolExecutor(a.jobs) as pool:
+        done = list(pool.map(lambda j: one(*j, a.backend, out_dir), jobs(a.seeds)))
+    results = {(c, o, lab, s): r for c, o, lab, s, r in done}
+    print("| c | order | method | global accuracy (%) | PG (pp) | BW (pp) | PG, mean of last 5 rounds (pp) |")
+    print("|---|---|---|---|---|---|---|")
+    keys = sorted({(c, o, lab) for c, o, lab, _ in results}, key=lambda k: (k[0], k[1] == "-", k[1], k[2]))
+    for c, o, lab in keys:
+        rs = [r for (cc, oo, ll, _), r in results.items() if (cc, oo, ll) == (c, o, lab)]
+
+        def ms(k):
+            v = np.array([r[k] for r in rs], dtype=float) * 100
+            return f"{v.mean():.2f} ± {v.std():.2f}"
+
+        print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
+              f"{ms('performance_gap_last5')} |")
+    figure(results, ROOT / "docs" / "results" / "hydra_positions.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Hydra (Tirana et al., ../shared/papers/hydra.txt) and the multi-head baselines it compares against.
+
+Hydra: the server part is split again at ``cut_b`` into part-2a (shared, trained sequentially in the processing
+order, as SFLV2's server) and K heads (part-2b). Each client belongs to one group (head), fixed before training by
+the paper's greedy Algorithm 2 (App. A.2) from the label-count vector every client sends once; a batch goes through
+part-2a and its client's head, and both step. At the end of every round the heads are averaged into one head that is
+copied back into every head, so the trained model has a single head. Client part-1: FedAvg as in SFLV2.
+
+Choices where paper and code (seed-code.md §2) differ or are silent:
+- Head averaging: the paper says FedAvg; the code takes the unweighted mean of all heads. ``head_weights: samples``
+  (default) weights each head by the samples it trained on this round (a head that saw no client this round gets
+  weight 0); ``uniform`` is the code's mean. The heads' optimizer states (momentum) are averaged the same way, so
+  with K=1 Hydra is exactly SFLV2 (the second cut changes nothing). The code re-creates optimizers every epoch
+  (plain SGD there, so nothing is lost); with momentum we keep the averaged state.
+- K defaults to the number of labels, each label its own group; ``label_groups`` (superclasses) gives K < labels,
+  e.g. Hydra's CIFAR-10 K=5 map ``[[0,2],[1,9],[8],[3,5,7],[4,6]]``. Algorithm 2's score of a client for a group is
+  its number of samples of the group's labels.
+- ``cut_b`` defaults to the last two blocks as heads (the paper's "small heads": the last 2 layers).
+- The label vector (labels x 8 bytes) is counted as upload of every client in round 0.
+
+SplitFedV3 (Madaan et al.; Hydra's ``run_sflv3.py``): per-client part-1 models never averaged, per-client server
+copies averaged every round (PSL's training); inference on the global test set runs every client's part-1 with the
+server and takes, per sample, the prediction of the client whose logits have the highest maximum.
+
+MultiHead (Chen et al.; Hydra's ``run_multihead.py``): part-1 FedAvg'd every round, one server part (head) per
+client that is never averaged; inference runs the global part-1 with every head and takes the most confident head.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from . import orders
+from .base import SetupInfo, register
+from .baselines import PSL, SFLV1, SFLV2, OrderedParams
+from ..config import ConfigError
+from ..data import to_tensor
+from ..models.core import param_bytes
+from ..runtime import ClientHost, ServerHost, transport
+from ..runtime.hosts import _Slot, average_states, make_optimizer, set_lr, round_lr
+from ..runtime.messages import Activation, Gradient, StateMsg
+
+
+def greedy_groups(counts: np.ndarray, label_groups: list[list[int]]) -> list[int]:
+    """Hydra's Algorithm 2: iterate over the groups; each takes the unassigned client with the most samples of the
+    group's labels (ties: lowest client id); repeat until every client is assigned. Returns each client's group.
+    Iterating over groups, not clients, keeps group sizes within one of each other."""
+    counts = np.asarray(counts)
+    score = np.stack([counts[:, g].sum(axis=1) for g in label_groups], axis=1)  # (clients, groups)
+    group = np.full(len(counts), -1)
+    left = len(counts)
+    while left:
+        for g in range(len(label_groups)):
+            if not left:
+                break
+            free = np.flatnonzero(group < 0)
+            c = free[np.argmax(score[free, g])]
+            group[c] = g
+            left -= 1
+    return [int(g) for g in group]
+
+
+class LabelClient(ClientHost):
+    """Client host that can report its clients' label counts and hand out their own models for evaluation."""
+
+    def label_counts(self, num_classes: int, charge: bool) -> dict[int, np.ndarray]:
+        out = {}
+        for c, idx in self.train_idx.items():
+            v = np.bincount(np.asarray(self.y[idx], dtype=np.int64), minlength=num_classes)
+            if charge:
+                self.clock[c] += v.nbytes / self.profiles[c].up
+                self.round_stats[c].add(bytes_up=v.nbytes)
+            out[c] = v
+        return out
+
+    def own_states(self) -> dict[int, dict]:
+        """Packed own model of every hosted client that has one (evaluation only: not charged)."""
+        return {c: transport.pack_state(st) for c, st in self.own.items()}
+
+
+class ConfidentServer(ServerHost):
+    """Server host with the "most confident model" inference of SplitFedV3 and MultiHead."""
+
+    @torch.no_grad()
+    def _confident(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]]):
+        for c, s in pairs:
+            c.eval(), s.eval()
+        preds, loss = [], 0.0
+        bs = self.spec.eval_batch_size
+        for i in range(0, len(self.test_y), bs):
+            x = to_tensor(self.test_x[i:i + bs], self.spec.data_spec).to(self.device)
+            y = torch.tensor(self.test_y[i:i + bs], dtype=torch.long, device=self.device)
+            logits = torch.stack([s(c(x)) for c, s in pairs])  # (models, batch, classes)
+            best = logits.max(dim=2).values.argmax(dim=0)
+            out = logits[best, torch.arange(len(y), device=self.device)]
+            loss += F.cross_entropy(out, y, reduction="sum").item()
+            preds.append(out.argmax(1).cpu().numpy())
+        for _, s in pairs:
+            s.train()
+        return np.asarray(self.test_y), np.concatenate(preds) if preds else np.zeros(0, np.int64), loss
+
+    def evaluate_client_models(self, *parts: dict) -> tuple[np.ndarray, np.ndarray, float]:
+        """SplitFedV3: every client's own part-1 (from ``LabelClient.own_states``) with the server part."""
+        states = {c: st for p in parts for c, st in p.items()}
+        if not states:
+            states = {-1: None}
+        server = self.models["main"].module
+        pairs = []
+        for c, st in sorted(states.items()):
+            client = copy.deepcopy(self._eval_client)
+            if st is not None:
+                client.load_state_dict(transport.unpack_state(st))
+            pairs.append((client, server))
+        return self._confident(pairs)
+
+    def ensure_heads(self, keys: list) -> None:
+        """MultiHead: a server head per client, forked from the initial server part the first time it is seen."""
+        self.fork([k for k in keys if k not in self.models])
+
+    def evaluate_heads(self, client_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
+        """MultiHead: the global part-1 with every client head (the initial part if no head exists yet)."""
+        self._eval_client.load_state_dict(transport.unpack_state(client_state.state))
+        heads = [s.module for k, s in sorted(self.models.items(), key=lambda kv: str(kv[0])) if k != "main"]
+        return self._confident([(self._eval_client, h) for h in heads or [self.models["main"].module]])
+
+
+class HydraServer(ServerHost):
+    """``models['main']`` is the whole server part (part-2a then the averaged head) used for evaluation; its
+    optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers."""
+
+    def __init__(self, spec, init_state, client_init_state, test):
+        super().__init__(spec, init_state, client_init_state, test)
+        full = self.models["main"].module
+        at = spec.extra["head_at"]
+        self.body, self.head = full[:at], full[at:]
+        self.models["main"] = _Slot(full, make_optimizer(self.body.parameters(), spec.server_optimizer))
+        self.heads = [self._new_head() for _ in range(spec.extra["num_heads"])]
+        self.groups: dict[int, int] = {}
+        self.head_samples = np.zeros(len(self.heads))
+
+    def _new_head(self) -> _Slot:
+        m = copy.deepcopy(self.head)
+        return _Slot(m, make_optimizer(m.parameters(), self.spec.server_optimizer))
+
+    def set_groups(self, groups: list[int]) -> None:
+        self.groups = {c: int(g) for c, g in enumerate(groups)}
+
+    def begin_round(self, rnd: int, t0: float) -> None:
+        super().begin_round(rnd, t0)
+        self.head_samples[:] = 0
+        for h in self.heads:
+            set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd))
+
+    def hydra_step(self, act: Activation) -> Gradient:
+        """part-2a then the client's group head; both step; the gradient goes back to the client."""
+        g = self.groups[act.tag.client]
+        head = self.heads[g]
+        self.head_samples[g] += len(act.y)
+        return self.step_through(act, torch.nn.Sequential(self.body, head.module),
+                                 [self.models["main"].optimizer, head.optimizer], "hydra")
+
+    def merge_heads(self, mode: str = "samples") -> None:
+        """Average the heads (weights and optimizer states) into one head, copied back into every head."""
+        w = self.head_samples.tolist() if mode == "samples" else [1.0] * len(self.heads)
+        keep = [(h, wi) for h, wi in zip(self.heads, w) if wi > 0]
+        if not keep:
+            return
+        avg = average_states([h.module.state_dict() for h, _ in keep], [wi for _, wi in keep])
+        opt_states = [h.optimizer.state_dict() for h, _ in keep]
+        merged = None
+        if opt_states[0]["state"]:
+            merged = copy.deepcopy(opt_states[0])
+            for pid in merged["state"]:
+                merged["state"][pid] = average_states([o["state"][pid] for o in opt_states], [wi for _, wi in keep])
+        self.head.load_state_dict(avg)
+        for h in self.heads:
+            h.module.load_state_dict(avg)
+            if merged is not None:
+                h.optimizer.load_state_dict(merged)
+
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st["heads"] = [(h.module.state_dict(), h.optimizer.state_dict()) for h in self.heads]
+        st["groups"] = dict(self.groups)
+        return st
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        for h, (ms, os_) in zip(self.heads, st["heads"]):
+            h.module.load_state_dict(ms)
+            h.optimizer.load_state_dict(os_)
+        self.groups = dict(st["groups"])
+
+
+class HydraParams(OrderedParams):
+    cut_b: int | str | None = Field(default=None, description="second cut (start of the heads); default: the "
+                                    "last two blocks are the heads")
+    heads: int | None = Field(default=None, ge=1, description="K; default: number of labels (or of label_groups)")
+    label_groups: list[list[int]] | None = Field(default=None, description="superclasses: labels of each head")
+    head_weights: Literal["samples", "uniform"] = "samples"
+
+
+@register
+class Hydra(SFLV2):
+    """SFLV2 + Hydra: shared part-2a in the processing order, one head per client group, heads averaged each
+    round (see the module docstring)."""
+
+    name = "hydra"
+    description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
+    Params = HydraParams
+    client_host = LabelClient
+    server_host = HydraServer
+
+    def setup(self, info: SetupInfo) -> None:
+        super().setup(info)
+        p, L = self.p, info.num_classes
+        model = info.model
+        if p.cut_b is None:
+            at = len(model.blocks) - 2
+        else:
+            try:
+                at = model.resolve_cut(p.cut_b)
+            except ValueError as e:
+                raise ConfigError(f"algorithm.cut_b: {e}") from None
+        if not info.cut < at < len(model.blocks):
+            raise ConfigError(f"algorithm.cut_b={p.cut_b!r} (block {at}) must lie after model.cut (block "
+                              f"{info.cut}) and leave at least one block for the heads "
+                              f"({len(model.blocks)} blocks)")
+        if p.label_groups is not None:
+            flat = sorted(lab for g in p.label_groups for lab in g)
+            if flat != list(range(L)):
+                raise ConfigError(f"algorithm.label_groups must cover every label 0..{L - 1} exactly once; got "
+                                  f"{p.label_groups}")
+            if p.heads is not None and p.heads != len(p.label_groups):
+                raise ConfigError(f"algorithm.heads={p.heads} but label_groups has {len(p.label_groups)} groups")
+            groups = [list(g) for g in p.label_groups]
+        elif p.heads is None or p.heads == L:
+            groups = [[lab] for lab in range(L)]
+        elif p.heads == 1:
+            groups = [list(range(L))]
+        else:
+            raise ConfigError(f"algorithm.heads={p.heads} < {L} labels needs algorithm.label_groups (the labels "
+                              "of each head, e.g. superclasses)")
+        self.label_groups = groups
+        self.head_at = at - info.cut
+        self.head_bytes = param_bytes(model.segment(at, len(model.blocks)), include_buffers=True)
+        self.groups = None
+
+    def host_extra(self) -> dict:
+        return {"head_at": self.head_at, "num_heads": len(self.label_groups)}
+
+    def resolved(self) -> dict:
+        K = len(self.label_groups)
+        return {**super().resolved(), "hydra.heads": K, "hydra.head_start_in_server": self.head_at,
+                "hydra.head_bytes": self.head_bytes, "hydra.extra_head_bytes": (K - 1) * self.head_bytes}
+
+    def run_round(self, rt, rnd, clients, rng):
+        if self.groups is None:  # Algorithm 2 on the label vectors the clients send once (counted in round 0)
+            L = sum(len(g) for g in self.label_groups)
+            got = {}
+            for part in rt.get(rt.all_workers("label_counts", L, rnd == 0)):
+                got.update(part)
+            counts = np.stack([got[c] for c in range(rt.num_clients)])
+            self.groups = greedy_groups(counts, self.label_groups)
+            rt.server("set_groups", self.groups)
+        self.run_sequence(rt, self.order_sequence(rt, clients, rng), method="hydra_step")
+        rt.server("merge_heads", self.p.head_weights)
+        return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+
+
+@register
+class SplitFedV3(PSL):
+    """SplitFed V3: PSL's training (client models kept, per-client server copies averaged every round);
+    global-test inference by the most confident client model (module docstring)."""
+
+    name = "sflv3"
+    description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
+    client_host = LabelClient
+    server_host = ConfidentServer
+    evaluates_itself = True
+
+    def evaluate(self, rt, global_handle):
+        return rt.get(rt.server("evaluate_client_models", *rt.all_workers("own_states")))
+
+
+@register
+class MultiHead(SFLV1):
+    """MultiHead: part-1 FedAvg'd every round; each client trains its own server head, never averaged;
+    global-test inference by the most confident head (module docstring)."""
+
+    name = "multihead"
+    description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
+    server_host = ConfidentServer
+    evaluates_itself = True
+
+    def setup(self, info: SetupInfo) -> None:
+        if self.cfg.eval.mode == "clients":
+            raise ConfigError("multihead evaluates with its most-confident-head rule on the global test set; "
+                              "eval.mode=clients is not supported (use auto or global)")
+        self.server_bytes = param_bytes(info.model.segment(info.cut, len(info.model.blocks)), include_buffers=True)
+
+    def resolved(self) -> dict:
+        return {"multihead.head_bytes": self.server_bytes,
+                "multihead.all_heads_bytes": self.server_bytes * self.cfg.data.num_clients}
+
+    def run_round(self, rt, rnd, clients, rng):
+        rt.server("ensure_heads", clients)
+        self.split_steps(rt, clients, server_key="per_client")
+        return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+
+    def evaluate(self, rt, global_handle):
+        return rt.get(rt.server("evaluate_heads", global_handle))
