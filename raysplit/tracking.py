@@ -11,8 +11,18 @@ import os
 import uuid
 from pathlib import Path
 
-import mlflow
-from mlflow.tracking import MlflowClient
+
+
+class _LazyMlflow:
+    """``mlflow`` imported on first use, so runs with ``tracking.enabled: false`` need no MLflow install."""
+
+    def __getattr__(self, name):
+        import mlflow as _mlflow
+
+        return getattr(_mlflow, name)
+
+
+mlflow = _LazyMlflow()
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -87,4 +97,6 @@ class Tracker:
 
 
 def get_run(run_id: str, uri: str | None = None):
+    from mlflow.tracking import MlflowClient
+
     return MlflowClient(resolve_uri(uri)).get_run(run_id)

@@ -39,23 +39,22 @@ def jobs(seeds):
     return out
 
 
-def one(c, order, label, alg, seed, backend, out_dir):
+def one(c, order, label, alg, seed, backend, out_dir, overrides):
     out = out_dir / f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_")
     if out.is_file():
         return c, order, label, seed, json.loads(out.read_text())
     code = f"""
 import json
-from mlflow.tracking import MlflowClient
 from raysplit.config import load_config
 from raysplit.experiment import run_experiment
 cfg = load_config({str(ROOT / 'configs/hydra/fmnist.yaml')!r}, {{"algorithm": {alg!r}, "seed": {seed},
       "data.num_clients": {10 * c}, "runtime.backend": {backend!r}, "tracking.progress": False,
-      "tracking.run_name": {f'{label} {order} c={c} seed {seed}'!r}}})
-res = run_experiment(cfg)
+      "tracking.run_name": {f'{label} {order} c={c} seed {seed}'!r}, **{overrides!r}}})
+hist = []
+res = run_experiment(cfg, on_round=lambda r, m: hist.append(m))
 out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
-cl = MlflowClient(cfg.tracking.uri)
 for key in ["accuracy", "performance_gap"] + [f"position_acc_{{i}}" for i in range(10)]:
-    h = [m.value for m in sorted(cl.get_metric_history(res["run_id"], key), key=lambda m: m.step)]
+    h = [float(m[key]) for m in hist if key in m]
     if h:
         out[key + "_last5"] = sum(h[-5:]) / len(h[-5:])
 print("RESULT" + json.dumps(out))
@@ -100,14 +99,26 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--backend", default="local", choices=["local", "ray"])
     ap.add_argument("--out", default=str(ROOT / "outputs" / "hydra_table"))
+    ap.add_argument("--no-mlflow", action="store_true", help="tracking.enabled=false (runs need no MLflow)")
+    ap.add_argument("--data-root", default=None, help="data.root for Fashion-MNIST")
+    ap.add_argument("--only-c", type=int, choices=[1, 2], default=None)
+    ap.add_argument("--set", nargs="*", default=[], help="extra dotted key=value overrides for every run")
     a = ap.parse_args()
+    overrides = {"tracking.enabled": False} if a.no_mlflow else {}
+    if a.data_root:
+        overrides["data.root"] = a.data_root
+    import yaml
+
+    overrides.update({kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set})
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # create the MLflow store once before parallel runs (sqlite schema race)
-    subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
-                    "mlflow.set_experiment('hydra-fmnist')"], cwd=ROOT, check=True, capture_output=True)
+    if not a.no_mlflow:
+        subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
+                        "mlflow.set_experiment('hydra-fmnist')"], cwd=ROOT, check=True, capture_output=True)
+    todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0])]
     with ThreadPoolExecutor(a.jobs) as pool:
-        done = list(pool.map(lambda j: one(*j, a.backend, out_dir), jobs(a.seeds)))
+        done = list(pool.map(lambda j: one(*j, a.backend, out_dir, overrides), todo))
     results = {(c, o, lab, s): r for c, o, lab, s, r in done}
     print("| c | order | method | global accuracy (%) | PG (pp) | BW (pp) | PG, mean of last 5 rounds (pp) |")
     print("|---|---|---|---|---|---|---|")
@@ -121,7 +132,8 @@ def main():
 
         print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
               f"{ms('performance_gap_last5')} |")
-    figure(results, ROOT / "docs" / "results" / "hydra_positions.png")
+    if a.only_c is None:
+        figure(results, ROOT / "docs" / "results" / "hydra_positions.png")
 
 
 if __name__ == "__main__":
