@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDERED = [("SFLV2", "sflv2"), ("SFLV2+Hydra", "hydra")]
+ORDERED = [("SFLV2", "sflv2", {}), ("SFLV2+Hydra", "hydra", {"cut_b": "conv2"}),
+           ("SFLV2+Hydra head=fc2", "hydra", {"cut_b": "fc1"})]
 PARALLEL = [("SplitFedV1", "sflv1"), ("SplitFedV3", "sflv3"), ("MultiHead", "multihead")]
 
 
@@ -31,16 +32,15 @@ def jobs(seeds):
     out = []
     for c in (1, 2):
         for order in ("cyclic", "random"):
-            for label, name in ORDERED:
-                out += [(c, order, label, {"name": name, "order": order, "phi": 5, **(
-                    {"cut_b": "conv2"} if name == "hydra" else {})}, s) for s in seeds]
+            for label, name, extra in ORDERED:
+                out += [(c, order, label, {"name": name, "order": order, "phi": 5, **extra}, s) for s in seeds]
         for label, name in PARALLEL:
             out += [(c, "-", label, {"name": name}, s) for s in seeds]
     return out
 
 
 def one(c, order, label, alg, seed, backend, out_dir, overrides):
-    out = out_dir / f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_")
+    out = out_dir / f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_").replace("=", "").replace(" ", "_")
     if out.is_file():
         return c, order, label, seed, json.loads(out.read_text())
     code = f"""
@@ -70,25 +70,41 @@ print("RESULT" + json.dumps(out))
 
 
 def figure(results, path):
+    """Row 1: per-position accuracy (cyclic). Row 2: the same minus that label's final accuracy under the random
+    order (same method, seed and c), which removes how hard each label is and leaves the effect of the order."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
-    for ax, c in zip(axes, (1, 2)):
-        for label, color in (("SFLV2", "tab:red"), ("SFLV2+Hydra", "tab:blue")):
-            rows = [r for (cc, o, lab, _), r in results.items() if cc == c and o == "cyclic" and lab == label]
-            if not rows:
+    sys.path.insert(0, str(ROOT))
+    from raysplit.algorithms.orders import label_order
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.2), sharex=True)
+    for col, c in enumerate((1, 2)):
+        for label, color in (("SFLV2", "tab:red"), ("SFLV2+Hydra", "tab:blue"), ("SFLV2+Hydra head=fc2", "tab:green")):
+            runs = {s: r for (cc, o, lab, s), r in results.items() if cc == c and o == "cyclic" and lab == label}
+            if not runs:
                 continue
-            pos = np.array([[r[f"position_acc_{i}_last5"] for i in range(10)] for r in rows])
-            med = np.median(pos, axis=0)
-            ax.plot(range(1, 11), med, "o-", color=color, label=f"{label} (median of {len(rows)} seeds)")
-            ax.fill_between(range(1, 11), pos.min(0), pos.max(0), color=color, alpha=0.15)
-        ax.set_title(f"cyclic order, c = {c} ({10 * c} clients), DL 0.8")
-        ax.set_xlabel("position in the processing cycle"), ax.set_xticks(range(1, 11)), ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy of the position's label\n(mean of the last 5 rounds)")
-    axes[0].legend(fontsize=8, loc="lower right")
+            pos = np.array([[r[f"position_acc_{i}_last5"] for i in range(10)] for r in runs.values()])
+            axes[0, col].plot(range(1, 11), np.median(pos, axis=0), "o-", color=color, ms=4, label=label)
+            delta = []
+            for s, r in runs.items():
+                rnd = results.get((c, "random", label, s))
+                if rnd is None:
+                    continue
+                labs = label_order(s, 10)
+                delta.append([r[f"position_acc_{i}"] - rnd[f"label_acc_{lab}"] for i, lab in enumerate(labs)])
+            if delta:
+                axes[1, col].plot(range(1, 11), np.median(delta, axis=0), "o-", color=color, ms=4, label=label)
+        axes[0, col].set_title(f"cyclic order, c = {c} ({10 * c} clients), DL 0.8")
+        axes[1, col].axhline(0, color="k", lw=0.8)
+        axes[1, col].set_xlabel("position in the processing cycle"), axes[1, col].set_xticks(range(1, 11))
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("accuracy of the position's label\n(last 5 rounds, median of seeds)")
+    axes[1, 0].set_ylabel("minus the label's accuracy\nunder the random order (final)")
+    axes[0, 0].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -103,6 +119,8 @@ def main():
     ap.add_argument("--data-root", default=None, help="data.root for Fashion-MNIST")
     ap.add_argument("--only-c", type=int, choices=[1, 2], default=None)
     ap.add_argument("--set", nargs="*", default=[], help="extra dotted key=value overrides for every run")
+    ap.add_argument("--methods", nargs="*", default=None, help="only these method labels")
+    ap.add_argument("--orders", nargs="*", default=None, help="only these orders (cyclic, random, -)")
     a = ap.parse_args()
     overrides = {"tracking.enabled": False} if a.no_mlflow else {}
     if a.data_root:
@@ -116,10 +134,12 @@ def main():
     if not a.no_mlflow:
         subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
                         "mlflow.set_experiment('hydra-fmnist')"], cwd=ROOT, check=True, capture_output=True)
-    todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0])]
+    todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0]) and (a.methods is None or j[2] in a.methods)
+            and (a.orders is None or j[1] in a.orders)]
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda j: one(*j, a.backend, out_dir, overrides), todo))
     results = {(c, o, lab, s): r for c, o, lab, s, r in done}
+    print(f"runs: {len(results)}; overrides: {overrides}")
     print("| c | order | method | global accuracy (%) | PG (pp) | BW (pp) | PG, mean of last 5 rounds (pp) |")
     print("|---|---|---|---|---|---|---|")
     keys = sorted({(c, o, lab) for c, o, lab, _ in results}, key=lambda k: (k[0], k[1] == "-", k[1], k[2]))
@@ -132,7 +152,7 @@ def main():
 
         print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
               f"{ms('performance_gap_last5')} |")
-    if a.only_c is None:
+    if a.only_c is None and a.methods is None and a.orders is None:
         figure(results, ROOT / "docs" / "results" / "hydra_positions.png")
 
 
