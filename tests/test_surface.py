@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_list_shows_required_names(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for name in ["splitnn", "psl", "sflv1", "sflv2", "fedavg", "sglr", "cyclepsl", "cyclesfl", "cyclesglr",
+    for name in ["splitnn", "psl", "sflv1", "sflv2", "fedavg", "sglr", "cyclepsl", "cyclesfl", "cyclesglr", "hydra",
+                 "sflv3", "multihead",
                  "femnist_cnn", "celeba_cnn", "shakespeare_lstm", "resnet9", "alexnet_gas", "vgg16_bn_gas",
                  "semisfl_cnn", "alexnet2", "mobilenet_v1", "mobilenet_v3_large", "resnet18", "resnet101",
                  "cnn_small", "fashion_mnist", "digits", "cifar10", "cifar100", "svhn", "femnist", "shakespeare",
@@ -65,3 +66,28 @@ def test_cluster_yaml_passes_rays_validator():
     broken = dict(cfg, max_workers="many")
     with pytest.raises(jsonschema.ValidationError, match="many"):
         validate_config(prepare_config(broken))
+
+
+def test_untracked_run_needs_no_mlflow(tmp_path):
+    """tracking.enabled=false: a run completes in a process where importing mlflow fails (e.g. a GPU box
+    without it), and returns its metrics."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["mlflow"] = None  # any 'import mlflow' now raises ImportError
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import make_config
+from raysplit.experiment import run_experiment
+cfg = make_config(__import__("pathlib").Path({str(tmp_path)!r}), "sqlite:///unused.db",
+                  **{{"runtime.backend": "local", "tracking.enabled": False, "train.rounds": 1}})
+rounds = []
+res = run_experiment(cfg, on_round=lambda r, m: rounds.append(r))
+assert rounds == [0] and 0 <= res["accuracy"] <= 1, res
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+    assert not (tmp_path / "unused.db").exists()
