@@ -47,14 +47,8 @@ class Algorithm:
     def split_steps(self, rt, clients: list[int], server_key=None) -> None:
         """``local_steps`` split steps for every client, client forwards submitted together so they run in
         parallel; the server serves them in the given order (one client's steps consecutively)."""
-        first = {c: rt.forward(c, 0) for c in clients}
-        for c in clients:
-            act = first[c]
-            for s in range(self.local_steps):
-                if s > 0:
-                    act = rt.forward(c, s)
-                key = c if server_key == "per_client" else "main"
-                rt.backward(c, rt.server("train_step", act, key))
+        keys = {c: c for c in clients} if server_key == "per_client" else None
+        rt.split_steps(clients, self.local_steps, keys)
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}

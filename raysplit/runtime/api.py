@@ -84,6 +84,8 @@ class Runtime:
         refs = [b.call(w, "end_round") for w in b.workers]
         server_out = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
         out = b.get(refs) + [server_out]
+        if hasattr(b, "round_done"):
+            b.round_done()
         clients: dict[int, dict] = {}
         for part in out[:-1]:
             clients.update(part)
@@ -102,6 +104,32 @@ class Runtime:
         if len(self._inflight) > self.max_in_flight:  # bound the split steps in flight (object-store memory)
             self._inflight = self.backend.wait(self._inflight, len(self._inflight) - self.max_in_flight // 2)
         return ref
+
+    def split_steps(self, clients: list[int], steps: int, keys: dict | None = None, method: str = "train_step",
+                    batch_size: int | None = None) -> None:
+        """``steps`` split steps for every client in ``clients``: the client forwards a batch, the server runs
+        ``method(activation, key)`` (``keys[c]``, default ``"main"``), the client applies the gradient. The server
+        serves the steps in exactly this order (one client's steps consecutively); every client's first forward is
+        submitted at once, so they run in parallel on the client actors.
+
+        Where the backend offers it (``RayBackend`` with ``runtime.direct_steps``), the whole sequence is one call
+        to the server actor, which calls the client actors itself (actor to actor): the driver is off the per-step
+        path. The calls each client actor executes, their order, and the server's order are the same as in the
+        driver-chained loop below, so results are bit-identical (tests/test_direct_steps.py)."""
+        keys = keys or {}
+        drive = getattr(self.backend, "drive_steps", None)
+        if drive is not None and getattr(self.backend, "direct_steps", False):
+            plan = [(int(c), keys.get(c, "main"), [Tag(int(c), self.round, s, "main") for s in range(steps)])
+                    for c in clients]
+            drive(plan, method, batch_size)
+            return
+        first = {c: self.forward(c, 0, batch_size=batch_size) for c in clients}
+        for c in clients:
+            act = first[c]
+            for s in range(steps):
+                if s > 0:
+                    act = self.forward(c, s, batch_size=batch_size)
+                self.backward(c, self.server(method, act, keys.get(c, "main")))
 
     def clocks(self, clients: list[int]) -> dict[int, float]:
         """Current simulated time of each client (one driver round trip; for event-driven algorithms)."""
