@@ -3,6 +3,7 @@ driver-chained path computes: same weights bit for bit, same simulated clocks, s
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,23 @@ def test_client_actor_error_in_driven_steps_surfaces_as_itself(ray_session, tmp_
             rt.end_round()
     finally:
         rt.shutdown()
+
+
+def test_server_aggregate_handles_zero_dim_buffers(tmp_path, mlflow_uri):
+    """FedAvg of client parts with BatchNorm (resnet18 cut after layer1): num_batches_tracked is a 0-d int64."""
+    from raysplit.experiment import prepare
+    from raysplit.runtime import ServerHost, StateMsg, transport
+
+    cfg = make_config(tmp_path, mlflow_uri, **{
+        "model.name": "resnet18", "model.cut": "stem", "data.dataset": "synthetic", "runtime.backend": "local",
+        "data.options": {"num_samples": 64, "shape": [3, 32, 32]}})
+    p = prepare(cfg)
+    i = p.inputs
+    host = ServerHost(i.spec, i.server_init, i.client_init, i.test_data)
+    a = {k: np.array(v, copy=True) for k, v in i.client_init.items()}
+    b = {k: np.array(v, copy=True) for k, v in i.client_init.items()}
+    nbt = next(k for k in a if k.endswith("num_batches_tracked"))
+    a[nbt], b[nbt] = np.array(2, np.int64), np.array(4, np.int64)
+    out = host.aggregate(StateMsg(a, weight=1.0), StateMsg(b, weight=1.0))
+    st = transport.unpack_state(out.state)
+    assert st[nbt].dtype == torch.int64 and int(st[nbt]) == 3  # (2*1 + 4*1) / 2
