@@ -11,11 +11,11 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 bench: bench-hop bench-overhead bench-scale bench-flower
 
 bench-hop:
-	$(PY) benchmarks/hop.py --repeats 7
+	$(PY) benchmarks/hop.py --repeats 5
 
 bench-overhead:
-	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --chained --tag cnn_small
-	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --rounds 5 --chained --tag resnet18
+	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --chained --tag cnn_small
+	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --batch 8 --rounds 3 --warmup 1 --chained --tag resnet18
 
 bench-scale:
 	$(PY) benchmarks/scale.py --clients 100 1000 10000 --rounds 6

@@ -30,7 +30,7 @@ def machine() -> dict:
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-            "cpus": os.cpu_count(), "platform": platform.platform(), "load_at_start": load()}
+            "cpus": os.cpu_count(), "platform": platform.platform(), "load_when_saved": load()}
     try:
         import ray
 

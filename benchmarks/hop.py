@@ -87,6 +87,15 @@ def main():
     server = HostActor.options(num_cpus=1).remote(EchoServer)
     ray.get([client.node_id.remote(), server.node_id.remote()])
     print(f"load {load()}")
+
+    def ping_loop(host_actor, other, n):  # runs inside the server actor: the floor of one actor-to-actor call
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ray.get(other.node_id.remote())
+        return (time.perf_counter() - t0) / n
+
+    pings = [ray.get(server.__ray_call__.remote(ping_loop, client, 200)) for _ in range(a.repeats)]
+    print(f"empty actor-to-actor call (server -> client actor, reply): {fmt(mmm(pings), 1e3)} ms")
     print("| activation | in-process ms/hop | direct ms/hop | direct overhead ms | direct MB/s | "
           "chained ms/hop | chained overhead ms |")
     print("|---|---|---|---|---|---|---|")
@@ -121,9 +130,9 @@ def main():
               f"{fmt(r['chained_overhead'], 1e3)} |", flush=True)
     ray.shutdown()
     name = "hop" + (f"-{a.tag}" if a.tag else "")
-    path = save(name, {"args": vars(a), "results": results, "load_at_end": load()})
+    path = save(name, {"args": vars(a), "results": results, "empty_call_s": mmm(pings), "load_at_end": load()})
     if not a.no_mlflow:
-        m = {}
+        m = {"empty_call_ms": mmm(pings)["median"] * 1e3}
         for label, r in results.items():
             k = label.replace(" ", "")
             m[f"direct_overhead_ms_{k}"] = r["direct_overhead"]["median"] * 1e3
