@@ -62,6 +62,43 @@ def raysplit_rounds(a) -> list[float]:
     return times[1:]
 
 
+def compute_floor(a) -> dict:
+    """The local work of one round done in this process, serially, with 1 torch thread (no Ray, no Flower): the
+    sampled clients' ``steps`` SGD batches on cnn_small. Divided by the 2 client processes it is the best any
+    2-process runtime can do; with raysplit's static placement (client c on actor c % 2) the busier actor's share
+    is the bound for raysplit."""
+    import torch
+    import torch.nn.functional as F
+
+    from raysplit.data import load_dataset, to_tensor
+    from raysplit.experiment import sample_stream
+    from raysplit.models import build_model
+
+    b = load_dataset("fashion_mnist")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model("cnn_small", 10, (1, 28, 28))
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    per = max(1, int(round(a.fraction * a.clients)))
+    rng = np.random.default_rng(0)
+    times = []
+    for r in range(4):
+        t0 = time.perf_counter()
+        for _ in range(per * a.steps):
+            idx = rng.choice(len(b.y_train), a.batch, replace=False)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(to_tensor(b.x_train[idx], b.spec)), torch.as_tensor(b.y_train[idx])).backward()
+            opt.step()
+        if r:
+            times.append(time.perf_counter() - t0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    serial = statistics.median(times)
+    stream = sample_stream(0, a.clients, per, a.rounds + 1)[1:]
+    busiest = statistics.mean(max(int(np.sum(row % 2 == 0)), int(np.sum(row % 2 == 1))) for row in stream)
+    return {"serial_s": serial, "two_processes_s": serial / 2, "raysplit_placement_s": serial * busiest / per,
+            "busiest_actor_clients_mean": busiest}
+
+
 def flower_rounds(a) -> list[float]:
     if not FLOWER_PY.exists():
         sys.exit(f"{FLOWER_PY} missing: run benchmarks/setup_flower.sh first")
@@ -90,6 +127,10 @@ def main():
     ap.add_argument("--no-mlflow", action="store_true")
     a = ap.parse_args()
     print(f"load {load()}")
+    floor = compute_floor(a)
+    print(f"compute floor per round: serial {floor['serial_s']:.3f} s, on 2 processes {floor['two_processes_s']:.3f} s, "
+          f"with raysplit's placement (busier actor has {floor['busiest_actor_clients_mean']:.1f} of the clients) "
+          f"{floor['raysplit_placement_s']:.3f} s", flush=True)
     rs, fl, ratios = [], [], []
     for rep in range(a.reps):
         r = raysplit_rounds(a)
@@ -100,7 +141,7 @@ def main():
         print(f"rep {rep}: raysplit s/round {fmt(mmm(r), 1, 3)}  Flower s/round {fmt(mmm(f), 1, 3)}  "
               f"ratio of medians {ratios[-1]:.3f}  (load {load()})", flush=True)
     res = {"raysplit_round_s": mmm(rs), "flower_round_s": mmm(fl), "ratio_raysplit_over_flower": mmm(ratios),
-           "raw": {"raysplit": rs, "flower": fl}}
+           "compute_floor": floor, "raw": {"raysplit": rs, "flower": fl}}
     print("| | s/round min/median/max |\n|---|---|")
     print(f"| raysplit FedAvg | {fmt(res['raysplit_round_s'], 1, 3)} |")
     print(f"| Flower {a.clients} clients, Ray simulation | {fmt(res['flower_round_s'], 1, 3)} |")
@@ -111,7 +152,9 @@ def main():
                    {"raysplit_round_s_median": res["raysplit_round_s"]["median"],
                     "flower_round_s_median": res["flower_round_s"]["median"],
                     "ratio_median": res["ratio_raysplit_over_flower"]["median"],
-                    "ratio_max": res["ratio_raysplit_over_flower"]["max"]}, path)
+                    "ratio_max": res["ratio_raysplit_over_flower"]["max"],
+                    "compute_floor_serial_s": floor["serial_s"],
+                    "compute_floor_raysplit_placement_s": floor["raysplit_placement_s"]}, path)
 
 
 if __name__ == "__main__":
