@@ -126,6 +126,8 @@ class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     spread_clients: bool = Field(default=False, description="SPREAD client actors over nodes")
     max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
+    direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
+                               "calling client actors directly (False: the driver chains every call)")
 
 
 class ClockConfig(_Strict):

@@ -90,19 +90,10 @@ class Algorithm:
         self.run_sequence(rt, [c for c in clients for _ in range(self.steps_for(rt, c))], server_key)
 
     def run_sequence(self, rt, seq: list[int], server_key=None, method: str = "train_step") -> None:
-        """One split step per entry of ``seq`` (client ids), served in that order. Every client's first forward
-        is submitted up front so the clients compute them in parallel; a client's later forwards follow its
-        previous backward. ``server_key``: None -> the one server model, "per_client" -> the client's copy."""
-        first = {}
-        for c in seq:
-            if c not in first:
-                first[c] = rt.forward(c, 0)
-        step = dict.fromkeys(first, 0)
-        for c in seq:
-            act = first[c] if step[c] == 0 else rt.forward(c, step[c])
-            step[c] += 1
-            args = (act, c) if server_key == "per_client" else (act,)
-            rt.backward(c, rt.server(method, *args))
+        """One split step per entry of ``seq`` (client ids), served in that order (``Runtime.split_steps``).
+        ``server_key``: None -> the one server model, "per_client" -> the client's own copy."""
+        keys = {c: c for c in set(seq)} if server_key == "per_client" else None
+        rt.split_steps(seq, keys, method)
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}

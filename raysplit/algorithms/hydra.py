@@ -157,8 +157,9 @@ class HydraServer(ServerHost):
         for h in self.heads:
             set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd))
 
-    def hydra_step(self, act: Activation) -> Gradient:
-        """part-2a then the client's group head; both step; the gradient goes back to the client."""
+    def hydra_step(self, act: Activation, key="main") -> Gradient:
+        """part-2a then the client's group head (``key`` is unused: the group comes from ``set_groups``); both
+        step; the gradient goes back to the client."""
         g = self.groups[act.tag.client]
         head = self.heads[g]
         self.head_samples[g] += len(act.y)

@@ -84,6 +84,8 @@ class Runtime:
         refs = [b.call(w, "end_round") for w in b.workers]
         server_out = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
         out = b.get(refs) + [server_out]
+        if hasattr(b, "round_done"):
+            b.round_done()
         clients: dict[int, dict] = {}
         for part in out[:-1]:
             clients.update(part)
@@ -102,6 +104,47 @@ class Runtime:
         if len(self._inflight) > self.max_in_flight:  # bound the split steps in flight (object-store memory)
             self._inflight = self.backend.wait(self._inflight, len(self._inflight) - self.max_in_flight // 2)
         return ref
+
+    def split_steps(self, seq: list[int], keys: dict | None = None, method: str = "train_step",
+                    batch_size: int | None = None) -> None:
+        """One split step per entry of ``seq`` (client ids, in serving order; a client may appear any number of
+        times, consecutively or interleaved with others): the client forwards a batch, the server runs
+        ``method(activation, key)`` (``keys[c]``, default ``"main"``), the client applies the gradient. Every
+        client's first forward is submitted at once, so they run in parallel on the client actors; a client's next
+        forward is submitted together with its backward, so it is ready by the client's next turn.
+
+        Where the backend offers it (``RayBackend`` with ``runtime.direct_steps``), the whole sequence is one call
+        to the server actor, which calls the client actors itself (actor to actor): the driver is off the per-step
+        path. Each client actor executes the same calls in the same order as in the driver-chained loop below, and
+        the server serves in the same order, so results are bit-identical (tests/test_direct_steps.py)."""
+        plan = self._plan(seq, keys or {})
+        drive = getattr(self.backend, "drive_steps", None)
+        if drive is not None and getattr(self.backend, "direct_steps", False):
+            drive(plan, method, batch_size)
+            return
+        pending = {}
+        for c, _, tag, _ in plan:
+            if c not in pending:
+                pending[c] = self.forward(c, tag.step, batch_size=batch_size)
+        for c, key, _, nxt in plan:
+            self.backward(c, self.server(method, pending.pop(c), key))
+            if nxt is not None:
+                pending[c] = self.forward(c, nxt.step, batch_size=batch_size)
+
+    def _plan(self, seq: list[int], keys: dict) -> list[tuple]:
+        """``[(client, server key, tag, tag of the client's next step or None), ...]`` in serving order."""
+        count: dict[int, int] = {}
+        for c in seq:
+            count[int(c)] = count.get(int(c), 0) + 1
+        done: dict[int, int] = {}
+        plan = []
+        for c in seq:
+            c = int(c)
+            s = done.get(c, 0)
+            done[c] = s + 1
+            nxt = Tag(c, self.round, s + 1, "main") if s + 1 < count[c] else None
+            plan.append((c, keys.get(c, "main"), Tag(c, self.round, s, "main"), nxt))
+        return plan
 
     def clocks(self, clients: list[int]) -> dict[int, float]:
         """Current simulated time of each client (one driver round trip; for event-driven algorithms)."""

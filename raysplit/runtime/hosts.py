@@ -499,6 +499,8 @@ class ServerHost:
         parts = [p for p in partials if p is not None]
         total = sum(p.weight for p in parts)
         keys = parts[0].state.keys()
+        # np.asarray again: a 0-d entry (BatchNorm's num_batches_tracked) would otherwise be a numpy scalar, which
+        # torch.from_numpy refuses
         avg = {k: np.asarray(sum(np.asarray(p.state[k], dtype=np.float64) for p in parts) / total) for k in keys}
         ref = self._eval_client.state_dict()
         state = {k: torch.from_numpy(avg[k]).to(ref[k].dtype) if ref[k].is_floating_point()

@@ -41,6 +41,46 @@ class HostActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def call_after(self, _barrier, method: str, *args, **kwargs):
+        """``call`` once ``_barrier`` (an ObjectRef passed top-level, so Ray resolves it before dispatch and this
+        actor stays free for other callers meanwhile) is done: orders the driver's calls after a driven sequence."""
+        return self.call(method, *args, **kwargs)
+
+    def call_seq(self, calls: list):
+        """Several host calls in one actor call (one message instead of one per call); returns the last result."""
+        out = None
+        for method, args in calls:
+            out = getattr(self.host, method)(*args)
+        return out
+
+    def drive_steps(self, plan: list, workers: list, method: str, batch_size, before: list):
+        """Run split steps with this (server) actor in charge, calling the client actors directly.
+
+        ``plan`` is ``[(client, server key, tag, next tag or None), ...]`` in serving order
+        (``Runtime._plan``); client ``c`` lives on ``workers[c % len(workers)]``. Each client actor receives exactly
+        the calls the driver-chained loop in ``Runtime.split_steps`` would send it, in the same order: every
+        client's first forward up front, then per step ``backward`` followed by the client's next ``forward`` (as
+        one ``call_seq`` message); the server method runs here, in plan order. Per step that is one actor-to-actor
+        round trip instead of three driver-chained calls. ``before`` (nested, so not fetched) holds the driver's
+        last call on each client actor: those must have run before ours do."""
+        if before:
+            ray.wait(before, num_returns=len(before), fetch_local=False)
+        n = len(workers)
+        pending = {}
+        for c, _, tag, _ in plan:
+            if c not in pending:
+                pending[c] = workers[c % n].call.remote("forward", tag, batch_size)
+        last = []
+        for c, key, _, nxt in plan:
+            w = workers[c % n]
+            grad = getattr(self.host, method)(ray.get(pending.pop(c)), key)
+            if nxt is not None:
+                pending[c] = w.call_seq.remote([("backward", (grad,)), ("forward", (nxt, batch_size))])
+            else:
+                last.append(w.call.remote("backward", grad))
+        ray.get(last)  # every gradient applied before the driver's next call on a client actor runs
+        return None
+
 
 def init_ray(rcfg) -> bool:
     """Connect to (``address`` set) or start a local Ray. Returns True if this call started/connected Ray."""
@@ -96,6 +136,10 @@ class RayBackend:
         self.server = None
         self.started_ray = False
         self.roles: dict[str, str] = {}
+        self.direct_steps = bool(getattr(rcfg, "direct_steps", True))
+        self._worker_ids: set = set()
+        self._last: dict = {}  # client actor id -> ObjectRef of the driver's latest call on it
+        self._barrier = None  # ObjectRef of a driven step sequence that later client-actor calls must follow
 
     def start(self, inputs: RuntimeInputs) -> None:
         self.started_ray = init_ray(self.rcfg)
@@ -116,6 +160,7 @@ class RayBackend:
             HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init)
             for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
         ]
+        self._worker_ids = {w._actor_id for w in self.workers}
         self.roles = {self.server._actor_id.hex(): "the server actor"}
         n = r.num_workers
         self.roles.update({w._actor_id.hex(): f"client actor {i} (hosting clients {i}, {i + n}, {i + 2 * n}, ...)"
@@ -124,7 +169,26 @@ class RayBackend:
         self.get([a.node_id.remote() for a in [self.server, *self.workers]])
 
     def call(self, actor, method, *args, **kwargs):
-        return actor.call.remote(method, *args, **kwargs)
+        if actor._actor_id not in self._worker_ids:
+            return actor.call.remote(method, *args, **kwargs)
+        if self._barrier is not None:
+            ref = actor.call_after.remote(self._barrier, method, *args, **kwargs)
+        else:
+            ref = actor.call.remote(method, *args, **kwargs)
+        self._last[actor._actor_id] = ref
+        return ref
+
+    def drive_steps(self, plan: list, method: str, batch_size=None):
+        """Hand a sequence of split steps to the server actor (``HostActor.drive_steps``); the driver submits one
+        call and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
+        before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
+        self._barrier = self.server.drive_steps.remote(plan, self.workers, method, batch_size, before)
+        return self._barrier
+
+    def round_done(self) -> None:
+        """Everything submitted so far has been fetched: no ordering to enforce any more."""
+        self._barrier = None
+        self._last.clear()
 
     def call_n(self, actor, n, method, *args, **kwargs):
         refs = actor.call_split.options(num_returns=n).remote(method, *args, **kwargs)
@@ -137,7 +201,9 @@ class RayBackend:
         try:
             return ray.get(handles, timeout=timeout or self.get_timeout)
         except RayTaskError as e:  # re-raise the host's own exception (NonFiniteLossError, KeyError, ...)
-            cause = e.cause if getattr(e, "cause", None) is not None else e
+            cause = e
+            while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
+                cause = cause.cause  # a driven step sequence nests the client actor's error in the server's
             raise cause from None
         except RayActorError as e:
             role = self.roles.get(getattr(e, "actor_id", None) or "", "an actor of this run")

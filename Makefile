@@ -1,0 +1,29 @@
+# Benchmarks (issue 6). Not tests: they print tables, write benchmarks/out/*.json and log to the MLflow experiment
+# `benchmarks` (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI is set). `make bench` runs all of them (~30 min on
+# the 2-core machine); results and how to read them: benchmarks/RESULTS.md.
+PY ?= .venv/bin/python
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
+
+.PHONY: bench bench-overhead bench-hop bench-scale bench-flower flower-venv
+
+bench: bench-hop bench-overhead bench-scale bench-flower
+
+bench-hop:
+	$(PY) benchmarks/hop.py --repeats 5
+
+bench-overhead:
+	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --chained --tag cnn_small
+	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --batch 8 --rounds 3 --warmup 1 --chained --tag resnet18
+
+bench-scale:
+	$(PY) benchmarks/scale.py --clients 100 1000 10000 --rounds 6
+
+benchmarks/.flower-venv/bin/python:
+	bash benchmarks/setup_flower.sh
+
+flower-venv: benchmarks/.flower-venv/bin/python
+
+bench-flower: flower-venv
+	$(PY) benchmarks/flower.py --rounds 8 --reps 3
