@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 
-
 class _LazyMlflow:
     """``mlflow`` imported on first use, so runs with ``tracking.enabled: false`` need no MLflow install."""
 

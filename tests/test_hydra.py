@@ -172,8 +172,8 @@ def test_hydra_heads_average_into_one_weighted_by_samples(tmp_path, mlflow_uri):
     np.testing.assert_array_equal(np.stack([got[c] for c in clients]), p.partition_counts)
     alg.groups = greedy_groups(p.partition_counts, alg.label_groups)
     assert sorted(alg.groups) == list(range(10))  # 10 dominant-label clients -> one per head
-    rt.server("set_groups", alg.groups)
-    alg.run_sequence(rt, alg.order_sequence(rt, clients, rng), method="hydra_step")
+    alg.run_sequence(rt, alg.order_sequence(rt, clients, rng), keys=dict(enumerate(alg.groups)),
+                     method="hydra_step")
     server = rt.backend.server
     heads = [{k: v.clone() for k, v in h.module.state_dict().items()} for h in server.heads]
     w = server.head_samples.copy()

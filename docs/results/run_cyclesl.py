@@ -12,15 +12,13 @@ backend, tested in tests/test_semantics.py) to fit the sweep on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[2]
+from _runs import ROOT, run_cached
 METHODS = [("psl", {}), ("sglr", {}), ("sflv1", {}), ("sflv2", {}), ("cyclepsl", {}), ("cyclesglr", {}),
            ("cyclesfl", {}), ("cyclesfl", {"server_epochs": 2}), ("cyclesfl", {"server_epochs": 4}),
            ("cyclesfl", {"server_epochs": 8})]
@@ -29,8 +27,6 @@ METHODS = [("psl", {}), ("sglr", {}), ("sflv1", {}), ("sflv2", {}), ("cyclepsl",
 def one(method, extra, seed, backend, out_dir):
     label = method + (f" E={extra['server_epochs']}" if extra else "")
     out = out_dir / f"{label.replace(' ', '_').replace('=', '')}_s{seed}.json"
-    if out.is_file():
-        return label, seed, json.loads(out.read_text())
     code = f"""
 import json, sys
 from raysplit.config import load_config
@@ -41,13 +37,7 @@ cfg = load_config({str(ROOT / 'configs/cyclesl/fmnist.yaml')!r}, {{"algorithm": 
 res = run_experiment(cfg)
 print("RESULT" + json.dumps({{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    if not line:
-        raise RuntimeError(f"{label} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    res = json.loads(line[-1][6:])
-    out.write_text(json.dumps(res))
-    return label, seed, res
+    return label, seed, run_cached(code, out, f"{label} seed {seed}")
 
 
 def main():

@@ -14,15 +14,13 @@ backend, tested in tests/test_semantics.py) so that the 42 runs fit on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[2]
+from _runs import ROOT, run_cached
 ORDERED = [("SFLV2", "sflv2", {}), ("SFLV2+Hydra", "hydra", {"cut_b": "conv2"}),
            ("SFLV2+Hydra head=fc2", "hydra", {"cut_b": "fc1"})]
 PARALLEL = [("SplitFedV1", "sflv1"), ("SplitFedV3", "sflv3"), ("MultiHead", "multihead")]
@@ -41,8 +39,7 @@ def jobs(seeds):
 
 def one(c, order, label, alg, seed, backend, out_dir, overrides):
     out = out_dir / f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_").replace("=", "").replace(" ", "_")
-    if out.is_file():
-        return c, order, label, seed, json.loads(out.read_text())
+    cached = out.is_file()
     code = f"""
 import json
 from raysplit.config import load_config
@@ -59,13 +56,9 @@ for key in ["accuracy", "performance_gap"] + [f"position_acc_{{i}}" for i in ran
         out[key + "_last5"] = sum(h[-5:]) / len(h[-5:])
 print("RESULT" + json.dumps(out))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    if not line:
-        raise RuntimeError(f"{label} {order} c={c} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    res = json.loads(line[-1][6:])
-    out.write_text(json.dumps(res))
-    print(f"done {label} {order} c={c} seed {seed}: acc {res['accuracy']:.4f}", flush=True)
+    res = run_cached(code, out, f"{label} {order} c={c} seed {seed}")
+    if not cached:
+        print(f"done {label} {order} c={c} seed {seed}: acc {res['accuracy']:.4f}", flush=True)
     return c, order, label, seed, res
 
 

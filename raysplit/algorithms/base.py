@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -84,17 +84,16 @@ class Algorithm:
         return {}
 
     # shared building steps -----------------------------------------------------------------------------------
-    def split_steps(self, rt, clients: list[int], server_key=None) -> None:
+    def split_steps(self, rt, clients: list[int], per_client: bool = False) -> None:
         """``steps_for(c)`` split steps for every client, one client's steps consecutively, clients in the
-        given order."""
-        self.run_sequence(rt, [c for c in clients for _ in range(self.steps_for(rt, c))], server_key)
+        given order; ``per_client``: each client trains its own server copy (key = client id)."""
+        seq = [c for c in clients for _ in range(self.steps_for(rt, c))]
+        self.run_sequence(rt, seq, keys={c: c for c in clients} if per_client else None)
 
-    def run_sequence(self, rt, seq: list[int], server_key=None, method: str = "train_step") -> None:
-        """One split step per entry of ``seq`` (client ids), served in that order (``Runtime.split_steps``).
-        ``server_key``: None -> the one server model, "per_client" -> the client's own copy."""
-        keys = {c: c for c in set(seq)} if server_key == "per_client" else None
+    def run_sequence(self, rt, seq: list[int], keys: dict | None = None, method: str = "train_step") -> None:
+        """One split step per entry of ``seq`` (client ids), served in that order (``Runtime.split_steps``);
+        ``keys[c]`` is the server key client c's steps use (default ``"main"``)."""
         rt.split_steps(seq, keys, method)
-
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 

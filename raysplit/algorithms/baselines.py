@@ -65,7 +65,7 @@ class PSL(Algorithm):
 
     def run_round(self, rt, rnd, clients, rng):
         rt.server("fork", clients)
-        self.split_steps(rt, clients, server_key="per_client")
+        self.split_steps(rt, clients, per_client=True)
         rt.server("merge", rt.weights(clients, self.agg.weights))
         return None
 

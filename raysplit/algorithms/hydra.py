@@ -36,14 +36,13 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from . import orders
 from .base import SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..config import ConfigError
 from ..data import to_tensor
 from ..models.core import param_bytes
 from ..runtime import ClientHost, ServerHost, transport
-from ..runtime.hosts import _Slot, average_states, make_optimizer, set_lr, round_lr
+from ..runtime.hosts import _Slot, average_optimizer_states, average_states, make_optimizer, round_lr, set_lr
 from ..runtime.messages import Activation, Gradient, StateMsg
 
 
@@ -141,15 +140,11 @@ class HydraServer(ServerHost):
         self.body, self.head = full[:at], full[at:]
         self.models["main"] = _Slot(full, make_optimizer(self.body.parameters(), spec.server_optimizer))
         self.heads = [self._new_head() for _ in range(spec.extra["num_heads"])]
-        self.groups: dict[int, int] = {}
         self.head_samples = np.zeros(len(self.heads))
 
     def _new_head(self) -> _Slot:
         m = copy.deepcopy(self.head)
         return _Slot(m, make_optimizer(m.parameters(), self.spec.server_optimizer))
-
-    def set_groups(self, groups: list[int]) -> None:
-        self.groups = {c: int(g) for c, g in enumerate(groups)}
 
     def begin_round(self, rnd: int, t0: float) -> None:
         super().begin_round(rnd, t0)
@@ -157,10 +152,9 @@ class HydraServer(ServerHost):
         for h in self.heads:
             set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd))
 
-    def hydra_step(self, act: Activation, key="main") -> Gradient:
-        """part-2a then the client's group head (``key`` is unused: the group comes from ``set_groups``); both
-        step; the gradient goes back to the client."""
-        g = self.groups[act.tag.client]
+    def hydra_step(self, act: Activation, key: int) -> Gradient:
+        """part-2a then head ``key`` (the client's group); both step; the gradient goes back to the client."""
+        g = int(key)
         head = self.heads[g]
         self.head_samples[g] += len(act.y)
         return self.step_through(act, torch.nn.Sequential(self.body, head.module),
@@ -172,13 +166,9 @@ class HydraServer(ServerHost):
         keep = [(h, wi) for h, wi in zip(self.heads, w) if wi > 0]
         if not keep:
             return
-        avg = average_states([h.module.state_dict() for h, _ in keep], [wi for _, wi in keep])
-        opt_states = [h.optimizer.state_dict() for h, _ in keep]
-        merged = None
-        if opt_states[0]["state"]:
-            merged = copy.deepcopy(opt_states[0])
-            for pid in merged["state"]:
-                merged["state"][pid] = average_states([o["state"][pid] for o in opt_states], [wi for _, wi in keep])
+        wk = [wi for _, wi in keep]
+        avg = average_states([h.module.state_dict() for h, _ in keep], wk)
+        merged = average_optimizer_states([h.optimizer.state_dict() for h, _ in keep], wk)
         self.head.load_state_dict(avg)
         for h in self.heads:
             h.module.load_state_dict(avg)
@@ -188,7 +178,6 @@ class HydraServer(ServerHost):
     def state_dict(self) -> dict:
         st = super().state_dict()
         st["heads"] = [(h.module.state_dict(), h.optimizer.state_dict()) for h in self.heads]
-        st["groups"] = dict(self.groups)
         return st
 
     def load_state_dict(self, st: dict) -> None:
@@ -196,7 +185,6 @@ class HydraServer(ServerHost):
         for h, (ms, os_) in zip(self.heads, st["heads"]):
             h.module.load_state_dict(ms)
             h.optimizer.load_state_dict(os_)
-        self.groups = dict(st["groups"])
 
 
 class HydraParams(OrderedParams):
@@ -269,8 +257,8 @@ class Hydra(SFLV2):
                 got.update(part)
             counts = np.stack([got[c] for c in range(rt.num_clients)])
             self.groups = greedy_groups(counts, self.label_groups)
-            rt.server("set_groups", self.groups)
-        self.run_sequence(rt, self.order_sequence(rt, clients, rng), method="hydra_step")
+        self.run_sequence(rt, self.order_sequence(rt, clients, rng), keys=dict(enumerate(self.groups)),
+                          method="hydra_step")
         rt.server("merge_heads", self.p.head_weights)
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
@@ -312,7 +300,7 @@ class MultiHead(SFLV1):
 
     def run_round(self, rt, rnd, clients, rng):
         rt.server("ensure_heads", clients)
-        self.split_steps(rt, clients, server_key="per_client")
+        self.split_steps(rt, clients, per_client=True)
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
     def evaluate(self, rt, global_handle):

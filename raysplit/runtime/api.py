@@ -84,8 +84,7 @@ class Runtime:
         refs = [b.call(w, "end_round") for w in b.workers]
         server_out = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
         out = b.get(refs) + [server_out]
-        if hasattr(b, "round_done"):
-            b.round_done()
+        b.round_done()
         clients: dict[int, dict] = {}
         for part in out[:-1]:
             clients.update(part)
@@ -118,9 +117,8 @@ class Runtime:
         path. Each client actor executes the same calls in the same order as in the driver-chained loop below, and
         the server serves in the same order, so results are bit-identical (tests/test_direct_steps.py)."""
         plan = self._plan(seq, keys or {})
-        drive = getattr(self.backend, "drive_steps", None)
-        if drive is not None and getattr(self.backend, "direct_steps", False):
-            drive(plan, method, batch_size)
+        if self.backend.direct_steps:
+            self.backend.drive_steps(plan, method, batch_size)
             return
         pending = {}
         for c, _, tag, _ in plan:
@@ -257,6 +255,11 @@ class LocalBackend:
         out = list(getattr(host, method)(*args, **kwargs))
         assert len(out) == n, f"{method} returned {len(out)} results, expected {n}"
         return out
+
+    direct_steps = False  # split steps run as the plain loop in Runtime.split_steps
+
+    def round_done(self) -> None:
+        pass
 
     def put(self, value):
         return value

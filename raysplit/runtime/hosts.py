@@ -98,6 +98,17 @@ def average_states(states: list[dict], weights: list[float]) -> dict[str, torch.
     return out
 
 
+def average_optimizer_states(opt_states: list[dict], weights: list[float]) -> dict | None:
+    """Weighted average of optimizer state dicts of identical parameter layouts (momentum buffers, Adam moments);
+    None when the optimizer keeps no state (plain SGD)."""
+    if not opt_states[0]["state"]:
+        return None
+    merged = copy.deepcopy(opt_states[0])
+    for pid in merged["state"]:
+        merged["state"][pid] = average_states([o["state"][pid] for o in opt_states], weights)
+    return merged
+
+
 def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -485,11 +496,8 @@ class ServerHost:
         w = [weights[k] for k in keys]
         avg = average_states([self.models[k].module.state_dict() for k in keys], w)
         self.models["main"].module.load_state_dict(avg)
-        opt_states = [self.models[k].optimizer.state_dict() for k in keys]
-        if opt_states[0]["state"]:
-            merged = copy.deepcopy(opt_states[0])
-            for pid in merged["state"]:
-                merged["state"][pid] = average_states([o["state"][pid] for o in opt_states], w)
+        merged = average_optimizer_states([self.models[k].optimizer.state_dict() for k in keys], w)
+        if merged is not None:
             self.models["main"].optimizer.load_state_dict(merged)
         for k in keys:
             del self.models[k]
@@ -499,12 +507,10 @@ class ServerHost:
         parts = [p for p in partials if p is not None]
         total = sum(p.weight for p in parts)
         keys = parts[0].state.keys()
-        # np.asarray again: a 0-d entry (BatchNorm's num_batches_tracked) would otherwise be a numpy scalar, which
-        # torch.from_numpy refuses
-        avg = {k: np.asarray(sum(np.asarray(p.state[k], dtype=np.float64) for p in parts) / total) for k in keys}
+        # torch.as_tensor, not from_numpy: a 0-d entry (BatchNorm's num_batches_tracked) sums to a numpy scalar
+        avg = {k: torch.as_tensor(sum(np.asarray(p.state[k], dtype=np.float64) for p in parts) / total) for k in keys}
         ref = self._eval_client.state_dict()
-        state = {k: torch.from_numpy(avg[k]).to(ref[k].dtype) if ref[k].is_floating_point()
-                 else torch.from_numpy(np.asarray(np.rint(avg[k]))).to(ref[k].dtype) for k in keys}
+        state = {k: (v if ref[k].is_floating_point() else v.round()).to(ref[k].dtype) for k, v in avg.items()}
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
 
     def get_state(self, key="main") -> StateMsg:

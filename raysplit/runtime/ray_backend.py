@@ -136,7 +136,7 @@ class RayBackend:
         self.server = None
         self.started_ray = False
         self.roles: dict[str, str] = {}
-        self.direct_steps = bool(getattr(rcfg, "direct_steps", True))
+        self.direct_steps = rcfg.direct_steps
         self._worker_ids: set = set()
         self._last: dict = {}  # client actor id -> ObjectRef of the driver's latest call on it
         self._barrier = None  # ObjectRef of a driven step sequence that later client-actor calls must follow
