@@ -42,7 +42,7 @@ def run(device: str):
     where = next(server.models["main"].module.parameters()).device
     y, pred, loss = rt.evaluate_global(handle)
     acc = M.classification_metrics(y, pred, p.num_classes)["accuracy"]
-    state = transport.unpack_state(rt.get(rt.server("get_state")).state)
+    state = transport.unpack_state(rt.get(rt.server.get_state()).state)
     return where, acc, state, wall
 
 

@@ -31,7 +31,7 @@ from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.models import build_model
 from raysplit.runtime import Runtime, make_backend
-from raysplit.runtime.hosts import average_states
+from raysplit.runtime.aggregation import average_states
 
 MODELS = {
     # model, cut, dataset overrides, batch size
@@ -157,7 +157,7 @@ class RaysplitRounds:
     def server_state(self):
         from raysplit.runtime import transport
 
-        return transport.unpack_state(self.rt.get(self.rt.server("get_state")).state)
+        return transport.unpack_state(self.rt.get(self.rt.server.get_state()).state)
 
 
 def timed(fn) -> float:

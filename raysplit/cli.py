@@ -30,9 +30,21 @@ def _cmd_list(args) -> int:
     from raysplit.data import DATASETS, PARTITIONERS
     from raysplit.models import MODELS
 
-    print("algorithms:")
+    if args.algorithm:
+        if args.algorithm not in ALGORITHMS:
+            print(f"raysplit list: unknown algorithm {args.algorithm!r}; registered: "
+                  f"{', '.join(sorted(ALGORITHMS))}", file=sys.stderr)
+            return 2
+        a = ALGORITHMS[args.algorithm]
+        print(f"{a.name}: {a.description}\n\n{(a.__doc__ or '').strip()}\n\nparameters (algorithm.<key>):")
+        for key, default, desc in a.param_docs() or [("(none)", "", "")]:
+            print(f"  {key:<20} {default:<12} {desc}")
+        return 0
+    print("algorithms (raysplit list ALGORITHM: its parameters in full):")
     for n, a in sorted(ALGORITHMS.items()):
         print(f"  {n:<14} {a.description}")
+        for key, default, desc in a.param_docs():
+            print(f"      {key} = {default}: {desc}")
     print("models:")
     for n, m in sorted(MODELS.items()):
         print(f"  {n:<20} input {tuple(m.default_input_shape)}, default cut {m.default_cut!r}")
@@ -67,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.rounds=5")
     r.add_argument("--resume", metavar="RUN_ID", help="continue an MLflow run from its last checkpoint")
     r.set_defaults(fn=_cmd_run)
-    sub.add_parser("list", help="algorithms, models, datasets, partitioners").set_defaults(fn=_cmd_list)
+    ls = sub.add_parser("list", help="algorithms (with their parameters), models, datasets, partitioners")
+    ls.add_argument("algorithm", nargs="?", help="show one algorithm's parameters, defaults and descriptions")
+    ls.set_defaults(fn=_cmd_list)
     sw = sub.add_parser("sweep", help="Ray Tune sweep from a sweep YAML (see raysplit/sweep.py)")
     sw.add_argument("sweep")
     sw.add_argument("overrides", nargs="*", help="dotted overrides applied to the base config")
@@ -79,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tracking-uri", default=None)
     c.set_defaults(fn=_cmd_compare)
     args = p.parse_args(argv)
-    from raysplit.config import ConfigError
     from raysplit.data import DatasetNotFoundError
+    from raysplit.errors import ConfigError
     from raysplit.runtime import NonFiniteLossError
 
     try:

@@ -15,9 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from raysplit.algorithms import algorithm_params
+from raysplit.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key at fault and what is allowed."""
+__all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
 
 
 class _Strict(BaseModel):
@@ -139,6 +140,8 @@ class ClockConfig(_Strict):
     up_range: tuple[float, float] = (1e6, 1e7)
     down_range: tuple[float, float] = (1e6, 1e7)
     server_flops: float = Field(default=1e12, gt=0)
+    charge_server: bool = Field(default=True, description="server compute and gradient/model downloads cost "
+                                "simulated time (false: only client compute and uploads, as GAS's code)")
 
 
 class TrackingConfig(_Strict):
@@ -240,8 +243,6 @@ def validate(raw: dict) -> ExperimentConfig:
         cfg = ExperimentConfig.model_validate(raw or {})
     except ValidationError as err:
         raise ConfigError(_format_error(err, ExperimentConfig)) from None
-    from raysplit.algorithms import algorithm_params  # late import: algorithms register themselves
-
     algorithm_params(cfg.algorithm)  # raises ConfigError naming algorithm.<key>
     return cfg
 

@@ -77,8 +77,16 @@ def _hosts(tmp_path, mlflow_uri, algorithm, **extra):
     return cfg, p, rt, rt.backend.server, rt.backend.workers[0]
 
 
-def test_pooled_dataset_holds_exactly_the_rounds_features(tmp_path, mlflow_uri):
+def test_pooled_dataset_holds_exactly_the_rounds_features(tmp_path, mlflow_uri, monkeypatch):
     cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "cyclepsl")
+    pool = type(server)._pool
+
+    def spy(self, acts):  # what the server pooled, seen from outside the host
+        feats, ys = pool(self, acts)
+        self.last_pool = {"tags": [a.tag for a in acts], "rows": int(sum(len(y) for y in ys))}
+        return feats, ys
+
+    monkeypatch.setattr(type(server), "_pool", spy)
     clients = [int(c) for c in p.sample_stream[0]]
     rt.begin_round(0, clients, 0.0)
     p.algorithm.run_round(rt, 0, clients, np.random.default_rng(0))
@@ -147,7 +155,7 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
 
 
 def test_clients_eval_covers_sampled_or_all_test_splits(tmp_path, mlflow_uri):
-    from raysplit.experiment import evaluate
+    from raysplit.reporting import evaluate
 
     for who in ("sampled", "all"):
         cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "cyclepsl", **{"eval.clients": who,

@@ -167,13 +167,12 @@ def test_hydra_heads_average_into_one_weighted_by_samples(tmp_path, mlflow_uri):
     rng = np.random.default_rng([cfg.seed, 0, 3])
     # Hydra's round, step by step, stopping before the merge (the whole round runs through Ray below)
     got = {}
-    for part in rt.get(rt.all_workers("label_counts", 10, True)):
+    for part in rt.get(rt.workers.label_counts(10, True)):
         got.update(part)
     np.testing.assert_array_equal(np.stack([got[c] for c in clients]), p.partition_counts)
     alg.groups = greedy_groups(p.partition_counts, alg.label_groups)
     assert sorted(alg.groups) == list(range(10))  # 10 dominant-label clients -> one per head
-    alg.run_sequence(rt, alg.order_sequence(rt, clients, rng), keys=dict(enumerate(alg.groups)),
-                     method="hydra_step")
+    rt.split_steps(alg.order_sequence(rt, clients, rng), keys=dict(enumerate(alg.groups)), method="hydra_step")
     server = rt.backend.server
     heads = [{k: v.clone() for k, v in h.module.state_dict().items()} for h in server.heads]
     w = server.head_samples.copy()

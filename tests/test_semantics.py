@@ -17,21 +17,17 @@ from raysplit.runtime import Runtime, make_backend, transport
 
 def run_rounds(cfg, rounds=None):
     """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
+    from raysplit.runtime.drivers import RoundDriver
+
     p = prepare(cfg)
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     try:
-        handle, stats = None, []
-        t = 0.0
-        for r in range(rounds or cfg.train.rounds):
-            clients = [int(c) for c in p.sample_stream[r]]
-            rt.begin_round(r, clients, t)
-            h = p.algorithm.run_round(rt, r, clients, np.random.default_rng([cfg.seed, r, 3]))
-            handle = h if h is not None else handle
-            st = rt.end_round()
-            t = st.t_end
-            stats.append(st)
+        stats = []
+        driver = RoundDriver(rt, p.algorithm, p.sample_stream, cfg.seed)
+        driver.run(0, rounds or cfg.train.rounds, lambda r, st: stats.append(st))
+        handle = driver.global_handle if p.algorithm.keeps_global_client_model() else None
         client = transport.unpack_state(rt.get(handle, timeout=GET_TIMEOUT).state) if handle is not None else None
-        server = transport.unpack_state(rt.get(rt.server("get_state"), timeout=GET_TIMEOUT).state)
+        server = transport.unpack_state(rt.get(rt.server.get_state(), timeout=GET_TIMEOUT).state)
         return client, server, p, stats
     finally:
         rt.shutdown()

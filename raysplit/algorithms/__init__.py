@@ -1,8 +1,9 @@
 """Algorithm registry. Importing this package registers every algorithm."""
 # Relative imports: algorithm modules import nothing outside raysplit (and never Ray).
 
-from .base import ALGORITHMS, Algorithm, AlgorithmParams, SetupInfo, algorithm_params, get_algorithm, register
+from .base import (ALGORITHMS, Algorithm, AlgorithmParams, AsyncAlgorithm, SetupInfo, algorithm_params,
+                   get_algorithm, register)
 from . import baselines, cyclesl, hydra  # noqa: F401  (registers)
 
-__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "SetupInfo", "algorithm_params", "get_algorithm",
+__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "AsyncAlgorithm", "SetupInfo", "algorithm_params", "get_algorithm",
            "register"]

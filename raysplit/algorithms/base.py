@@ -1,5 +1,16 @@
 """Algorithm base class and registry. Algorithms are written against ``raysplit.runtime.Runtime`` and never
-import Ray: they say which hosts run in the actors and what happens in a round."""
+import Ray: they say which hosts run in the actors, which driver runs them, and what happens in a round.
+
+An algorithm steers the experiment through a few overridable hooks with defaults (no boolean flags):
+
+- :meth:`Algorithm.split_model`: where the model is cut (FedAvg keeps the whole model on the clients);
+- :meth:`Algorithm.keeps_global_client_model`: whether one global client model exists; when it does not, every
+  client's own model persists between rounds (PSL, SGLR, CyclePSL, SplitFedV3);
+- :meth:`Algorithm.eval_modes` and :meth:`Algorithm.evaluate`: how the algorithm is evaluated;
+- :meth:`Algorithm.setup`, :meth:`Algorithm.resolved`, :meth:`Algorithm.host_setup`, :meth:`Algorithm.positions`;
+- :meth:`Algorithm.run_round`: one synchronous round (the :class:`~raysplit.runtime.drivers.RoundDriver` calls
+  it); asynchronous algorithms subclass :class:`AsyncAlgorithm` instead (the event driver).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +19,22 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticUndefined
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..runtime import ClientHost, ServerHost
+from ..runtime.drivers import RoundDriver
+from ..runtime.events import AsyncServer, EventDriver, EventSetup
 
 
 class AlgorithmParams(BaseModel):
-    """Parameters under ``algorithm:`` in a config; each algorithm extends this (unknown keys are errors)."""
+    """Parameters under ``algorithm:`` in a config; each algorithm extends this (unknown keys are errors, every
+    field has a description, shown by ``raysplit list``)."""
 
-    model_config = ConfigDict(extra="forbid")
-    name: str
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(description="the algorithm (raysplit list)")
 
 
 @dataclass
@@ -31,6 +46,8 @@ class SetupInfo:
     counts: np.ndarray  # (clients, labels) train-label counts of the partition
     num_classes: int
     seed: int
+    clients_per_round: int = 1  # sampled clients per round (asynchronous: clients active at a time)
+    profiles: tuple = ()  # every client's virtual-clock profile
 
 
 class Algorithm:
@@ -39,18 +56,42 @@ class Algorithm:
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     client_host: ClassVar[type] = ClientHost
     server_host: ClassVar[type] = ServerHost
-    full_model_on_client: ClassVar[bool] = False  # FedAvg: no split
-    clients_keep_models: ClassVar[bool] = False  # un-aggregated client models persist per client
-    aggregates_clients: ClassVar[bool] = True  # a global client model exists (eval "auto" -> global test set)
-
-    evaluates_itself: ClassVar[bool] = False  # evaluate() computes predictions on the global test set
+    driver: ClassVar[type] = RoundDriver
 
     def __init__(self, params: AlgorithmParams, cfg):
-        self.p = params
+        self.params = params
         self.cfg = cfg
         self.local_steps = cfg.train.local_steps
         self.local_epochs = cfg.train.local_epochs
         self.agg = cfg.train.aggregation
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
+    def split_model(self, model, cut) -> tuple[int | None, torch.nn.Module, torch.nn.Module]:
+        """``(cut index, client part, server part)`` for the configured cut (an index or block name). Default:
+        split the model there; a cut the model does not have is a ConfigError listing the valid ones."""
+        try:
+            index = model.resolve_cut(cut)
+        except ValueError as e:
+            raise ConfigError(f"model.cut: {e}") from None
+        client, server = model.split(index)
+        return index, client, server
+
+    def keeps_global_client_model(self) -> bool:
+        """True when the algorithm maintains one global client model (``run_round`` returns a handle to it).
+        False: each client keeps its own model across rounds (the hosts persist it per client)."""
+        return True
+
+    def eval_modes(self) -> tuple[str, ...]:
+        """The ``eval.mode`` values this algorithm supports; the first is what ``auto`` picks. ``global``: the
+        global test set; ``clients``: every client's test split through its own client model."""
+        return ("global", "clients") if self.keeps_global_client_model() else ("clients",)
+
+    def evaluate(self, rt, mode: str, global_handle, clients: list[int]) -> tuple[np.ndarray, np.ndarray, float]:
+        """``(y_true, y_pred, loss_sum)``: default ``global`` = the global client model with the server model,
+        ``clients`` = the given clients' test splits through their own models."""
+        if mode == "global":
+            return rt.evaluate_global(global_handle)
+        return rt.evaluate_clients(clients)
 
     def setup(self, info: SetupInfo) -> None:
         """Called on the driver before any actor exists (raise ConfigError for a bad combination)."""
@@ -59,10 +100,9 @@ class Algorithm:
         """Values derived at setup worth logging as MLflow params (``resolved.*``)."""
         return {}
 
-    def evaluate(self, rt, global_handle):
-        """(y_true, y_pred, loss_sum) on the global test set for algorithms with their own inference rule
-        (``evaluates_itself``); the default evaluation is used otherwise."""
-        raise NotImplementedError
+    def host_setup(self) -> Any:
+        """What the hosts need beyond the validated ``Params`` (derived at ``setup``; ``HostSpec.host_setup``)."""
+        return None
 
     def positions(self) -> list[int] | None:
         """For ordered processing: the label dominant at the clients served at each position of a cycle."""
@@ -79,21 +119,60 @@ class Algorithm:
         (for evaluation), or None when the algorithm keeps no global client model."""
         raise NotImplementedError
 
-    def host_extra(self) -> dict:
-        """Algorithm parameters the hosts need (shipped in HostSpec.extra)."""
-        return {}
-
-    # shared building steps -----------------------------------------------------------------------------------
-    def split_steps(self, rt, clients: list[int], per_client: bool = False) -> None:
-        """``steps_for(c)`` split steps for every client, one client's steps consecutively, clients in the
-        given order; ``per_client``: each client trains its own server copy (key = client id)."""
+    # ---- shared building steps -------------------------------------------------------------------------------
+    def each_client_in_turn(self, rt, clients: list[int], own_server_copy: bool = False) -> None:
+        """``steps_for(c)`` split steps for every client, one client's steps consecutively, clients in the given
+        order (``rt.split_steps``); ``own_server_copy``: each client trains its own server copy (key = its id)."""
         seq = [c for c in clients for _ in range(self.steps_for(rt, c))]
-        self.run_sequence(rt, seq, keys={c: c for c in clients} if per_client else None)
+        rt.split_steps(seq, keys={c: c for c in clients} if own_server_copy else None)
 
-    def run_sequence(self, rt, seq: list[int], keys: dict | None = None, method: str = "train_step") -> None:
-        """One split step per entry of ``seq`` (client ids), served in that order (``Runtime.split_steps``);
-        ``keys[c]`` is the server key client c's steps use (default ``"main"``)."""
-        rt.split_steps(seq, keys, method)
+    @classmethod
+    def param_docs(cls) -> list[tuple[str, str, str]]:
+        """``(key, default, description)`` of every parameter under ``algorithm:`` except ``name``."""
+        out = []
+        for key, f in cls.Params.model_fields.items():
+            if key == "name":
+                continue
+            default = "required" if f.default is PydanticUndefined else repr(f.default)
+            out.append((key, default, f.description or ""))
+        return out
+
+
+class AsyncAlgorithm(Algorithm):
+    """An asynchronous method, run by the :class:`~raysplit.runtime.events.EventDriver`: ``M`` =
+    ``train.participation`` clients active at a time, each running ``train.local_steps`` iterations from the latest
+    global model before it uploads and a newly sampled client takes its slot; a global round (the MLflow step) ends
+    when a new global model exists.
+
+    What happens on the server lives in its host, a subclass of
+    :class:`~raysplit.runtime.events.AsyncServer` (``server_host``), whose hooks the event loop calls in
+    simulated-time order: ``on_arrival`` (an activation arrived; return the client's gradient), ``should_flush`` /
+    ``flush`` (after each arrival) and ``on_model_upload`` (a model arrived; True when a new global model exists).
+    ``split`` says whether the clients' iterations are split steps (arrival events) or local SGD steps."""
+
+    server_host = AsyncServer
+    driver = EventDriver
+    split: ClassVar[bool] = True
+
+    def split_model(self, model, cut):
+        if not self.split:  # asynchronous FL: the whole model on the clients
+            return None, model, torch.nn.Identity()
+        return super().split_model(model, cut)
+
+    def setup(self, info: SetupInfo) -> None:
+        if self.local_epochs:
+            raise ConfigError(f"{self.name} runs train.local_steps iterations per client job; train.local_epochs is "
+                              "not supported")
+        sizes = tuple(int(n) for n in info.counts.sum(axis=1))
+        self.event_setup = EventSetup(active=info.clients_per_round, local_steps=self.local_steps,
+                                      client_sizes=sizes, profiles=tuple(info.profiles), split=self.split)
+
+    def host_setup(self) -> EventSetup:
+        return self.event_setup
+
+    def run_round(self, rt, rnd, clients, rng):
+        raise TypeError(f"{self.name} is asynchronous: the event driver runs it, not rounds")
+
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
@@ -124,5 +203,3 @@ def algorithm_params(raw: dict) -> AlgorithmParams:
             else:
                 msgs.append(f"bad value for '{key}': {e['msg']} (got {e.get('input')!r})")
         raise ConfigError("invalid config: " + "; ".join(msgs)) from None
-
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
+import torch
 from pydantic import Field
 
 from . import orders
@@ -17,17 +18,14 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 
 
 class SequentialParams(AlgorithmParams):
-    order: Literal["shuffled", "fixed"] = "shuffled"
+    order: Literal["shuffled", "fixed"] = Field(default="shuffled", description="client order per round: a fresh "
+                                                "permutation (shuffled) or ascending id (fixed)")
 
 
 class OrderedParams(AlgorithmParams):
-    order: orders.OrderName = Field(default="shuffled", description="server processing order (algorithms/orders.py)")
+    order: orders.OrderName = Field(default="shuffled", description="server processing order: shuffled | fixed | "
+                                    "random | cyclic | cyclic_reverse (algorithms/orders.py)")
     phi: int = Field(default=10, ge=1, description="cyclic orders: consecutive batches per client turn (Hydra: 10)")
-
-
-def ordered(clients: list[int], order: str, rng: np.random.Generator) -> list[int]:
-    """``shuffled``: a fresh permutation per round; ``fixed``: ascending client id."""
-    return [int(c) for c in (rng.permutation(clients) if order == "shuffled" else sorted(clients))]
 
 
 @register
@@ -42,12 +40,12 @@ class SplitNN(Algorithm):
 
     def run_round(self, rt, rnd, clients, rng):
         prev = None
-        for c in ordered(clients, self.p.order, rng):
+        for c in orders.client_order(self.params.order, clients, rng):
             if prev is not None:
-                rt.client(c, "load_state", c, prev)
+                rt.client(c).load_state(prev)
             for s in range(self.steps_for(rt, c)):
-                rt.backward(c, rt.server("train_step", rt.forward(c, s)))
-            prev = rt.client(c, "get_state", c)
+                rt.backward(c, rt.server.train_step(rt.forward(c, s)))
+            prev = rt.client(c).get_state()
         rt.install(prev)
         return prev
 
@@ -60,13 +58,14 @@ class PSL(Algorithm):
 
     name = "psl"
     description = "parallel SL: per-client server copies averaged, client models kept"
-    clients_keep_models = True
-    aggregates_clients = False
+
+    def keeps_global_client_model(self) -> bool:
+        return False
 
     def run_round(self, rt, rnd, clients, rng):
-        rt.server("fork", clients)
-        self.split_steps(rt, clients, per_client=True)
-        rt.server("merge", rt.weights(clients, self.agg.weights))
+        rt.server.fork(clients)
+        self.each_client_in_turn(rt, clients, own_server_copy=True)
+        rt.server.merge(rt.weights(clients, self.agg.weights))
         return None
 
 
@@ -76,8 +75,9 @@ class SFLV1(PSL):
 
     name = "sflv1"
     description = "SplitFed V1: per-client server copies averaged + FedAvg of client models"
-    clients_keep_models = False
-    aggregates_clients = True
+
+    def keeps_global_client_model(self) -> bool:
+        return True
 
     def run_round(self, rt, rnd, clients, rng):
         super().run_round(rt, rnd, clients, rng)
@@ -99,10 +99,10 @@ class SFLV2(Algorithm):
         self.labels = orders.label_order(info.seed, info.num_classes)
 
     def positions(self):
-        return self.labels if self.p.order in orders.CYCLIC else None
+        return self.labels if self.params.order in orders.CYCLIC else None
 
     def resolved(self) -> dict:
-        if self.p.order not in orders.CYCLIC:
+        if self.params.order not in orders.CYCLIC:
             return {}
         per_label = np.bincount(self.dominant, minlength=len(self.labels))
         return {"order.labels": " ".join(map(str, self.labels)),
@@ -110,11 +110,11 @@ class SFLV2(Algorithm):
 
     def order_sequence(self, rt, clients, rng) -> list[int]:
         steps = {int(c): self.steps_for(rt, int(c)) for c in clients}
-        return orders.sequence(self.p.order, clients, steps, rng, dominant=self.dominant, labels=self.labels,
-                               phi=self.p.phi)
+        return orders.sequence(self.params.order, clients, steps, rng, dominant=self.dominant, labels=self.labels,
+                               phi=self.params.phi)
 
     def run_round(self, rt, rnd, clients, rng):
-        self.run_sequence(rt, self.order_sequence(rt, clients, rng))
+        rt.split_steps(self.order_sequence(rt, clients, rng))
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
 
@@ -125,9 +125,11 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     description = "federated averaging, whole model on clients"
-    full_model_on_client = True
+
+    def split_model(self, model, cut):
+        return None, model, torch.nn.Identity()
 
     def run_round(self, rt, rnd, clients, rng):
         for c in clients:
-            rt.client(c, "local_train", c, self.steps_for(rt, c))
+            rt.client(c).local_train(self.steps_for(rt, c))
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)

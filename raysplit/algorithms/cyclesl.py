@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .base import Algorithm, AlgorithmParams, register
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..runtime import ServerHost, transport
-from ..runtime.hosts import round_lr, set_lr
 from ..runtime.messages import Activation, Gradient
+from ..runtime.optim import round_lr, set_lr
 
 
 def sglr_shared_gradient(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
@@ -59,7 +59,7 @@ def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
 
 
 class CycleServer(ServerHost):
-    """Server host with the CycleSL step and SGLR's server-side rules."""
+    """Server host with the CycleSL step and SGLR's server-side rules (``self.params``: the algorithm's Params)."""
 
     def _pool(self, acts):
         feats = [transport.unpack(a.x, self.device, writable=True) for a in acts]
@@ -69,56 +69,42 @@ class CycleServer(ServerHost):
     def cycle_step(self, *acts: Activation) -> list[Gradient]:
         """Algorithm 1: pool the round's features, train the server for E epochs on resampled batches with
         client-size-weighted loss, freeze it, return each client's gradient on its original features."""
-        ex = self.spec.extra
+        p = self.params
         slot = self.models["main"]
         model, opt = slot.module, slot.optimizer
         feats, ys = self._pool(acts)
         x_all, y_all = torch.cat(feats), torch.cat(ys)
         w_all = torch.cat([torch.full((len(y),), float(a.weight), device=self.device) for a, y in zip(acts, ys)])
-        self.last_pool = {"tags": [a.tag for a in acts], "rows": int(len(y_all))}  # inspected by tests
         self.clock = max([self.clock] + [a.t_sent for a in acts])
         g = torch.Generator().manual_seed(self.spec.seed * 100003 + self.round)
-        bs = ex.get("server_batch_size") or self.spec.batch_size
+        bs = p.server_batch_size or self.spec.batch_size
         n = len(y_all)
-        for _ in range(ex.get("server_epochs", 1)):
+        for _ in range(p.server_epochs):
             perm = torch.randperm(n, generator=g).to(self.device)
-            starts = range(0, n, bs) if ex.get("server_steps", "epoch") == "epoch" else [0]
+            starts = range(0, n, bs) if p.server_steps == "epoch" else [0]
             for i in starts:
                 idx = perm[i:i + bs]
 
-                def step(idx=idx):
-                    opt.zero_grad(set_to_none=True)
-                    ce = F.cross_entropy(model(x_all[idx]), y_all[idx], reduction="none")
-                    loss = (w_all[idx] * ce).sum() / w_all[idx].sum()
-                    loss.backward()
-                    return loss
+                def weighted_ce(out, y, w=w_all[idx]):
+                    return (w * F.cross_entropy(out, y, reduction="none")).sum() / w.sum()
 
-                loss, fl = self.flops.run(("cycle", len(idx)), step)
-                self._check(float(loss.item()), acts[0].tag)
-                opt.step()
-                self.charge(fl)
-                self.losses.append(float(loss.item()))
+                self.step_through(x_all[idx], y_all[idx], model, [opt], tag=acts[0].tag, flop_key=("cycle", len(idx)),
+                                  loss_fn=weighted_ce)
         return self._frozen_gradients(model, acts, feats, ys)
 
     def _frozen_gradients(self, model, acts, feats, ys) -> list[Gradient]:
-        for p in model.parameters():
-            p.requires_grad_(False)
+        """Each client's gradient on its original features through ``model`` with its parameters frozen."""
+        for prm in model.parameters():
+            prm.requires_grad_(False)
         out = []
         try:
             for a, f, y in zip(acts, feats, ys):
                 x = f.detach().clone().requires_grad_(True)
-
-                def grad_pass(x=x, y=y):
-                    loss = F.cross_entropy(model(x), y)
-                    loss.backward()
-                    return loss
-
-                loss, fl = self.flops.run(("grad", tuple(x.shape)), grad_pass)
-                self.charge(fl)
-                out.append(Gradient(a.tag, transport.pack(x.grad), self.clock, float(loss.item())))
+                lv = self.step_through(x, y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)), record=False)
+                out.append(Gradient(a.tag, transport.pack(x.grad), self.clock, lv))
         finally:
-            for p in model.parameters():
-                p.requires_grad_(True)
+            for prm in model.parameters():
+                prm.requires_grad_(True)
         for gr in out:
             self.grad_norms.append(float(np.linalg.norm(gr.g)))
         return out
@@ -134,100 +120,94 @@ class CycleServer(ServerHost):
 
     def cycle_sglr_step(self, *acts: Activation) -> list[Gradient]:
         grads = self.cycle_step(*acts)
-        active = int(self.spec.extra.get("active_fraction", 0.5) * len(acts))
+        active = int(self.params.active_fraction * len(acts))
         return self.share_gradients(grads, [a.weight for a in acts], active)
 
     def sglr_step(self, *acts: Activation) -> list[Gradient]:
         """SGLR, ``variant`` cyclesl or original (module docstring)."""
-        ex = self.spec.extra
-        if ex.get("sglr_variant", "cyclesl") == "cyclesl":
+        p = self.params
+        if p.variant == "cyclesl":
             grads = [self.train_step(a, key=a.tag.client) for a in acts]  # copies forked by the driver
-            active = int(ex.get("active_fraction", 0.5) * len(acts))
+            active = int(p.active_fraction * len(acts))
             return self.share_gradients(grads, [a.weight for a in acts], active)
         slot = self.models["main"]
         feats, ys = self._pool(acts)
         x = torch.cat(feats).requires_grad_(True)
         y = torch.cat(ys)
-        set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round) * len(acts) ** ex.get("lr_pow", 1.0))
-
-        def step():
-            slot.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(slot.module(x), y)
-            loss.backward()
-            return loss
-
+        set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round) * len(acts) ** p.lr_pow)
         self.clock = max([self.clock] + [a.t_sent for a in acts])
-        loss, fl = self.flops.run(("concat", tuple(x.shape)), step)
-        self._check(float(loss.item()), acts[0].tag)
-        slot.optimizer.step()
-        self.charge(fl)
-        self.losses.append(float(loss.item()))
+        lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("concat", tuple(x.shape)))
         sizes = np.cumsum([0] + [len(t) for t in ys])
         slices = [transport.pack(x.grad[sizes[i]:sizes[i + 1]]) for i in range(len(acts))]
-        if self.round < ex.get("comm_fraction", 0.6) * ex.get("rounds", 1):
+        if self.round < p.comm_fraction * self.spec.rounds:
             mean = positionwise_mean(slices)
             slices = [mean[:len(s)].copy() for s in slices]
-        out = [Gradient(a.tag, s, self.clock, float(loss.item())) for a, s in zip(acts, slices)]
+        out = [Gradient(a.tag, s, self.clock, lv) for a, s in zip(acts, slices)]
         self.grad_norms.extend(float(np.linalg.norm(g.g)) for g in out)
         return out
 
 
 class CycleParams(AlgorithmParams):
     server_epochs: int = Field(default=1, ge=1, description="E: passes over the pooled features per round")
-    server_batch_size: int | None = Field(default=None, ge=1, description="resampling batch (default: client's)")
-    server_steps: Literal["epoch", "one"] = "epoch"
+    server_batch_size: int | None = Field(default=None, ge=1, description="resampling batch size (default: "
+                                          "train.batch_size)")
+    server_steps: Literal["epoch", "one"] = Field(default="epoch", description="epoch: a server epoch is a full "
+                                                  "shuffled pass (the code); one: one resampled batch (the text)")
 
 
 class SGLRParams(AlgorithmParams):
-    variant: Literal["cyclesl", "original"] = "cyclesl"
-    active_fraction: float = Field(default=0.5, ge=0, le=1)
-    lr_pow: float = 1.0
-    comm_fraction: float = Field(default=0.6, ge=0, le=1)
+    variant: Literal["cyclesl", "original"] = Field(default="cyclesl", description="cyclesl: CycleSL's SGLR code; "
+                                                    "original: Pal et al.'s code (module docstring)")
+    active_fraction: float = Field(default=0.5, ge=0, le=1, description="variant cyclesl: the first fraction of "
+                                   "the round's clients that receive the shared gradient")
+    lr_pow: float = Field(default=1.0, description="variant original: server lr = client lr * N**lr_pow")
+    comm_fraction: float = Field(default=0.6, ge=0, le=1, description="variant original: gradients are averaged "
+                                 "while round < comm_fraction * train.rounds")
 
 
 class CycleSGLRParams(CycleParams):
-    active_fraction: float = Field(default=0.5, ge=0, le=1)
+    active_fraction: float = Field(default=0.5, ge=0, le=1, description="the first fraction of the round's "
+                                   "clients that receive the shared gradient")
 
 
-class _OneStep(Algorithm):
-    """Rounds of one forward per sampled client (``local_steps`` times), a server call returning one gradient
-    per client, and the clients' backward passes."""
+class PooledRound(Algorithm):
+    """Rounds of ``local_steps`` pooled steps: one forward per sampled client, one server call over all of them
+    (``server_method``) returning one gradient per client, and the clients' backward passes."""
 
     server_host = CycleServer
     server_method = "cycle_step"
-
-    def host_extra(self) -> dict:
-        return {k: v for k, v in self.p.model_dump().items() if k != "name"} | {"rounds": self.cfg.train.rounds}
 
     def setup(self, info) -> None:
         if self.local_epochs:
             raise ConfigError(f"{self.name} pools one batch per client per step (train.local_steps); "
                               "train.local_epochs is not supported")
 
-    def split_round(self, rt, clients) -> None:
+    def pooled_steps(self, rt, clients) -> None:
+        serve = getattr(rt.server.returning(len(clients)), self.server_method)
         for s in range(self.local_steps):
             acts = [rt.forward(c, s) for c in clients]
-            for c, g in zip(clients, rt.server_each(self.server_method, len(clients), *acts)):
+            for c, g in zip(clients, serve(*acts)):
                 rt.backward(c, g)
 
 
 @register
-class CyclePSL(_OneStep):
+class CyclePSL(PooledRound):
     """CycleSL on PSL: one server model trained on the pooled features; client models are not aggregated."""
 
     name = "cyclepsl"
     description = "CycleSL + PSL: pooled feature resampling, frozen-server gradients, no aggregation"
     Params = CycleParams
-    clients_keep_models = True
-    aggregates_clients = False
+
+    def keeps_global_client_model(self) -> bool:
+        return False
 
     def run_round(self, rt, rnd, clients, rng):
-        self.split_round(rt, clients)
+        self.pooled_steps(rt, clients)
         return None
 
 
 @register
-class CycleSFL(_OneStep):
+class CycleSFL(PooledRound):
     """CycleSL on SFL: CyclePSL's round, then FedAvg of the client models (to all clients by default)."""
 
     name = "cyclesfl"
@@ -235,7 +215,7 @@ class CycleSFL(_OneStep):
     Params = CycleParams
 
     def run_round(self, rt, rnd, clients, rng):
-        self.split_round(rt, clients)
+        self.pooled_steps(rt, clients)
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
 
@@ -250,7 +230,7 @@ class CycleSGLR(CyclePSL):
 
 
 @register
-class SGLR(_OneStep):
+class SGLR(PooledRound):
     """Server-side local gradient averaging and learning-rate acceleration (Pal et al. 2021); both variants in
     the module docstring. Client models are never aggregated."""
 
@@ -258,17 +238,15 @@ class SGLR(_OneStep):
     description = "SGLR: server-side gradient averaging (variant cyclesl | original)"
     Params = SGLRParams
     server_method = "sglr_step"
-    clients_keep_models = True
-    aggregates_clients = False
 
-    def host_extra(self) -> dict:
-        return super().host_extra() | {"sglr_variant": self.p.variant}
+    def keeps_global_client_model(self) -> bool:
+        return False
 
     def run_round(self, rt, rnd, clients, rng):
-        cyclesl = self.p.variant == "cyclesl"
+        cyclesl = self.params.variant == "cyclesl"
         if cyclesl:
-            rt.server("fork", clients)
-        self.split_round(rt, clients)
+            rt.server.fork(clients)
+        self.pooled_steps(rt, clients)
         if cyclesl:
-            rt.server("merge", rt.weights(clients, self.agg.weights))
+            rt.server.merge(rt.weights(clients, self.agg.weights))
         return None

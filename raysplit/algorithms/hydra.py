@@ -29,21 +29,22 @@ client that is never averaged; inference runs the global part-1 with every head 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from .base import SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
-from ..config import ConfigError
-from ..data import to_tensor
+from ..errors import ConfigError
 from ..models.core import param_bytes
-from ..runtime import ClientHost, ServerHost, transport
-from ..runtime.hosts import _Slot, average_optimizer_states, average_states, make_optimizer, round_lr, set_lr
+from ..runtime import ClientHost, ModelSlot, ServerHost, transport
+from ..runtime.aggregation import average_optimizer_states, average_states
+from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import Activation, Gradient, StateMsg
+from ..runtime.optim import make_optimizer, round_lr, set_lr
 
 
 def greedy_groups(counts: np.ndarray, label_groups: list[list[int]]) -> list[int]:
@@ -88,21 +89,20 @@ class ConfidentServer(ServerHost):
 
     @torch.no_grad()
     def _confident(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]]):
+        """Per test sample, the logits of the (client part, server part) pair whose largest logit is largest."""
         for c, s in pairs:
             c.eval(), s.eval()
-        preds, loss = [], 0.0
-        bs = self.spec.eval_batch_size
-        for i in range(0, len(self.test_y), bs):
-            x = to_tensor(self.test_x[i:i + bs], self.spec.data_spec).to(self.device)
-            y = torch.tensor(self.test_y[i:i + bs], dtype=torch.long, device=self.device)
+
+        def most_confident(x):
             logits = torch.stack([s(c(x)) for c, s in pairs])  # (models, batch, classes)
             best = logits.max(dim=2).values.argmax(dim=0)
-            out = logits[best, torch.arange(len(y), device=self.device)]
-            loss += F.cross_entropy(out, y, reduction="sum").item()
-            preds.append(out.argmax(1).cpu().numpy())
+            return logits[best, torch.arange(x.shape[0], device=self.device)]
+
+        tally = predict_batches(self.test_x, self.test_y, self.spec.data_spec, self.spec.eval_batch_size,
+                                most_confident, EvalTally(), self.device)
         for _, s in pairs:
             s.train()
-        return np.asarray(self.test_y), np.concatenate(preds) if preds else np.zeros(0, np.int64), loss
+        return np.asarray(self.test_y), tally.result()[1], tally.loss
 
     def evaluate_client_models(self, *parts: dict) -> tuple[np.ndarray, np.ndarray, float]:
         """SplitFedV3: every client's own part-1 (from ``LabelClient.own_states``) with the server part."""
@@ -131,20 +131,21 @@ class ConfidentServer(ServerHost):
 
 class HydraServer(ServerHost):
     """``models['main']`` is the whole server part (part-2a then the averaged head) used for evaluation; its
-    optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers."""
+    optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers (``spec.host_setup`` is
+    the algorithm's :class:`HydraLayout`)."""
 
     def __init__(self, spec, init_state, client_init_state, test):
         super().__init__(spec, init_state, client_init_state, test)
         full = self.models["main"].module
-        at = spec.extra["head_at"]
-        self.body, self.head = full[:at], full[at:]
-        self.models["main"] = _Slot(full, make_optimizer(self.body.parameters(), spec.server_optimizer))
-        self.heads = [self._new_head() for _ in range(spec.extra["num_heads"])]
+        layout: HydraLayout = spec.host_setup
+        self.body, self.head = full[:layout.head_at], full[layout.head_at:]
+        self.models["main"] = ModelSlot(full, make_optimizer(self.body.parameters(), spec.server_optimizer))
+        self.heads = [self._new_head() for _ in range(layout.num_heads)]
         self.head_samples = np.zeros(len(self.heads))
 
-    def _new_head(self) -> _Slot:
+    def _new_head(self) -> ModelSlot:
         m = copy.deepcopy(self.head)
-        return _Slot(m, make_optimizer(m.parameters(), self.spec.server_optimizer))
+        return ModelSlot(m, make_optimizer(m.parameters(), self.spec.server_optimizer))
 
     def begin_round(self, rnd: int, t0: float) -> None:
         super().begin_round(rnd, t0)
@@ -157,8 +158,8 @@ class HydraServer(ServerHost):
         g = int(key)
         head = self.heads[g]
         self.head_samples[g] += len(act.y)
-        return self.step_through(act, torch.nn.Sequential(self.body, head.module),
-                                 [self.models["main"].optimizer, head.optimizer], "hydra")
+        return self.step_activation(act, torch.nn.Sequential(self.body, head.module),
+                                    [self.models["main"].optimizer, head.optimizer], "hydra")
 
     def merge_heads(self, mode: str = "samples") -> None:
         """Average the heads (weights and optimizer states) into one head, copied back into every head."""
@@ -187,12 +188,21 @@ class HydraServer(ServerHost):
             h.optimizer.load_state_dict(os_)
 
 
+@dataclass(frozen=True)
+class HydraLayout:
+    """Where the heads start inside the server part, and how many there are (derived at setup)."""
+
+    head_at: int
+    num_heads: int
+
+
 class HydraParams(OrderedParams):
     cut_b: int | str | None = Field(default=None, description="second cut (start of the heads); default: the "
                                     "last two blocks are the heads")
     heads: int | None = Field(default=None, ge=1, description="K; default: number of labels (or of label_groups)")
     label_groups: list[list[int]] | None = Field(default=None, description="superclasses: labels of each head")
-    head_weights: Literal["samples", "uniform"] = "samples"
+    head_weights: Literal["samples", "uniform"] = Field(default="samples", description="head averaging: by the "
+                                                        "samples each head trained on (the paper) or uniform (code)")
 
 
 @register
@@ -208,7 +218,7 @@ class Hydra(SFLV2):
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
-        p, L = self.p, info.num_classes
+        p, L = self.params, info.num_classes
         model = info.model
         if p.cut_b is None:
             at = len(model.blocks) - 2
@@ -241,8 +251,8 @@ class Hydra(SFLV2):
         self.head_bytes = param_bytes(model.segment(at, len(model.blocks)), include_buffers=True)
         self.groups = None
 
-    def host_extra(self) -> dict:
-        return {"head_at": self.head_at, "num_heads": len(self.label_groups)}
+    def host_setup(self) -> HydraLayout:
+        return HydraLayout(self.head_at, len(self.label_groups))
 
     def resolved(self) -> dict:
         K = len(self.label_groups)
@@ -253,13 +263,12 @@ class Hydra(SFLV2):
         if self.groups is None:  # Algorithm 2 on the label vectors the clients send once (counted in round 0)
             L = sum(len(g) for g in self.label_groups)
             got = {}
-            for part in rt.get(rt.all_workers("label_counts", L, rnd == 0)):
+            for part in rt.get(rt.workers.label_counts(L, rnd == 0)):
                 got.update(part)
             counts = np.stack([got[c] for c in range(rt.num_clients)])
             self.groups = greedy_groups(counts, self.label_groups)
-        self.run_sequence(rt, self.order_sequence(rt, clients, rng), keys=dict(enumerate(self.groups)),
-                          method="hydra_step")
-        rt.server("merge_heads", self.p.head_weights)
+        rt.split_steps(self.order_sequence(rt, clients, rng), keys=dict(enumerate(self.groups)), method="hydra_step")
+        rt.server.merge_heads(self.params.head_weights)
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
 
@@ -272,10 +281,14 @@ class SplitFedV3(PSL):
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_host = LabelClient
     server_host = ConfidentServer
-    evaluates_itself = True
 
-    def evaluate(self, rt, global_handle):
-        return rt.get(rt.server("evaluate_client_models", *rt.all_workers("own_states")))
+    def eval_modes(self) -> tuple[str, ...]:
+        return ("global", "clients")
+
+    def evaluate(self, rt, mode, global_handle, clients):
+        if mode == "global":
+            return rt.get(rt.server.evaluate_client_models(*rt.workers.own_states()))
+        return super().evaluate(rt, mode, global_handle, clients)
 
 
 @register
@@ -286,12 +299,11 @@ class MultiHead(SFLV1):
     name = "multihead"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     server_host = ConfidentServer
-    evaluates_itself = True
+
+    def eval_modes(self) -> tuple[str, ...]:
+        return ("global",)  # the most-confident-head rule on the global test set
 
     def setup(self, info: SetupInfo) -> None:
-        if self.cfg.eval.mode == "clients":
-            raise ConfigError("multihead evaluates with its most-confident-head rule on the global test set; "
-                              "eval.mode=clients is not supported (use auto or global)")
         self.server_bytes = param_bytes(info.model.segment(info.cut, len(info.model.blocks)), include_buffers=True)
 
     def resolved(self) -> dict:
@@ -299,9 +311,9 @@ class MultiHead(SFLV1):
                 "multihead.all_heads_bytes": self.server_bytes * self.cfg.data.num_clients}
 
     def run_round(self, rt, rnd, clients, rng):
-        rt.server("ensure_heads", clients)
-        self.split_steps(rt, clients, per_client=True)
+        rt.server.ensure_heads(clients)
+        self.each_client_in_turn(rt, clients, own_server_copy=True)
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
-    def evaluate(self, rt, global_handle):
-        return rt.get(rt.server("evaluate_heads", global_handle))
+    def evaluate(self, rt, mode, global_handle, clients):
+        return rt.get(rt.server.evaluate_heads(global_handle))

@@ -43,14 +43,24 @@ def cycle_clients(clients, dominant: np.ndarray, labels: list[int]) -> list[int]
     return sorted((int(c) for c in clients), key=lambda c: (pos.get(int(dominant[c]), len(pos)), c))
 
 
+def client_order(policy: str, clients, rng: np.random.Generator) -> list[int]:
+    """The round's clients one after another: ``shuffled`` (a permutation drawn from ``rng``) or ``fixed``
+    (ascending id)."""
+    clients = [int(c) for c in clients]
+    if policy == "shuffled":
+        return [int(c) for c in rng.permutation(clients)]
+    if policy == "fixed":
+        return sorted(clients)
+    raise ValueError(f"order {policy!r} does not put whole clients one after another (shuffled | fixed)")
+
+
 def sequence(policy: str, clients, steps: dict[int, int], rng: np.random.Generator, *, dominant=None,
              labels: list[int] | None = None, phi: int = 1) -> list[int]:
     """One client id per batch, in the order the server processes them. ``steps[c]`` is client c's number of
     batches this round; ``rng`` is the round's generator (``shuffled``/``random`` draw from it)."""
     clients = [int(c) for c in clients]
     if policy in ("shuffled", "fixed"):
-        ordered = [int(c) for c in rng.permutation(clients)] if policy == "shuffled" else sorted(clients)
-        return [c for c in ordered for _ in range(steps[c])]
+        return [c for c in client_order(policy, clients, rng) for _ in range(steps[c])]
     if policy == "random":
         left = {c: steps[c] for c in clients if steps[c] > 0}
         out = []

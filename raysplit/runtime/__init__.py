@@ -1,10 +1,10 @@
-"""Runtime layer: hosts (what runs in actors), the algorithm-facing API, and the backends.
+"""Runtime layer: hosts (what runs in actors), the algorithm-facing API, drivers and the backends.
 
 Only ``raysplit.runtime.ray_backend`` imports Ray; it is loaded when a Ray backend is requested.
 """
 
-from raysplit.runtime.api import LocalBackend, RoundStats, Runtime, RuntimeInputs
-from raysplit.runtime.hosts import ClientHost, HostSpec, NonFiniteLossError, ServerHost
+from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs
+from raysplit.runtime.hosts import ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 
 
@@ -17,5 +17,6 @@ def make_backend(rcfg):
     return RayBackend(rcfg)
 
 
-__all__ = ["Activation", "ClientHost", "Gradient", "HostSpec", "LocalBackend", "NonFiniteLossError", "RoundStats",
-           "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag", "make_backend"]
+__all__ = ["Activation", "ClientHost", "Gradient", "HostCalls", "HostSpec", "LocalBackend", "ModelSlot",
+           "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag",
+           "make_backend"]

@@ -1,11 +1,15 @@
 """The runtime API that algorithms are written against.
 
-An algorithm sees handles, never Ray: ``forward`` returns a handle to an activation, ``server(method, handle)``
+An algorithm sees handles, never Ray: ``forward`` returns a handle to an activation, ``rt.server.<method>(handle)``
 returns a handle to the server's answer, ``backward(cid, handle)`` applies it. With the Ray backend a handle is an
 ObjectRef and calls chain actor to actor through the object store; the driver blocks only at ``end_round``,
 ``get`` and evaluation. Actor calls from the driver run in submission order per actor, which is what gives
 sequential algorithms (SFLV2, SplitNN) their order; pairing of activations and gradients is still checked by tag.
 The local backend runs the same hosts in-process (for debugging and as the plain-loop reference in benchmarks).
+
+Host methods are reached through :class:`HostCalls`: ``rt.server.fork(clients)``, ``rt.client(c).get_state()``
+(the client id is bound as the method's first argument), ``rt.workers.partial_sum(weights)`` (every client worker,
+a list of handles). A name the host class does not have fails at once, on the driver, naming the class.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raysplit.runtime import stepping
 from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost
 from raysplit.runtime.messages import Tag
 
@@ -25,8 +30,9 @@ class RoundStats:
     t_start: float
     t_end: float
     wall: float
-    clients: dict[int, dict]
+    clients: dict[int, dict]  # per-client counters of the round (bytes, FLOPs, steps, clock)
     server: dict
+    participants: list[int] = field(default_factory=list)  # the round's clients
 
     @property
     def sim_time(self) -> float:
@@ -49,6 +55,55 @@ class RuntimeInputs:
     server_init: dict = field(default_factory=dict)  # packed server-part state
 
 
+def worker_index(cid: int, num_workers: int) -> int:
+    """Placement: client ``cid`` lives on worker ``cid % W``."""
+    return int(cid) % num_workers
+
+
+def host_inputs(inputs: RuntimeInputs, num_workers: int):
+    """Split per-client inputs by hosting worker (:func:`worker_index`)."""
+    per = []
+    for w in range(num_workers):
+        cids = [c for c in range(len(inputs.train_idx)) if worker_index(c, num_workers) == w]
+        per.append(({c: inputs.train_idx[c] for c in cids}, {c: inputs.test_idx[c] for c in cids},
+                    {c: inputs.profiles[c] for c in cids}))
+    return per
+
+
+class HostCalls:
+    """Calls of one host class's methods, checked against the class when the attribute is looked up.
+
+    ``targets`` gives the host handles the call goes to (one, or every worker for a fan-out), ``bind`` arguments
+    put first (the client id for ``rt.client(c)``), ``returning`` the number of handles a list-returning server
+    method is split into (one handle per element, so each client's gradient travels alone)."""
+
+    def __init__(self, backend, host_cls: type, role: str, targets, *, bind: tuple = (), fan_out: bool = False,
+                 returning: int | None = None):
+        self._backend, self._cls, self._role, self._targets = backend, host_cls, role, targets
+        self._bind, self._fan_out, self._returning = bind, fan_out, returning
+
+    def returning(self, n: int) -> "HostCalls":
+        """The same calls, for a method that returns a list of ``n`` results: a list of ``n`` handles."""
+        return HostCalls(self._backend, self._cls, self._role, self._targets, bind=self._bind, returning=n)
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._cls, name, None) if not name.startswith("_") else None
+        if not callable(fn):
+            raise AttributeError(f"{self._cls.__name__} (the {self._role} host) has no method {name!r}")
+        b, args0 = self._backend, self._bind
+
+        def call(*args, **kwargs):
+            if self._fan_out:
+                return [b.call(h, name, *args0, *args, **kwargs) for h in self._targets()]
+            host = self._targets()
+            if self._returning is not None:
+                return b.call_n(host, self._returning, name, *args0, *args, **kwargs)
+            return b.call(host, name, *args0, *args, **kwargs)
+
+        call.__name__ = name
+        return call
+
+
 class Runtime:
     """Algorithm-facing API over a backend (``LocalBackend`` or ``RayBackend``)."""
 
@@ -64,33 +119,39 @@ class Runtime:
         self._wall0 = 0.0
         self._clients: list[int] = []
         backend.start(inputs)
+        self.server = HostCalls(backend, inputs.server_host, "server", lambda: backend.server)
+        self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True)
+
+    def client(self, cid: int) -> HostCalls:
+        """Calls on the worker hosting client ``cid``, with ``cid`` as the method's first argument."""
+        cid = int(cid)
+        return HostCalls(self.backend, self.inputs.client_host, "client", lambda: self.worker_of(cid), bind=(cid,))
 
     # ---- placement -------------------------------------------------------------------------------------------
     def worker_of(self, cid: int):
-        return self.backend.workers[cid % len(self.backend.workers)]
+        return self.backend.workers[worker_index(cid, len(self.backend.workers))]
 
     # ---- round structure -----------------------------------------------------------------------------------
     def begin_round(self, rnd: int, clients: list[int], t0: float) -> None:
         self.round, self._t0, self._clients = rnd, t0, [int(c) for c in clients]
         self._inflight = []
         self._wall0 = time.perf_counter()
-        self.backend.call(self.backend.server, "begin_round", rnd, t0)
-        for w in self.backend.workers:
-            self.backend.call(w, "begin_round", rnd, self._clients, t0)
+        self.server.begin_round(rnd, t0)
+        self.workers.begin_round(rnd, self._clients, t0)
 
     def end_round(self) -> RoundStats:
         b = self.backend
-        server_ref = b.call(b.server, "end_round")
-        refs = [b.call(w, "end_round") for w in b.workers]
-        server_out = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
-        out = b.get(refs) + [server_out]
+        server_ref = self.server.end_round()
+        refs = self.workers.end_round()
+        server = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
+        parts = b.get(refs)
         b.round_done()
         clients: dict[int, dict] = {}
-        for part in out[:-1]:
+        for part in parts:
             clients.update(part)
-        server = out[-1]
         t_end = max([server["t_end"]] + [c["t_end"] for c in clients.values()] + [self._t0])
-        return RoundStats(self.round, self._t0, t_end, time.perf_counter() - self._wall0, clients, server)
+        return RoundStats(self.round, self._t0, t_end, time.perf_counter() - self._wall0, clients, server,
+                          list(self._clients))
 
     # ---- split-learning steps -------------------------------------------------------------------------------
     def forward(self, cid: int, step: int = 0, stream: str = "main", batch_size: int | None = None):
@@ -104,66 +165,45 @@ class Runtime:
             self._inflight = self.backend.wait(self._inflight, len(self._inflight) - self.max_in_flight // 2)
         return ref
 
-    def split_steps(self, seq: list[int], keys: dict | None = None, method: str = "train_step",
+    def split_steps(self, seq: list, keys: dict | None = None, method: str = "train_step",
                     batch_size: int | None = None) -> None:
-        """One split step per entry of ``seq`` (client ids, in serving order; a client may appear any number of
-        times, consecutively or interleaved with others): the client forwards a batch, the server runs
-        ``method(activation, key)`` (``keys[c]``, default ``"main"``), the client applies the gradient. Every
-        client's first forward is submitted at once, so they run in parallel on the client actors; a client's next
-        forward is submitted together with its backward, so it is ready by the client's next turn.
+        """One split step per entry of ``seq`` in serving order: a client id, or ``(client, stream)`` when a
+        client sends several feature streams (each step's tag carries its stream end to end). A client may appear
+        any number of times, consecutively or interleaved with others. Per step the client forwards a batch, the
+        server runs ``method(activation, key)`` (``keys[c]``, default ``"main"``) and the client applies the
+        gradient. Every (client, stream)'s first forward is submitted at once, so they run in parallel on the
+        client workers; a client's next forward goes together with its backward, so it is ready by its next turn.
 
-        Where the backend offers it (``RayBackend`` with ``runtime.direct_steps``), the whole sequence is one call
-        to the server actor, which calls the client actors itself (actor to actor): the driver is off the per-step
-        path. Each client actor executes the same calls in the same order as in the driver-chained loop below, and
-        the server serves in the same order, so results are bit-identical (tests/test_direct_steps.py)."""
-        plan = self._plan(seq, keys or {})
+        Where the backend offers it (the local backend; ``RayBackend`` with ``runtime.direct_steps``), the whole
+        sequence is one call to the server, which runs :func:`stepping.drive_steps` and calls the client hosts
+        itself (actor to actor with Ray): the driver is off the per-step path. Each client host executes the same
+        calls in the same order as in the driver-chained loop below, and the server serves in the same order, so
+        results are bit-identical (tests/test_direct_steps.py)."""
+        getattr(self.server, method)  # an unknown server method fails here, on the driver
+        plan = stepping.plan_steps(seq, self.round, keys or {})
         if self.backend.direct_steps:
             self.backend.drive_steps(plan, method, batch_size)
             return
         pending = {}
-        for c, _, tag, _ in plan:
-            if c not in pending:
-                pending[c] = self.forward(c, tag.step, batch_size=batch_size)
-        for c, key, _, nxt in plan:
-            self.backward(c, self.server(method, pending.pop(c), key))
-            if nxt is not None:
-                pending[c] = self.forward(c, nxt.step, batch_size=batch_size)
+        for s in plan:
+            if (s.client, s.tag.stream) not in pending:
+                pending[(s.client, s.tag.stream)] = self.backend.call(self.worker_of(s.client), "forward", s.tag,
+                                                                      batch_size)
+        for s in plan:
+            k = (s.client, s.tag.stream)
+            self.backward(s.client, self.backend.call(self.backend.server, method, pending.pop(k), s.key))
+            if s.next is not None:
+                pending[k] = self.backend.call(self.worker_of(s.client), "forward", s.next, batch_size)
 
-    def _plan(self, seq: list[int], keys: dict) -> list[tuple]:
-        """``[(client, server key, tag, tag of the client's next step or None), ...]`` in serving order."""
-        count: dict[int, int] = {}
-        for c in seq:
-            count[int(c)] = count.get(int(c), 0) + 1
-        done: dict[int, int] = {}
-        plan = []
-        for c in seq:
-            c = int(c)
-            s = done.get(c, 0)
-            done[c] = s + 1
-            nxt = Tag(c, self.round, s + 1, "main") if s + 1 < count[c] else None
-            plan.append((c, keys.get(c, "main"), Tag(c, self.round, s, "main"), nxt))
-        return plan
-
-    def clocks(self, clients: list[int]) -> dict[int, float]:
-        """Current simulated time of each client (one driver round trip; for event-driven algorithms)."""
-        out: dict[int, float] = {}
-        for part in self.backend.get([self.backend.call(w, "clocks", clients) for w in self.backend.workers]):
-            out.update(part)
-        return out
-
-    def server(self, method: str, *args, **kwargs):
-        return self.backend.call(self.backend.server, method, *args, **kwargs)
-
-    def server_each(self, method: str, n: int, *args, **kwargs) -> list:
-        """Call a server-host method that returns a list of ``n`` results; one handle per result (so each
-        client's gradient travels to its client alone)."""
-        return self.backend.call_n(self.backend.server, n, method, *args, **kwargs)
-
-    def client(self, cid: int, method: str, *args, **kwargs):
-        return self.backend.call(self.worker_of(cid), method, *args, **kwargs)
-
-    def all_workers(self, method: str, *args, **kwargs) -> list:
-        return [self.backend.call(w, method, *args, **kwargs) for w in self.backend.workers]
+    def run_events(self, rnd: int) -> RoundStats:
+        """One global round of an asynchronous algorithm: the server host's event loop
+        (``AsyncServer.run_events``) runs where the server lives, driving the client hosts itself, until the next
+        global model exists. One blocking call per global round."""
+        out = self.backend.get(self.backend.drive_events(rnd))
+        self.backend.round_done()
+        self.round = rnd
+        return RoundStats(rnd, out["t_start"], out["t_end"], out["wall"], out["clients"], out["server"],
+                          out["participants"])
 
     def weights(self, clients: list[int], mode: str = "samples") -> dict[int, float]:
         if mode == "uniform":
@@ -173,16 +213,14 @@ class Runtime:
     def aggregate_clients(self, weights: dict[int, float], write_to: str = "all"):
         """FedAvg of the clients' current models: partial sums on the hosting workers, the sum on the server,
         the result installed on the workers. Returns a handle to the aggregate (a StateMsg)."""
-        partials = self.all_workers("partial_sum", weights)
-        agg = self.server("aggregate", *partials)
+        agg = self.server.aggregate(*self.workers.partial_sum(weights))
         self.install(agg, receivers=self._clients, only=None if write_to == "all" else list(weights))
         return agg
 
     def install(self, state_handle, receivers: list[int] | None = None, only: list[int] | None = None) -> None:
         """Install a client-model state on the workers: as everyone's starting model (``only`` None) or as the
         own model of the clients in ``only``; download is charged to ``receivers``."""
-        for w in self.backend.workers:
-            self.backend.call(w, "set_global", state_handle, receivers or [], only)
+        self.workers.set_global(state_handle, receivers or [], only)
 
     def put(self, value):
         return self.backend.put(value)
@@ -192,24 +230,21 @@ class Runtime:
 
     # ---- evaluation and checkpoints ------------------------------------------------------------------------
     def evaluate_global(self, client_state_handle):
-        return self.backend.get(self.server("evaluate", client_state_handle))
+        return self.backend.get(self.server.evaluate(client_state_handle))
 
     def evaluate_clients(self, clients: list[int]):
-        server_state = self.server("get_state")
-        refs = [self.backend.call(w, "evaluate_clients", clients, server_state) for w in self.backend.workers]
-        parts = self.backend.get(refs)
+        parts = self.backend.get(self.workers.evaluate_clients(clients, self.server.get_state()))
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                 float(sum(p[2] for p in parts)))
 
     def client_totals(self) -> dict[int, dict]:
         out: dict[int, dict] = {}
-        for part in self.backend.get([self.backend.call(w, "client_totals") for w in self.backend.workers]):
+        for part in self.backend.get(self.workers.client_totals()):
             out.update(part)
         return out
 
     def state_dict(self) -> dict:
-        b = self.backend
-        states = b.get([b.call(b.server, "state_dict")] + [b.call(w, "state_dict") for w in b.workers])
+        states = self.backend.get([self.server.state_dict()] + self.workers.state_dict())
         return {"server": states[0], "workers": states[1:]}
 
     def load_state_dict(self, st: dict) -> None:
@@ -217,7 +252,7 @@ class Runtime:
         if len(st["workers"]) != len(b.workers):
             raise ValueError(f"checkpoint has {len(st['workers'])} workers, runtime has {len(b.workers)}; resume "
                              "with the same runtime.num_workers")
-        refs = [b.call(b.server, "load_state_dict", st["server"])]
+        refs = [self.server.load_state_dict(st["server"])]
         refs += [b.call(w, "load_state_dict", s) for w, s in zip(b.workers, st["workers"])]
         b.get(refs)
 
@@ -225,18 +260,30 @@ class Runtime:
         self.backend.shutdown()
 
 
-def host_inputs(inputs: RuntimeInputs, num_workers: int):
-    """Split per-client inputs by hosting worker (client c lives on worker c % W)."""
-    per = []
-    for w in range(num_workers):
-        cids = range(w, len(inputs.train_idx), num_workers)
-        per.append(({c: inputs.train_idx[c] for c in cids}, {c: inputs.test_idx[c] for c in cids},
-                    {c: inputs.profiles[c] for c in cids}))
-    return per
+class LocalPort:
+    """:class:`stepping.ClientPort` over in-process client hosts: calls run at once, handles are values."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def submit(self, cid: int, calls: list[tuple[str, tuple]]):
+        host = self.workers[worker_index(cid, len(self.workers))]
+        out = None
+        for method, args in calls:
+            out = getattr(host, method)(*args)
+        return out
+
+    def fetch(self, handle):
+        return handle
+
+    def wait(self, handles: list) -> None:
+        pass
 
 
 class LocalBackend:
     """Runs the hosts in this process; handles are plain values."""
+
+    direct_steps = True  # split steps run stepping.drive_steps in process, as the server actor does with Ray
 
     def __init__(self, num_workers: int = 1):
         self.num_workers = num_workers
@@ -253,10 +300,15 @@ class LocalBackend:
 
     def call_n(self, host, n, method, *args, **kwargs):
         out = list(getattr(host, method)(*args, **kwargs))
-        assert len(out) == n, f"{method} returned {len(out)} results, expected {n}"
+        if len(out) != n:
+            raise RuntimeError(f"{type(host).__name__}.{method} returned {len(out)} results, expected {n}")
         return out
 
-    direct_steps = False  # split steps run as the plain loop in Runtime.split_steps
+    def drive_steps(self, plan: list, method: str, batch_size=None) -> None:
+        stepping.drive_steps(self.server, plan, method, batch_size, LocalPort(self.workers))
+
+    def drive_events(self, rnd: int) -> dict:
+        return self.server.run_events(rnd, LocalPort(self.workers))
 
     def round_done(self) -> None:
         pass

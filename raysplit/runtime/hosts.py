@@ -2,22 +2,30 @@
 
 The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms that need other
 server or client behaviour subclass them (``Algorithm.server_host`` / ``client_host``) and add methods, which the
-runtime reaches through ``Runtime.server(method, ...)`` / ``Runtime.client(cid, method, ...)``.
+runtime reaches through ``rt.server.<method>(...)``, ``rt.client(cid).<method>(...)`` and
+``rt.workers.<method>(...)`` (names checked against the host class on the driver, at the call).
 
 Client host state, per virtual client it hosts: its own model weights when the algorithm keeps un-aggregated client
-models (``persist``), its optimizer state (persists across rounds, as in CycleSL's code), its data cursor (epoch and
-position in a permutation drawn from (seed, client, epoch)), its simulated clock and its byte/FLOP counters. A client
-being trained in the current round holds a module instance of its own (a *slot*), so a forward's autograd graph stays
-alive in the host until the gradient with the same tag arrives; slots are released at the end of the round.
+models (``persist_client_models``), its optimizer state (persists across rounds, as in CycleSL's code), its data
+cursor (epoch and position in a permutation drawn from (seed, client, epoch)), its simulated clock and its
+byte/FLOP counters. A client being trained in the current round holds a module instance of its own (a
+:class:`ModelSlot`), so a forward's autograd graph stays alive in the host until the gradient with the same tag
+arrives; slots are released at the end of the round.
+
+Every server-side training computation goes through :meth:`ServerHost.step_through` (one forward, loss, backward,
+finite check, optimizer steps, FLOPs on the clock, busy time), whatever the family: split steps, CycleSL's pooled
+resampling and frozen-server gradients, SGLR's concatenated step, Hydra's heads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -26,7 +34,9 @@ import torch.nn.functional as F
 from raysplit.clock import ClientProfile, FlopCache
 from raysplit.data import DataSpec, to_tensor
 from raysplit.runtime import transport
+from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average, weighted_sum
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
 
 class NonFiniteLossError(RuntimeError):
@@ -35,6 +45,8 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass(frozen=True)
 class HostSpec:
+    """Everything a host needs to build itself; prepared once on the driver and shipped to every actor."""
+
     model: str
     num_classes: int
     input_shape: tuple
@@ -49,8 +61,21 @@ class HostSpec:
     torch_threads: int | None = 1
     device: str = "cpu"
     server_flops: float = 1e12
-    persist_client_models: bool = False
-    extra: dict = field(default_factory=dict)  # algorithm parameters the hosts need
+    persist_client_models: bool = False  # no global client model: every client keeps its own
+    stop_on_nonfinite: bool = True  # train.stop_on_nonfinite, on the client and the server path alike
+    rounds: int = 1  # train.rounds (schedules that depend on the run's length, e.g. SGLR's comm_fraction)
+    params: Any = None  # the algorithm's validated Params (``algorithm:`` section)
+    host_setup: Any = None  # what the algorithm derived at setup for its hosts (``Algorithm.host_setup``)
+    asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
+    charge_server: bool = True  # server compute and downloads cost simulated time (False: GAS's code)
+
+
+@dataclass
+class ModelSlot:
+    """A module with its optimizer: a client being trained this round, the server model, a copy or a head."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -63,60 +88,54 @@ def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model.split(spec.cut)
 
 
-def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg["lr"])  # placeholder (Identity part)
-    if cfg["name"] == "sgd":
-        return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
-                               weight_decay=cfg.get("weight_decay", 0.0), nesterov=cfg.get("nesterov", False))
-    if cfg["name"] == "adam":
-        return torch.optim.Adam(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0))
-    if cfg["name"] == "adamw":
-        return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0))
-    raise ValueError(f"unknown optimizer {cfg['name']!r}")
+def advance_cursor(n: int, batch_size: int, cursor: tuple[int, int]) -> tuple[int, int, int]:
+    """A client's next batch from its data cursor ``(epoch, position)``: ``(epoch, start, stop)`` in the epoch's
+    permutation. A new epoch starts once the last (possibly short) batch is drawn."""
+    epoch, pos = cursor
+    if pos >= n:
+        epoch, pos = epoch + 1, 0
+    return epoch, pos, min(pos + batch_size, n)
 
 
-def round_lr(cfg: dict, rnd: int) -> float:
-    """Learning rate of round ``rnd``: ``max(lr * decay**rnd, min_lr)`` (Hydra's per-epoch decay)."""
-    return max(cfg["lr"] * cfg.get("decay", 1.0) ** max(rnd, 0), cfg.get("min_lr", 0.0))
+def check_finite(loss: float, stop: bool, where: str) -> bool:
+    """True if ``loss`` is finite; otherwise raise (``stop``, i.e. ``train.stop_on_nonfinite``) or return False."""
+    if math.isfinite(loss):
+        return True
+    if stop:
+        raise NonFiniteLossError(f"non-finite loss {loss} at {where}")
+    return False
 
 
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
+class EvalTally:
+    """Labels, predictions and summed loss of an evaluation, accumulated batch by batch."""
+
+    def __init__(self):
+        self.ys: list[np.ndarray] = []
+        self.preds: list[np.ndarray] = []
+        self.loss = 0.0
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, float]:
+        if not self.ys:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0
+        return np.concatenate(self.ys), np.concatenate(self.preds), self.loss
 
 
-def average_states(states: list[dict], weights: list[float]) -> dict[str, torch.Tensor]:
-    """Weighted average of state dicts (integer buffers such as num_batches_tracked are rounded back)."""
-    total = float(sum(weights))
-    out = {}
-    for k in states[0]:
-        acc = sum(torch.as_tensor(s[k]).double() * (w / total) for s, w in zip(states, weights))
-        ref = torch.as_tensor(states[0][k])
-        out[k] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
-    return out
-
-
-def average_optimizer_states(opt_states: list[dict], weights: list[float]) -> dict | None:
-    """Weighted average of optimizer state dicts of identical parameter layouts (momentum buffers, Adam moments);
-    None when the optimizer keeps no state (plain SGD)."""
-    if not opt_states[0]["state"]:
-        return None
-    merged = copy.deepcopy(opt_states[0])
-    for pid in merged["state"]:
-        merged["state"][pid] = average_states([o["state"][pid] for o in opt_states], weights)
-    return merged
+@torch.no_grad()
+def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_size: int,
+                    logits: Callable[[torch.Tensor], torch.Tensor], tally: EvalTally, device="cpu") -> EvalTally:
+    """The one evaluation loop: ``logits`` of every batch of ``x``, cross-entropy summed into ``tally``."""
+    for i in range(0, len(y), batch_size):
+        xb = to_tensor(x[i:i + batch_size], data_spec).to(device)
+        yb = torch.tensor(np.asarray(y[i:i + batch_size]), dtype=torch.long, device=device)  # a copy: y may be read-only
+        out = logits(xb)
+        tally.loss += F.cross_entropy(out, yb, reduction="sum").item()
+        tally.ys.append(yb.cpu().numpy())
+        tally.preds.append(out.argmax(1).cpu().numpy())
+    return tally
 
 
 def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-@dataclass
-class _Slot:
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
 
 
 class _Counters:
@@ -137,6 +156,7 @@ class ClientHost:
             torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed * 1009 + worker_index)
         self.spec = spec
+        self.params = spec.params
         self.worker_index = worker_index
         self.x, self.y = data["x"], data["y"]
         self.train_idx = {int(c): np.asarray(v) for c, v in train_idx.items()}
@@ -148,13 +168,15 @@ class ClientHost:
         self.cursor: dict[int, tuple[int, int]] = {c: (0, 0) for c in self.train_idx}
         self._perm: dict[int, tuple[int, np.ndarray]] = {}
         self.clock: dict[int, float] = {c: 0.0 for c in self.train_idx}
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[int, ModelSlot] = {}
         self._pool: list[torch.nn.Module] = []
         self.pending: dict[Tag, torch.Tensor] = {}
+        self._replay: dict[Tag, tuple[np.ndarray, dict]] = {}
         self.flops = FlopCache()
         self.round_stats: dict[int, _Counters] = defaultdict(_Counters)
         self.totals: dict[int, _Counters] = defaultdict(_Counters)
         self.round = -1
+        self.job_round: dict[int, int] = {}  # event driver: the global round each active client's job began in
 
     # ---- virtual-client bookkeeping -------------------------------------------------------------------------
     def _new_module(self) -> torch.nn.Module:
@@ -163,19 +185,21 @@ class ClientHost:
         client, _ = build_parts(self.spec)
         return client
 
-    def activate(self, cid: int) -> _Slot:
+    def activate(self, cid: int, state: dict | None = None, rnd: int | None = None) -> ModelSlot:
+        """The client's slot for this round: its own model (or the global one, or ``state``), its optimizer with
+        the per-client state restored and the learning rate of round ``rnd`` (default: the host's round)."""
         if cid in self.slots:
             return self.slots[cid]
         if cid not in self.train_idx:
             raise KeyError(f"client {cid} is not hosted by worker {self.worker_index}")
         module = self._new_module()
-        module.load_state_dict(self.own.get(cid, self.global_state))
+        module.load_state_dict(state if state is not None else self.own.get(cid, self.global_state))
         module.train()
         opt = make_optimizer(module.parameters(), self.spec.client_optimizer)
         if cid in self.opt_state:
             opt.load_state_dict(self.opt_state[cid])
-        set_lr(opt, round_lr(self.spec.client_optimizer, self.round))
-        self.slots[cid] = _Slot(module, opt)
+        set_lr(opt, round_lr(self.spec.client_optimizer, self.round if rnd is None else rnd))
+        self.slots[cid] = ModelSlot(module, opt)
         return self.slots[cid]
 
     def release(self, cid: int, keep_weights: bool | None = None) -> None:
@@ -189,22 +213,36 @@ class ClientHost:
             self.opt_state[cid] = copy.deepcopy(st)
         self._pool.append(slot.module)
 
-    def next_batch(self, cid: int, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = batch_size or self.spec.batch_size
+    def _draw(self, cid: int, batch_size: int | None = None) -> np.ndarray:
+        """Indices of the client's next batch; advances its cursor (:func:`advance_cursor`)."""
         idx_all = self.train_idx[cid]
-        epoch, pos = self.cursor[cid]
-        if pos >= len(idx_all):
-            epoch, pos = epoch + 1, 0
+        epoch, start, stop = advance_cursor(len(idx_all), batch_size or self.spec.batch_size, self.cursor[cid])
         cached = self._perm.get(cid)
         if cached is None or cached[0] != epoch:
             rng = np.random.default_rng([self.spec.seed, cid, epoch])
             cached = (epoch, rng.permutation(idx_all))
             self._perm[cid] = cached
-        idx = cached[1][pos:pos + bs]
-        self.cursor[cid] = (epoch, pos + len(idx))
+        self.cursor[cid] = (epoch, stop)
+        return cached[1][start:stop]
+
+    def batch(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x = to_tensor(self.x[idx], self.spec.data_spec)
         y = torch.as_tensor(np.asarray(self.y[idx]), dtype=torch.long)
         return x, y
+
+    def next_batch(self, cid: int, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch(self._draw(cid, batch_size))
+
+    @contextlib.contextmanager
+    def _rng(self, cid: int, *salt: int):
+        """Under the event driver, client computations draw from a generator seeded per (client, salt), so their
+        randomness (dropout, augmentation) does not depend on which worker hosts the client or what ran before."""
+        if not self.spec.asynchronous:
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(np.random.default_rng([self.spec.seed, 0xC11, cid, *salt]).integers(2**62)))
+            yield
 
     def begin_round(self, rnd: int, cids: list[int], t0: float) -> None:
         self.round = rnd
@@ -217,18 +255,35 @@ class ClientHost:
         self.clock[cid] += flops / self.profiles[cid].flops
         self.round_stats[cid].add(flops=flops)
 
+    def _charge_upload(self, cid: int, nbytes: int) -> float:
+        self.clock[cid] += nbytes / self.profiles[cid].up
+        self.round_stats[cid].add(bytes_up=nbytes)
+        return self.clock[cid]
+
+    def _charge_download(self, cid: int, nbytes: int, t_sent: float) -> float:
+        """A message of ``nbytes`` sent at ``t_sent`` reaches client ``cid`` (which may still be busy); with
+        ``charge_server`` off (GAS's code) the transfer takes no time."""
+        cost = nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
+        self.clock[cid] = max(self.clock[cid], t_sent) + cost
+        self.round_stats[cid].add(bytes_down=nbytes)
+        return self.clock[cid]
+
     # ---- split-learning steps -------------------------------------------------------------------------------
     def forward(self, tag: Tag, batch_size: int | None = None) -> Activation:
+        """Client ``tag.client`` forwards its next batch; the graph stays here until the gradient for ``tag``
+        (whatever its stream) arrives."""
         cid = tag.client
         slot = self.activate(cid)
-        x, y = self.next_batch(cid, batch_size)
-        out, fl = self.flops.run(("fwd", tuple(x.shape)), lambda: slot.module(x))
+        idx = self._draw(cid, batch_size)
+        x, y = self.batch(idx)
+        if self.spec.asynchronous:  # what a checkpoint needs to rebuild this forward's graph (load_state_dict)
+            self._replay[tag] = (idx, {k: b.detach().clone() for k, b in slot.module.named_buffers()})
+        with self._rng(cid, 0, tag.round, tag.step):
+            out, fl = self.flops.run(("fwd", tuple(x.shape)), lambda: slot.module(x))
         self.pending[tag] = out
         self._charge_compute(cid, fl)
         msg = Activation(tag, transport.pack(out), y.numpy(), 0.0, float(len(self.train_idx[cid])))
-        self.clock[cid] += msg.nbytes / self.profiles[cid].up
-        msg.t_sent = self.clock[cid]
-        self.round_stats[cid].add(bytes_up=msg.nbytes)
+        msg.t_sent = self._charge_upload(cid, msg.nbytes)
         return msg
 
     def backward(self, grad: Gradient) -> float:
@@ -239,11 +294,11 @@ class ClientHost:
         except KeyError:
             raise KeyError(f"gradient for {tag} has no pending activation on worker {self.worker_index}; "
                            f"pending: {sorted(self.pending)[:5]}") from None
+        self._replay.pop(tag, None)
         cid = tag.client
         slot = self.slots[cid]
-        prof = self.profiles[cid]
-        self.clock[cid] = max(self.clock[cid], grad.t_sent) + grad.nbytes / prof.down
-        self.round_stats[cid].add(bytes_down=grad.nbytes, steps=1)
+        self._charge_download(cid, grad.nbytes, grad.t_sent)
+        self.round_stats[cid].add(steps=1)
         if grad.g is None:
             return self.clock[cid]
         g = transport.unpack(grad.g)
@@ -257,23 +312,26 @@ class ClientHost:
         """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss."""
         slot = self.activate(cid)
         losses = []
-        for _ in range(steps):
-            x, y = self.next_batch(cid)
-
-            def fwd_bwd():
-                slot.optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(slot.module(x), y)
-                loss.backward()
-                return loss
-
-            loss, fl = self.flops.run(("train", tuple(x.shape)), fwd_bwd)
-            if not math.isfinite(loss.item()):
-                raise NonFiniteLossError(f"non-finite loss {loss.item()} at round {self.round}, client {cid}")
-            slot.optimizer.step()
-            self._charge_compute(cid, fl)
-            self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
-            losses.append(loss.item())
+        with self._rng(cid, 1, self.round):
+            for _ in range(steps):
+                losses.append(self._local_step(cid, slot))
         return float(np.mean(losses))
+
+    def _local_step(self, cid: int, slot: ModelSlot) -> float:
+        x, y = self.next_batch(cid)
+
+        def fwd_bwd():
+            slot.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(slot.module(x), y)
+            loss.backward()
+            return loss
+
+        loss, fl = self.flops.run(("train", tuple(x.shape)), fwd_bwd)
+        check_finite(loss.item(), self.spec.stop_on_nonfinite, f"round {self.round}, client {cid}")
+        slot.optimizer.step()
+        self._charge_compute(cid, fl)
+        self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
+        return loss.item()
 
     # ---- model movement ------------------------------------------------------------------------------------
     def _state_of(self, cid: int) -> dict:
@@ -281,23 +339,14 @@ class ClientHost:
             return self.slots[cid].module.state_dict()
         return self.own.get(cid, self.global_state)
 
-    def _send_state(self, cid: int, state: dict) -> float:
-        nb = transport.state_nbytes(state)
-        self.clock[cid] += nb / self.profiles[cid].up
-        self.round_stats[cid].add(bytes_up=nb)
-        return self.clock[cid]
-
     def partial_sum(self, weights: dict[int, float]) -> StateMsg | None:
         """Weighted sum of the hosted clients' current weights (upload counted per client)."""
-        mine = [(c, w) for c, w in weights.items() if int(c) in self.train_idx]
+        mine = [(int(c), w) for c, w in weights.items() if int(c) in self.train_idx]
         if not mine:
             return None
-        acc, t = None, 0.0
-        for c, w in mine:
-            st = self._state_of(int(c))
-            t = max(t, self._send_state(int(c), st))
-            term = {k: v.detach().double() * w for k, v in st.items()}
-            acc = term if acc is None else {k: acc[k] + term[k] for k in acc}
+        states = [self._state_of(c) for c, _ in mine]
+        t = max(self._charge_upload(c, transport.state_nbytes(st)) for (c, _), st in zip(mine, states))
+        acc = weighted_sum(states, [w for _, w in mine])
         return StateMsg(transport.pack_state(acc), t_sent=t, weight=float(sum(w for _, w in mine)))
 
     def set_global(self, msg: StateMsg, receivers: list[int] | None = None, only: list[int] | None = None) -> None:
@@ -318,23 +367,47 @@ class ClientHost:
             if c in self.train_idx:
                 if c in self.slots:
                     self.slots[c].module.load_state_dict(state)
-                self.clock[c] = max(self.clock[c], msg.t_sent) + nb / self.profiles[c].down
-                self.round_stats[c].add(bytes_down=nb)
+                self._charge_download(c, nb, msg.t_sent)
 
     def get_state(self, cid: int) -> StateMsg:
+        """Client ``cid`` sends its current model (upload charged)."""
         st = self._state_of(cid)
-        t = self._send_state(cid, st)
+        t = self._charge_upload(cid, transport.state_nbytes(st))
         return StateMsg(transport.pack_state(st), t_sent=t, weight=float(len(self.train_idx[cid])))
 
     def load_state(self, cid: int, msg: StateMsg) -> None:
         """Receive a model (hand-over in sequential split learning) as this client's own."""
         state = transport.unpack_state(msg.state)
-        nb = transport.state_nbytes(state)
         self.own[cid] = state
         if cid in self.slots:
             self.slots[cid].module.load_state_dict(state)
-        self.clock[cid] = max(self.clock[cid], msg.t_sent) + nb / self.profiles[cid].down
-        self.round_stats[cid].add(bytes_down=nb)
+        self._charge_download(cid, transport.state_nbytes(state), msg.t_sent)
+
+    # ---- asynchronous jobs (the event driver) ---------------------------------------------------------------------
+    def join(self, cid: int, msg: StateMsg, t0: float, rnd: int) -> float:
+        """Client ``cid`` takes a free slot at simulated time ``t0`` and starts from the global model ``msg``
+        (download charged); ``rnd`` is the global round (learning rate, randomness). Returns its clock."""
+        if cid in self.slots:
+            raise RuntimeError(f"client {cid} joins while its previous job is still active on worker "
+                               f"{self.worker_index}")
+        state = transport.unpack_state(msg.state)
+        self.clock[cid] = t0
+        self.job_round[cid] = rnd
+        self.activate(cid, state=state, rnd=rnd)
+        return self._charge_download(cid, transport.state_nbytes(state), msg.t_sent)
+
+    def local_job(self, cid: int, steps: int) -> float:
+        """``steps`` local SGD batches of the client's whole part (asynchronous FL); returns the mean loss."""
+        slot = self.slots[cid]
+        with self._rng(cid, 1, self.job_round.get(cid, 0)):
+            return float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
+
+    def leave(self, cid: int) -> StateMsg:
+        """The client uploads its model (upload charged) and frees its slot."""
+        msg = self.get_state(cid)
+        msg.state = {k: np.array(v, copy=True) for k, v in msg.state.items()}  # the slot's module is reused
+        self.release(cid, keep_weights=False)
+        return msg
 
     def end_round(self) -> dict[int, dict]:
         if self.pending:
@@ -355,30 +428,30 @@ class ClientHost:
         client, server = build_parts(self.spec)
         server.load_state_dict(transport.unpack_state(server_state.state))
         client.eval(), server.eval()
-        ys, ps, loss = [], [], 0.0
+        tally = EvalTally()
         for c in cids:
             c = int(c)
             if c not in self.test_idx or len(self.test_idx[c]) == 0:
                 continue
             client.load_state_dict(self._state_of(c))
             idx = self.test_idx[c]
-            for i in range(0, len(idx), self.spec.eval_batch_size):
-                b = idx[i:i + self.spec.eval_batch_size]
-                out = server(client(to_tensor(self.x[b], self.spec.data_spec)))
-                y = torch.as_tensor(np.asarray(self.y[b]), dtype=torch.long)
-                loss += F.cross_entropy(out, y, reduction="sum").item()
-                ys.append(y.numpy()), ps.append(out.argmax(1).numpy())
-        if not ys:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0
-        return np.concatenate(ys), np.concatenate(ps), loss
+            predict_batches(self.x[idx], self.y[idx], self.spec.data_spec, self.spec.eval_batch_size,
+                            lambda x: server(client(x)), tally)
+        return tally.result()
 
     # ---- checkpoint ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        if self.slots or self.pending:
-            raise RuntimeError("checkpoint requested in the middle of a round")
+        """Everything that persists across rounds. Synchronous rounds end with no slot; under the event driver,
+        active clients' slots (weights, optimizer) and their forwards awaiting a gradient are kept as what it
+        takes to redo them (batch indices, the module's buffers before the forward)."""
+        if self.pending and set(self.pending) != set(self._replay):
+            raise RuntimeError(f"worker {self.worker_index}: checkpoint with activations awaiting a gradient "
+                               f"({sorted(self.pending)[:5]}) outside the event driver")
+        slots = {c: (_clone_state(sl.module), copy.deepcopy(sl.optimizer.state_dict())) for c, sl in self.slots.items()}
         return {"global": self.global_state, "own": self.own, "opt": self.opt_state, "cursor": self.cursor,
                 "clock": self.clock, "totals": {c: dict(v.v) for c, v in self.totals.items()},
-                "torch_rng": torch.get_rng_state()}
+                "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(self._replay),
+                "job_round": dict(self.job_round)}
 
     def load_state_dict(self, st: dict) -> None:
         self.global_state, self.own, self.opt_state = st["global"], st["own"], st["opt"]
@@ -386,12 +459,25 @@ class ClientHost:
         self.totals = defaultdict(_Counters)
         for c, v in st["totals"].items():
             self.totals[c].add(**v)
-        torch.set_rng_state(st["torch_rng"])
         self._perm.clear()
-
-    def clocks(self, cids: list[int]) -> dict[int, float]:
-        """Simulated time of the given hosted clients (asynchronous algorithms order events by it)."""
-        return {int(c): self.clock[int(c)] for c in cids if int(c) in self.clock}
+        self.job_round = dict(st.get("job_round", {}))
+        for c, (weights, opt) in st.get("slots", {}).items():
+            module = self._new_module()
+            module.load_state_dict(weights)
+            module.train()
+            optimizer = make_optimizer(module.parameters(), self.spec.client_optimizer)
+            optimizer.load_state_dict(opt)
+            self.slots[c] = ModelSlot(module, optimizer)
+        for tag, (idx, buffers) in sorted(st.get("replay", {}).items()):  # rebuild the graphs, charging nothing
+            module = self.slots[tag.client].module
+            after = {k: b.detach().clone() for k, b in module.named_buffers()}
+            module.load_state_dict(buffers, strict=False)
+            x, _ = self.batch(idx)
+            with self._rng(tag.client, 0, tag.round, tag.step):
+                self.pending[tag] = module(x)
+            module.load_state_dict(after, strict=False)
+            self._replay[tag] = (idx, buffers)
+        torch.set_rng_state(st["torch_rng"])
 
     def client_totals(self) -> dict[int, dict]:
         return {c: dict(v.v) for c, v in self.totals.items()}
@@ -406,12 +492,13 @@ class ServerHost:
             torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed * 1009 + 7919)
         self.spec = spec
+        self.params = spec.params
         want = spec.device
         self.device = torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
         client, server = build_parts(spec)
         server.load_state_dict(transport.unpack_state(init_state))
         server.to(self.device).train()
-        self.models: dict = {"main": _Slot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
+        self.models: dict = {"main": ModelSlot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
         self._eval_client = client.to(self.device)
         self.test_x, self.test_y = test["x"], test["y"]
         self.flops = FlopCache()
@@ -434,50 +521,62 @@ class ServerHost:
             set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd))
 
     def charge(self, flops: float, ready_at: float = 0.0) -> float:
-        """Advance the server clock by a computation that can start once ``ready_at`` has passed."""
-        self.clock = max(self.clock, ready_at) + flops / self.spec.server_flops
+        """Advance the server clock by a computation that can start once ``ready_at`` has passed (instantly with
+        ``charge_server`` off, as in GAS's code)."""
+        cost = flops / self.spec.server_flops if self.spec.charge_server else 0.0
+        self.clock = max(self.clock, ready_at) + cost
         self.round_flops += flops
         return self.clock
 
-    def loss_fn(self, out: torch.Tensor, y: torch.Tensor, act: Activation) -> torch.Tensor:
-        return F.cross_entropy(out, y)
-
-    def train_step(self, act: Activation, key="main") -> Gradient:
-        """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
-        slot = self.models[key]
-        return self.step_through(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
-
-    def step_through(self, act: Activation, module, optimizers: list, flop_key="main") -> Gradient:
-        """One SGD step of ``module`` (and its ``optimizers``) on an activation; returns the client's gradient."""
+    # ---- the one training step ---------------------------------------------------------------------------------
+    def step_through(self, x: torch.Tensor, y: torch.Tensor, module, optimizers: list, *, tag: Tag, flop_key: tuple,
+                     ready_at: float = 0.0, loss_fn: Callable | None = None, record: bool = True) -> float:
+        """Forward ``x`` through ``module``, ``loss_fn(logits, y)`` (default: mean cross-entropy), backward, then
+        step ``optimizers`` (none: a gradient pass, e.g. through a frozen server); the FLOPs (counted once per
+        ``flop_key``) are charged to the server clock from ``ready_at`` on and the wall time to ``busy_wall``.
+        ``record``: the loss counts as a training loss (checked for finiteness, logged). Returns the loss; the
+        caller reads ``x.grad`` when it needs the gradient for the client."""
         t_wall = time.perf_counter()
-        x = transport.unpack(act.x, self.device, writable=True).requires_grad_(True)
-        y = torch.tensor(act.y, device=self.device)
+        loss_fn = loss_fn or F.cross_entropy
 
         def step():
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
-            loss = self.loss_fn(module(x), y, act)
+            loss = loss_fn(module(x), y)
             loss.backward()
             return loss
 
-        loss, fl = self.flops.run(("train", flop_key, tuple(x.shape)), step)
+        loss, fl = self.flops.run(flop_key, step)
         lv = float(loss.item())
-        self._check(lv, act.tag)
+        if record:
+            self._check(lv, tag)
         for opt in optimizers:
             opt.step()
-        self.charge(fl, act.t_sent)
-        g = x.grad
-        self.losses.append(lv)
-        self.grad_norms.append(float(g.norm()))
+        self.charge(fl, ready_at)
+        if record:
+            self.losses.append(lv)
         self.busy_wall += time.perf_counter() - t_wall
+        return lv
+
+    def step_activation(self, act: Activation, module, optimizers: list, flop_key="main") -> Gradient:
+        """One SGD step of ``module`` (and its ``optimizers``) on an activation; returns the client's gradient."""
+        x = transport.unpack(act.x, self.device, writable=True).requires_grad_(True)
+        y = torch.tensor(act.y, device=self.device)
+        lv = self.step_through(x, y, module, optimizers, tag=act.tag, flop_key=("train", flop_key, tuple(x.shape)),
+                               ready_at=act.t_sent)
+        g = x.grad
+        self.grad_norms.append(float(g.norm()))
         return Gradient(act.tag, transport.pack(g), self.clock, lv)
+
+    def train_step(self, act: Activation, key="main") -> Gradient:
+        """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
+        slot = self.models[key]
+        return self.step_activation(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
 
     def _check(self, loss: float, tag: Tag) -> None:
         if not math.isfinite(loss) and self.nonfinite is None:
             self.nonfinite = tag
-            if self.spec.extra.get("stop_on_nonfinite", True):
-                raise NonFiniteLossError(f"non-finite loss {loss} at round {tag.round}, client {tag.client} "
-                                         f"(step {tag.step})")
+        check_finite(loss, self.spec.stop_on_nonfinite, f"round {tag.round}, client {tag.client} (step {tag.step})")
 
     # ---- per-client copies ------------------------------------------------------------------------------------
     def fork(self, keys: list) -> None:
@@ -486,7 +585,7 @@ class ServerHost:
             module = copy.deepcopy(main.module)
             opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
             opt.load_state_dict(main.optimizer.state_dict())  # carries the round's lr too
-            self.models[k] = _Slot(module, opt)
+            self.models[k] = ModelSlot(module, opt)
 
     def merge(self, weights: dict) -> None:
         """Replace the main server model by the weighted average of the copies (which are dropped). The copies'
@@ -504,37 +603,35 @@ class ServerHost:
 
     # ---- client-model aggregation --------------------------------------------------------------------------
     def aggregate(self, *partials: StateMsg | None) -> StateMsg:
+        """FedAvg: the workers' partial sums (``ClientHost.partial_sum``) summed and divided by the total weight."""
         parts = [p for p in partials if p is not None]
         total = sum(p.weight for p in parts)
-        keys = parts[0].state.keys()
-        # torch.as_tensor, not from_numpy: a 0-d entry (BatchNorm's num_batches_tracked) sums to a numpy scalar
-        avg = {k: torch.as_tensor(sum(np.asarray(p.state[k], dtype=np.float64) for p in parts) / total) for k in keys}
-        ref = self._eval_client.state_dict()
-        state = {k: (v if ref[k].is_floating_point() else v.round()).to(ref[k].dtype) for k, v in avg.items()}
+        state = finish_average([p.state for p in parts], total, self._eval_client.state_dict())
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
 
     def get_state(self, key="main") -> StateMsg:
         return StateMsg(transport.pack_state(self.models[key].module.state_dict()), t_sent=self.clock)
 
     # ---- evaluation ------------------------------------------------------------------------------------------
+    def predict(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, np.ndarray, float]:
+        """The global test set through ``logits`` (the one evaluation loop, :func:`predict_batches`)."""
+        tally = predict_batches(self.test_x, self.test_y, self.spec.data_spec, self.spec.eval_batch_size, logits,
+                                EvalTally(), self.device)
+        y, pred, loss = tally.result()
+        return np.asarray(self.test_y), pred, loss
+
     @torch.no_grad()
     def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
+        """The given client model and ``models[key]`` on the global test set."""
         client, server = self._eval_client, self.models[key].module
         client.load_state_dict(transport.unpack_state(client_state.state))
         client.eval(), server.eval()
-        preds, loss = [], 0.0
-        bs = self.spec.eval_batch_size
-        for i in range(0, len(self.test_y), bs):
-            x = to_tensor(self.test_x[i:i + bs], self.spec.data_spec).to(self.device)
-            y = torch.tensor(self.test_y[i:i + bs], dtype=torch.long, device=self.device)
-            out = server(client(x))
-            loss += F.cross_entropy(out, y, reduction="sum").item()
-            preds.append(out.argmax(1).cpu().numpy())
+        out = self.predict(lambda x: server(client(x)))
         server.train()
-        return np.asarray(self.test_y), np.concatenate(preds) if preds else np.zeros(0, np.int64), loss
+        return out
 
     def end_round(self) -> dict:
-        if self.nonfinite is not None and self.spec.extra.get("stop_on_nonfinite", True):
+        if self.nonfinite is not None and self.spec.stop_on_nonfinite:
             t = self.nonfinite
             raise NonFiniteLossError(f"non-finite loss at round {t.round}, client {t.client} (step {t.step})")
         return {"losses": self.losses, "grad_norms": self.grad_norms, "flops": self.round_flops,

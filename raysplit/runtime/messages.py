@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,7 +12,7 @@ class Tag:
     client: int
     round: int
     step: int
-    stream: str = "main"  # e.g. "student"/"teacher" for two feature streams per client
+    stream: str = "main"  # e.g. "student"/"teacher": several feature streams per client step, paired apart
 
 
 @dataclass
@@ -22,7 +22,6 @@ class Activation:
     y: np.ndarray  # labels (int64)
     t_sent: float  # simulated time at which the activation has reached the server
     weight: float = 1.0  # client's sample count (aggregation / loss weighting)
-    extra: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

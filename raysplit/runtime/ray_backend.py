@@ -1,6 +1,6 @@
 """Ray backend: the server host and the client hosts run in Ray actors; handles are ObjectRefs.
 
-This module (with ``raysplit.runtime.cluster``) is the only code that imports Ray.
+This module is the only code that imports Ray.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections import defaultdict
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from raysplit.runtime.api import RuntimeInputs, host_inputs
+from raysplit.runtime import stepping
+from raysplit.runtime.api import RuntimeInputs, host_inputs, worker_index
 
 
 class ResourceError(RuntimeError):
@@ -54,32 +55,39 @@ class HostActor:
         return out
 
     def drive_steps(self, plan: list, workers: list, method: str, batch_size, before: list):
-        """Run split steps with this (server) actor in charge, calling the client actors directly.
-
-        ``plan`` is ``[(client, server key, tag, next tag or None), ...]`` in serving order
-        (``Runtime._plan``); client ``c`` lives on ``workers[c % len(workers)]``. Each client actor receives exactly
-        the calls the driver-chained loop in ``Runtime.split_steps`` would send it, in the same order: every
-        client's first forward up front, then per step ``backward`` followed by the client's next ``forward`` (as
-        one ``call_seq`` message); the server method runs here, in plan order. Per step that is one actor-to-actor
-        round trip instead of three driver-chained calls. ``before`` (nested, so not fetched) holds the driver's
-        last call on each client actor: those must have run before ours do."""
+        """Run split steps with this (server) actor in charge, calling the client actors directly
+        (:func:`stepping.drive_steps`). ``before`` (nested, so not fetched) holds the driver's last call on each
+        client actor: those must have run before ours do."""
         if before:
             ray.wait(before, num_returns=len(before), fetch_local=False)
-        n = len(workers)
-        pending = {}
-        for c, _, tag, _ in plan:
-            if c not in pending:
-                pending[c] = workers[c % n].call.remote("forward", tag, batch_size)
-        last = []
-        for c, key, _, nxt in plan:
-            w = workers[c % n]
-            grad = getattr(self.host, method)(ray.get(pending.pop(c)), key)
-            if nxt is not None:
-                pending[c] = w.call_seq.remote([("backward", (grad,)), ("forward", (nxt, batch_size))])
-            else:
-                last.append(w.call.remote("backward", grad))
-        ray.get(last)  # every gradient applied before the driver's next call on a client actor runs
-        return None
+        stepping.drive_steps(self.host, plan, method, batch_size, RayPort(workers))
+
+
+    def drive_events(self, rnd: int, workers: list, before: list):
+        """One global round of the event loop (``AsyncServer.run_events``) with this (server) actor driving the
+        client actors directly."""
+        if before:
+            ray.wait(before, num_returns=len(before), fetch_local=False)
+        return self.host.run_events(rnd, RayPort(workers))
+
+
+class RayPort:
+    """:class:`stepping.ClientPort` over client actors: one ``call_seq`` message per submission."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def submit(self, cid: int, calls: list[tuple[str, tuple]]):
+        w = self.workers[worker_index(cid, len(self.workers))]
+        if len(calls) == 1:
+            return w.call.remote(calls[0][0], *calls[0][1])
+        return w.call_seq.remote(calls)
+
+    def fetch(self, handle):
+        return ray.get(handle)
+
+    def wait(self, handles: list) -> None:
+        ray.get(handles)
 
 
 def init_ray(rcfg) -> bool:
@@ -183,6 +191,12 @@ class RayBackend:
         call and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
         self._barrier = self.server.drive_steps.remote(plan, self.workers, method, batch_size, before)
+        return self._barrier
+
+    def drive_events(self, rnd: int):
+        """A global round of the event loop, run by the server actor; a handle to its stats."""
+        before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
+        self._barrier = self.server.drive_events.remote(rnd, self.workers, before)
         return self._barrier
 
     def round_done(self) -> None:

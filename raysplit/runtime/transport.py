@@ -2,8 +2,10 @@
 
 On this stack torch tensors cross Ray's object store as serialized copies (~150-500 MB/s, stack.md §4) while numpy
 arrays are read back zero-copy; benchmarks/transport.py measures both (see benchmarks/RESULTS.md). Activations,
-gradients and model states therefore travel as numpy arrays and become tensors again on arrival
-(``torch.from_numpy``, no copy; a copy is made only when the receiver must write into it).
+gradients and model states therefore travel as numpy arrays and become tensors again on arrival with
+``torch.from_numpy``. Arrays that ``ray.get`` returns are read-only views of the object store, which torch cannot
+wrap safely, so :func:`unpack` copies every read-only array (and a writable one only when asked to); writable
+arrays (the local backend, in-process) are wrapped without a copy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def pack(t: torch.Tensor) -> np.ndarray:
 
 
 def unpack(a: np.ndarray, device: torch.device | str = "cpu", writable: bool = False) -> torch.Tensor:
-    """numpy from the object store -> tensor. Arrays from ``ray.get`` are read-only, so copy when writing."""
+    """numpy -> tensor: read-only arrays (from ``ray.get``) are copied, writable ones shared unless ``writable``."""
     if writable or not a.flags.writeable:
         a = np.array(a, copy=True)
     return torch.from_numpy(a).to(device)

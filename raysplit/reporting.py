@@ -1,0 +1,202 @@
+"""Reporting: what a run records about itself. Per round: training metrics from the round's counters,
+evaluation when due (dispatched to the algorithm's ``evaluate`` hook), the metric history; at the start: params,
+resolved config and partition artifacts; at the end: summary metrics, curves, heatmaps and accounting CSVs.
+Everything goes through a :class:`~raysplit.tracking.Tracker` (MLflow, or nothing when tracking is off)."""
+
+from __future__ import annotations
+
+import csv
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from raysplit import metrics as M
+from raysplit.config import dump, flatten
+
+CLIENT_KEYS = ("bytes_up", "bytes_down", "flops", "steps", "t_end")
+
+
+@dataclass
+class History:
+    """What the driver keeps across rounds (and checkpoints)."""
+
+    rounds: list[int] = field(default_factory=list)  # evaluated rounds
+    label_acc: list[list[float]] = field(default_factory=list)
+    curves: dict[str, list] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+    client_rows: list[list] = field(default_factory=list)  # per client per round accounting
+    best_accuracy: float = 0.0
+    rounds_to_target: int | None = None
+    t_sim: float = 0.0
+    wall: float = 0.0
+
+    def add(self, key: str, rnd: int, value: float) -> None:
+        self.curves.setdefault(key, []).append((rnd, float(value)))
+
+
+def round_metrics(stats) -> dict:
+    """Training metrics of one round from its counters (``RoundStats``)."""
+    cl = stats.clients.values()
+    srv = stats.server
+    losses = list(srv.get("losses", []))
+    n_local = sum(c.get("loss_n", 0) for c in cl)
+    train_loss = (float(np.mean(losses)) if losses else
+                  (sum(c.get("loss_sum", 0) for c in cl) / n_local if n_local else float("nan")))
+    gn_mean, gn_std = M.mean_std(srv.get("grad_norms", []))
+    n = max(len(stats.clients), 1)
+    up = sum(c.get("bytes_up", 0) for c in cl)
+    down = sum(c.get("bytes_down", 0) for c in cl)
+    return {
+        "train_loss": train_loss, "grad_norm_mean": gn_mean, "grad_norm_std": gn_std,
+        "sim_time_round": stats.sim_time, "sim_time": stats.t_end, "wall_time_round": stats.wall,
+        "bytes_up": up, "bytes_down": down, "bytes_up_per_client": up / n, "bytes_down_per_client": down / n,
+        "client_flops": sum(c.get("flops", 0) for c in cl), "server_flops": srv.get("flops", 0.0),
+        "server_busy_s": srv.get("busy_wall", 0.0),
+    }
+
+
+def evaluation_clients(cfg, num_test_clients: int, participants: list[int]) -> list[int]:
+    """Whose test splits ``eval.mode=clients`` uses: the round's participants, or every client."""
+    return list(range(num_test_clients)) if cfg.eval.clients == "all" else list(participants)
+
+
+def evaluate(rt, prepared, global_handle, clients) -> dict:
+    """Classification metrics of the algorithm's evaluation (``Algorithm.evaluate``) in the run's eval mode."""
+    who = evaluation_clients(prepared.cfg, len(prepared.inputs.test_idx), clients)
+    y, p, loss = prepared.algorithm.evaluate(rt, prepared.eval_mode, global_handle, who)
+    return M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
+
+
+class Reporter:
+    """Records one run: ``start`` (new runs), ``record`` after every round, ``finish`` at the end."""
+
+    def __init__(self, prepared, tracker, out_dir: Path, history: History | None = None,
+                 on_round: Callable[[int, dict], None] | None = None):
+        self.prepared = prepared
+        self.cfg = prepared.cfg
+        self.tracker = tracker
+        self.out_dir = out_dir
+        self.hist = history or History()
+        self.on_round = on_round
+        self.final: dict = {}
+        self.positions = prepared.algorithm.positions()
+        self._wall0 = time.perf_counter() - self.hist.wall
+        self.progress = None
+
+    def begin(self) -> None:
+        """The rounds start now (the runtime is up): wall time counts from here, the progress bar appears."""
+        self._wall0 = time.perf_counter() - self.hist.wall
+        if self.cfg.tracking.progress:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=self.cfg.train.rounds, initial=len(self.hist.curves.get("train_loss", [])),
+                                 desc=self.cfg.algorithm_name, unit="round", dynamic_ncols=True)
+
+    def start(self) -> None:
+        """Params (config flattened, resolved values, partition statistics) and the start-of-run artifacts."""
+        from raysplit.data import plot_partition
+
+        cfg, p, tr, out = self.cfg, self.prepared, self.tracker, self.out_dir
+        tr.log_params(flatten(cfg.model_dump(mode="json")))
+        tr.log_params({"resolved.cut_index": p.cut, "resolved.cut_name": p.cut_name,
+                       "resolved.clients_per_round": p.sample_stream.shape[1],
+                       "resolved.num_clients": len(p.inputs.train_idx), "resolved.eval_mode": p.eval_mode})
+        tr.log_params({f"resolved.{k}": v for k, v in p.algorithm.resolved().items()})
+        tr.log_params({f"partition.{k}": round(v, 6) for k, v in p.partition_summary.items()})
+        cfg_file = out / "config.yaml"
+        cfg_file.write_text(dump(cfg))
+        tr.log_artifact(cfg_file)
+        plot_partition(p.partition_counts, str(out / "partition.png"),
+                       title=f"{cfg.data.dataset} / {cfg.data.partition.name}")
+        tr.log_artifact(out / "partition.png")
+        np.savetxt(out / "partition_counts.csv", p.partition_counts, fmt="%d", delimiter=",")
+        tr.log_artifact(out / "partition_counts.csv")
+
+    def record(self, rnd: int, stats, rt, global_handle) -> dict:
+        """Metrics of round ``rnd``: training counters, evaluation when due, history; logged at step ``rnd``."""
+        cfg, hist = self.cfg, self.hist
+        hist.t_sim = stats.t_end
+        hist.wall = time.perf_counter() - self._wall0
+        m = round_metrics(stats)
+        m["wall_time"] = hist.wall
+        hist.grad_norms.extend(stats.server.get("grad_norms", []))
+        hist.client_rows.extend([rnd, c] + [st.get(k, 0.0) for k in CLIENT_KEYS]
+                                for c, st in sorted(stats.clients.items()))
+        if (rnd + 1) % cfg.eval.every == 0 or rnd == cfg.train.rounds - 1:
+            m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
+        hist.add("train_loss", rnd, m["train_loss"])
+        self.tracker.log_metrics(m, step=rnd)
+        self.final = m
+        if self.on_round is not None:
+            self.on_round(rnd, m)
+        if self.progress is not None:
+            self.progress.update(1)
+            last_acc = hist.curves["accuracy"][-1][1] if hist.curves.get("accuracy") else float("nan")
+            self.progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{m['train_loss']:.3f}", sim=f"{hist.t_sim:.1f}s")
+        return m
+
+    def _evaluation(self, rnd: int, rt, global_handle, participants) -> dict:
+        hist = self.hist
+        ev = evaluate(rt, self.prepared, global_handle, participants)
+        la = ev.pop("label_accuracy")
+        hist.rounds.append(rnd)
+        hist.label_acc.append(la.tolist())
+        ev["backward_transfer"] = M.backward_transfer(np.array(hist.label_acc))
+        hist.best_accuracy = max(hist.best_accuracy, ev["accuracy"])
+        ev["best_accuracy"] = hist.best_accuracy
+        tgt = self.cfg.eval.target_accuracy
+        if tgt is not None and hist.rounds_to_target is None and ev["accuracy"] >= tgt:
+            hist.rounds_to_target = rnd + 1
+        if hist.rounds_to_target is not None:
+            ev["rounds_to_target"] = hist.rounds_to_target
+        if len(la) <= 20:
+            ev.update({f"label_acc_{i}": a for i, a in enumerate(la) if not np.isnan(a)})
+        if self.positions is not None:
+            ev.update({f"position_acc_{i}": a for i, a in enumerate(M.position_accuracy(la, self.positions))})
+        for k in ("accuracy", "loss", "f1_macro"):
+            hist.add(k, rnd, ev[k])
+        return ev
+
+    def finish(self, totals: dict[int, dict], ckpt_path: Path) -> dict:
+        """Summary metrics and the end-of-run artifacts; returns the last round's metrics plus ``run_id``."""
+        from raysplit.plots import plot_curves, plot_label_heatmap, plot_positions
+
+        if self.progress is not None:
+            self.progress.close()
+        cfg, hist, tr, out = self.cfg, self.hist, self.tracker, self.out_dir
+        gm, gs = M.mean_std(hist.grad_norms)
+        tr.log_metrics({"final_best_accuracy": hist.best_accuracy, "grad_norm_mean_all": gm,
+                        "grad_norm_std_all": gs, "sim_time_total": hist.t_sim, "wall_time_total": hist.wall},
+                       step=cfg.train.rounds - 1)
+        plot_curves(hist.curves, str(out / "curves.png"), title=cfg.name)
+        tr.log_artifact(out / "curves.png")
+        if hist.rounds:
+            plot_label_heatmap(hist.rounds, np.array(hist.label_acc), str(out / "label_accuracy.png"))
+            tr.log_artifact(out / "label_accuracy.png")
+            self._csv("label_accuracy.csv", ["round"] + [f"label_{i}" for i in range(self.prepared.num_classes)],
+                      ([r] + row for r, row in zip(hist.rounds, hist.label_acc)))
+            if self.positions is not None:
+                pos_acc = M.position_accuracy(np.array(hist.label_acc), self.positions)
+                plot_positions(hist.rounds, pos_acc, self.positions, str(out / "position_accuracy.png"),
+                               title=f"{cfg.name}: per-position accuracy")
+                tr.log_artifact(out / "position_accuracy.png")
+                self._csv("position_accuracy.csv",
+                          ["round"] + [f"position_{i}_label_{lab}" for i, lab in enumerate(self.positions)],
+                          ([r] + row.tolist() for r, row in zip(hist.rounds, pos_acc)))
+        self._csv("client_rounds.csv", ["round", "client", *CLIENT_KEYS], hist.client_rows)
+        keys = ["rounds", "steps", "bytes_up", "bytes_down", "flops"]
+        self._csv("client_accounting.csv", ["client"] + keys,
+                  ([c] + [totals[c].get(k, 0) for k in keys] for c in sorted(totals)))
+        if cfg.tracking.log_checkpoint_artifact and ckpt_path.is_file():
+            tr.log_artifact(ckpt_path)
+        return dict(self.final, run_id=tr.run_id, grad_norm_mean_all=gm, grad_norm_std_all=gs)
+
+    def _csv(self, name: str, header: list, rows) -> None:
+        with open(self.out_dir / name, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerows(rows)
+        self.tracker.log_artifact(self.out_dir / name)

@@ -1,0 +1,364 @@
+"""Asynchronous mode: a discrete-event loop on the virtual clock (GAS, FedBuff, CA2FL, FedAsync).
+
+M clients are active at a time out of N. An active client runs a *job* of ``local_steps`` iterations that starts
+from the latest global client model: split iterations (forward, the server's gradient, backward — GAS) or local
+SGD steps (asynchronous FL), then it uploads its model and frees its slot, which a newly sampled client takes at
+once (GAS's ``replace_user``). Two kinds of event reach the server, each at a simulated time:
+
+- an *arrival*: a client's activation has reached the server; the server's hooks ``on_arrival`` (returns the
+  client's gradient), ``should_flush`` and ``flush`` run;
+- an *upload*: a client's model has reached the server; ``on_model_upload`` runs and says whether a new global
+  model now exists, which ends a global round (the MLflow step).
+
+**Order is simulated, compute is real.** The loop always takes the event with the smallest simulated time (ties:
+lower client id, then the order of scheduling). A client's next event time is known *before* its compute runs:
+:class:`ClientCosts` predicts it from the client's profile, the FLOPs of its part for the batch shape (counted once
+per shape on a copy of the client part) and the message sizes, with exactly the arithmetic the client hosts
+apply, and the loop checks every prediction against the time the host reports. So the order of events is a pure
+function of the seed — not of the machine, the number of client actors or which actor finished first — while the
+clients compute ahead in parallel: once the server has served a client, that client's backward and next forward
+are submitted at once (one message) and the server goes on with the next event.
+
+The loop runs where the server host lives (inside the server actor with Ray, driving the client actors directly
+through a :class:`~raysplit.runtime.stepping.ClientPort`; in process with the local backend). At the end of each
+global round it waits for the work it has submitted (so a checkpoint sees quiet client hosts) and keeps the
+results; the loop's state pickles with the server host. No Ray here.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from raysplit.clock import ClientProfile
+from raysplit.runtime import transport
+from raysplit.runtime.drivers import Driver
+from raysplit.runtime.hosts import ServerHost, advance_cursor
+from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+
+ARRIVAL, UPLOAD = "arrival", "upload"
+
+
+@dataclass(frozen=True)
+class EventSetup:
+    """What the event loop needs beyond the host spec (``Algorithm.host_setup`` of an asynchronous algorithm)."""
+
+    active: int  # M: clients training at a time
+    local_steps: int  # iterations of a job before the client uploads its model
+    client_sizes: tuple[int, ...]  # train samples per client (for the data-cursor mirror)
+    profiles: tuple[ClientProfile, ...]  # every client's FLOP/s and bandwidths
+    split: bool = True  # split iterations (arrival events) or local SGD steps (asynchronous FL)
+
+
+@dataclass
+class Job:
+    client: int
+    version: int  # number of global models before the one the job started from
+    round: int  # global round the job started in
+    t_start: float
+    done: int = 0  # iterations served
+
+
+@dataclass
+class Ready:
+    """A result the loop already holds (after settling), in place of a handle."""
+
+    value: Any
+
+
+class ClientCosts:
+    """Predicts client clocks: the same arithmetic as the client hosts (``ClientHost._charge_*``), on FLOPs counted
+    once per input shape on a copy of the client part and on message sizes derived from the shapes."""
+
+    def __init__(self, client_part: torch.nn.Module, setup: EventSetup, batch_size: int, input_shape: tuple,
+                 model_nbytes: int, charge_downloads: bool):
+        self.part = copy.deepcopy(client_part).train()
+        self.setup = setup
+        self.batch_size = batch_size
+        self.input_shape = tuple(input_shape)
+        self.model_nbytes = model_nbytes
+        self.charge_downloads = charge_downloads
+        self._flops: dict[tuple, int] = {}
+        with torch.no_grad():
+            out = self.part.eval()(torch.zeros(1, *self.input_shape))
+        self.part.train()
+        self.act_shape, self.act_itemsize = tuple(out.shape[1:]), out.element_size()
+
+    def _count(self, key: tuple) -> int:
+        if key not in self._flops:
+            kind, n = key
+            x = torch.zeros(n, *self.input_shape)
+            if kind == "bwd":
+                out = self.part(x)
+                with FlopCounterMode(display=False) as fc:
+                    out.backward(torch.ones_like(out))
+            else:
+                with FlopCounterMode(display=False) as fc:
+                    out = self.part(x)
+                    if kind == "train":
+                        F.cross_entropy(out, torch.zeros(n, dtype=torch.long)).backward()
+            self.part.zero_grad(set_to_none=True)
+            self._flops[key] = int(fc.get_total_flops())
+        return self._flops[key]
+
+    def act_nbytes(self, n: int) -> int:
+        """An activation message of ``n`` samples: the features plus int64 labels (``Activation.nbytes``)."""
+        return n * int(np.prod(self.act_shape)) * self.act_itemsize + n * 8
+
+    def grad_nbytes(self, n: int) -> int:
+        return n * int(np.prod(self.act_shape)) * self.act_itemsize
+
+    def next_size(self, cid: int, cursor: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+        epoch, start, stop = advance_cursor(self.setup.client_sizes[cid], self.batch_size, cursor)
+        return stop - start, (epoch, stop)
+
+    # the steps below mirror ClientHost: join (_charge_download), forward, backward, local steps, leave
+    def download(self, cid: int, t: float, t_sent: float, nbytes: int) -> float:
+        cost = nbytes / self.setup.profiles[cid].down if self.charge_downloads else 0.0
+        return max(t, t_sent) + cost
+
+    def forward(self, cid: int, t: float, n: int) -> float:
+        p = self.setup.profiles[cid]
+        t = t + self._count(("fwd", n)) / p.flops
+        return t + self.act_nbytes(n) / p.up
+
+    def backward(self, cid: int, t: float, n: int) -> float:
+        return t + self._count(("bwd", n)) / self.setup.profiles[cid].flops
+
+    def local_step(self, cid: int, t: float, n: int) -> float:
+        return t + self._count(("train", n)) / self.setup.profiles[cid].flops
+
+    def upload_model(self, cid: int, t: float) -> float:
+        return t + self.model_nbytes / self.setup.profiles[cid].up
+
+    def flops(self, kind: str, n: int) -> int:
+        return self._count((kind, n))
+
+
+class EventLoop:
+    """The scheduling state of the asynchronous mode (see the module docstring); owned by an :class:`AsyncServer`."""
+
+    def __init__(self, setup: EventSetup, costs: ClientCosts, seed: int):
+        self.setup = setup
+        self.costs = costs
+        self.rng = np.random.default_rng([seed, 0xA5C])
+        self.queue: list[tuple[float, int, int, str]] = []
+        self.seq = 0
+        self.jobs: dict[int, Job] = {}
+        self.pending: dict[int, Any] = {}  # client -> handle (or Ready) of its computation in flight
+        self.cursor = {c: (0, 0) for c in range(len(setup.client_sizes))}
+        self.t_now = 0.0
+        self.round = -1
+        self.tally: dict[int, dict] = {}
+        self.totals: dict[int, dict] = {}
+        self.participants: list[int] = []
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------
+    def _push(self, t: float, cid: int, kind: str) -> None:
+        heapq.heappush(self.queue, (float(t), int(cid), self.seq, kind))
+        self.seq += 1
+
+    def _count(self, cid: int, **kw) -> None:
+        for book in (self.tally, self.totals):
+            row = book.setdefault(cid, {})
+            for k, v in kw.items():
+                row[k] = row.get(k, 0.0) + v
+
+    def _draw(self, cid: int) -> int:
+        n, self.cursor[cid] = self.costs.next_size(cid, self.cursor[cid])
+        return n
+
+    def _replacement(self, leaving: int) -> int:
+        """A uniformly random client that is not active (and not the one leaving, unless no other is free)."""
+        free = [c for c in range(len(self.setup.client_sizes)) if c not in self.jobs and c != leaving]
+        if not free:
+            return leaving
+        return int(free[int(self.rng.integers(len(free)))])
+
+    @staticmethod
+    def _fetch(port, handle):
+        return handle.value if isinstance(handle, Ready) else port.fetch(handle)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def run(self, server: "AsyncServer", rnd: int, port) -> dict:
+        """Serve events until ``on_model_upload`` reports a new global model; returns the round's stats."""
+        self.round, self.tally, self.participants = rnd, {}, []
+        t_start = self.t_now
+        if not self.jobs:  # the first round: M clients drawn at random, all starting at time 0
+            first = self.rng.choice(len(self.setup.client_sizes), self.setup.active, replace=False)
+            for c in sorted(int(c) for c in first):
+                self._start(server, port, c, self.t_now)
+        while True:
+            if not self.queue:
+                raise RuntimeError("the event queue ran empty before a global model was produced")
+            t, cid, _, kind = heapq.heappop(self.queue)
+            self.t_now = t
+            if kind == ARRIVAL:
+                self._arrival(server, port, cid, t)
+            elif self._upload(server, port, cid, t):
+                break
+        for c, h in list(self.pending.items()):  # settle: every submitted computation is done before we return
+            if not isinstance(h, Ready):
+                self.pending[c] = Ready(port.fetch(h))
+        for c, row in self.tally.items():
+            row["t_end"] = self.totals[c].get("t_end", 0.0)
+        return {"t_start": t_start, "t_end": self.t_now, "clients": self.tally, "participants": self.participants}
+
+    def _start(self, server, port, cid: int, t: float) -> None:
+        """Client ``cid`` takes a slot at ``t`` from the latest global model; its first computation is submitted."""
+        msg = server.global_model()
+        job = Job(cid, server.version, self.round, t)
+        self.jobs[cid] = job
+        t = self.costs.download(cid, t, msg.t_sent, self.costs.model_nbytes)
+        self._count(cid, bytes_down=self.costs.model_nbytes)
+        calls = [("join", (cid, msg, job.t_start, self.round))]
+        if self.setup.split:
+            n = self._draw(cid)
+            calls.append(("forward", (Tag(cid, self.round, 0), None)))
+            self.pending[cid] = port.submit(cid, calls)
+            self._push(self.costs.forward(cid, t, n), cid, ARRIVAL)
+        else:
+            fl = 0
+            for _ in range(self.setup.local_steps):
+                n = self._draw(cid)
+                t = self.costs.local_step(cid, t, n)
+                fl += self.costs.flops("train", n)
+            calls += [("local_job", (cid, self.setup.local_steps)), ("leave", (cid,))]
+            self.pending[cid] = port.submit(cid, calls)
+            self._count(cid, flops=fl, steps=self.setup.local_steps)
+            self._push(self.costs.upload_model(cid, t), cid, UPLOAD)
+
+    def _arrival(self, server, port, cid: int, t: float) -> None:
+        act: Activation = self._fetch(port, self.pending.pop(cid))
+        if act.t_sent != t:
+            raise RuntimeError(f"client {cid}: its activation {act.tag} reached the server at {act.t_sent!r}, the "
+                               f"event loop predicted {t!r} (client host and ClientCosts disagree)")
+        n = len(act.y)
+        grad = server.on_arrival(act)
+        if server.should_flush():
+            server.flush()
+        job = self.jobs[cid]
+        job.done += 1
+        self._count(cid, bytes_up=act.nbytes, bytes_down=grad.nbytes, steps=1,
+                    flops=self.costs.flops("fwd", n) + self.costs.flops("bwd", n))
+        t_back = self.costs.backward(cid, self.costs.download(cid, t, grad.t_sent, grad.nbytes), n)
+        if job.done < self.setup.local_steps:
+            n_next = self._draw(cid)
+            self.pending[cid] = port.submit(cid, [("backward", (grad,)),
+                                                  ("forward", (Tag(cid, job.round, job.done), None))])
+            self._push(self.costs.forward(cid, t_back, n_next), cid, ARRIVAL)
+        else:
+            self.pending[cid] = port.submit(cid, [("backward", (grad,)), ("leave", (cid,))])
+            self._push(self.costs.upload_model(cid, t_back), cid, UPLOAD)
+        self.totals[cid]["t_end"] = t_back
+
+    def _upload(self, server, port, cid: int, t: float) -> bool:
+        msg: StateMsg = self._fetch(port, self.pending.pop(cid))
+        if msg.t_sent != t:
+            raise RuntimeError(f"client {cid}: its model reached the server at {msg.t_sent!r}, the event loop "
+                               f"predicted {t!r} (client host and ClientCosts disagree)")
+        job = self.jobs.pop(cid)
+        self._count(cid, bytes_up=self.costs.model_nbytes)
+        self.totals[cid]["t_end"] = t
+        self.participants.append(cid)
+        done = server.on_model_upload(cid, msg, job)
+        self._start(server, port, self._replacement(cid), t)
+        return done
+
+
+class AsyncServer(ServerHost):
+    """Server host of an asynchronous method: its hooks are what the event loop calls, in simulated-time order.
+
+    - ``on_arrival(act) -> Gradient``: a client's activation arrived (split methods);
+    - ``should_flush() -> bool`` and ``flush()``: after each arrival, e.g. a full activation buffer trains the
+      server;
+    - ``on_model_upload(cid, msg, job) -> bool``: a client's model arrived; True when a new global model exists
+      (it must then bump ``version`` and make ``global_model()`` return it).
+
+    The defaults give plain asynchronous split learning: the server steps on every arrival and the global model is
+    the uniform average of every ``active`` uploads (a full model buffer)."""
+
+    def __init__(self, spec, init_state, client_init_state, test):
+        super().__init__(spec, init_state, client_init_state, test)
+        setup: EventSetup = spec.host_setup
+        self.setup = setup
+        self.version = 0
+        self._global = StateMsg(client_init_state, t_sent=0.0, weight=1.0)
+        self.uploads: list[StateMsg] = []
+        costs = ClientCosts(self._eval_client, setup, spec.batch_size, spec.input_shape,
+                            transport.state_nbytes(client_init_state), spec.charge_server)
+        self.events = EventLoop(setup, costs, spec.seed)
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+    def on_arrival(self, act: Activation) -> Gradient:
+        return self.train_step(act)
+
+    def should_flush(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
+        self.uploads.append(msg)
+        if len(self.uploads) < self.setup.active:
+            return False
+        self.set_global(self.aggregate(*[StateMsg(m.state, m.t_sent, 1.0) for m in self.uploads]))
+        self.uploads = []
+        return True
+
+    # ---- the global client model ------------------------------------------------------------------------------
+    def global_model(self) -> StateMsg:
+        return self._global
+
+    def set_global(self, msg: StateMsg) -> None:
+        """A new global client model, made now: ``version`` counts them."""
+        self._global = StateMsg(msg.state, t_sent=max(self.clock, self.events.t_now), weight=msg.weight)
+        self.version += 1
+
+    # ---- driving ----------------------------------------------------------------------------------------------
+    def run_events(self, rnd: int, port) -> dict:
+        """One global round of the event loop (``EventLoop.run``), with the server's per-round counters."""
+        t_wall = time.perf_counter()
+        self.begin_round(rnd, 0.0)
+        out = self.events.run(self, rnd, port)
+        out["server"] = self.end_round()
+        out["wall"] = time.perf_counter() - t_wall
+        return out
+
+    def event_totals(self) -> dict[int, dict]:
+        return {c: dict(v) for c, v in self.events.totals.items()}
+
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st["events"] = {"loop": self.events, "version": self.version, "global": self._global,
+                        "uploads": self.uploads}
+        return st
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        ev = st["events"]
+        self.events, self.version, self._global, self.uploads = ev["loop"], ev["version"], ev["global"], ev["uploads"]
+
+
+class EventDriver(Driver):
+    """Runs an asynchronous algorithm: each global round is the event loop up to the next global model."""
+
+    asynchronous = True
+
+    def round(self, rnd: int):
+        stats = self.rt.run_events(rnd)
+        self.global_handle = self.rt.server.global_model()
+        self.t_sim = stats.t_end
+        return stats
+
+    def client_totals(self) -> dict[int, dict]:
+        return self.rt.get(self.rt.server.event_totals())

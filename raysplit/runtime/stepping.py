@@ -1,0 +1,81 @@
+"""Split steps: the plan of a serving sequence, and the loop that runs it with the server in charge.
+
+A serving sequence lists one entry per split step in the order the server serves them: a client id, or a
+``(client, stream)`` pair when a client sends several feature streams (e.g. a student and a teacher stream, each
+paired with its own gradient by ``Tag.stream``). :func:`plan_steps` turns it into :class:`Step` records, and
+:func:`drive_steps` runs them where the server host lives (inside the server actor with the Ray backend, in process
+with the local backend), talking to the client hosts through a :class:`ClientPort`. No Ray here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from raysplit.runtime.messages import Tag
+
+
+@dataclass(frozen=True)
+class Step:
+    client: int
+    key: Any  # which server model serves it (``"main"``, a client id for per-client copies, a Hydra group)
+    tag: Tag
+    next: Tag | None  # the tag of the same client's next step on the same stream, None after its last
+
+
+def _entry(e) -> tuple[int, str]:
+    if isinstance(e, tuple):
+        return int(e[0]), str(e[1])
+    return int(e), "main"
+
+
+def plan_steps(seq: list, rnd: int, keys: dict) -> list[Step]:
+    """Steps in serving order; step numbers count per (client, stream); ``keys[c]`` defaults to ``"main"``."""
+    entries = [_entry(e) for e in seq]
+    count: dict[tuple[int, str], int] = {}
+    for e in entries:
+        count[e] = count.get(e, 0) + 1
+    done: dict[tuple[int, str], int] = {}
+    plan = []
+    for c, stream in entries:
+        s = done.get((c, stream), 0)
+        done[(c, stream)] = s + 1
+        nxt = Tag(c, rnd, s + 1, stream) if s + 1 < count[(c, stream)] else None
+        plan.append(Step(c, keys.get(c, "main"), Tag(c, rnd, s, stream), nxt))
+    return plan
+
+
+class ClientPort(Protocol):
+    """How the host driving a loop reaches the client hosts."""
+
+    def submit(self, cid: int, calls: list[tuple[str, tuple]]):
+        """Run host methods for client ``cid``'s host, in order, as one message; a handle to the last result."""
+
+    def fetch(self, handle):
+        """The value behind a handle (blocks until it is computed)."""
+
+    def wait(self, handles: list) -> None:
+        """Block until every handle is computed."""
+
+
+def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | None, port: ClientPort) -> None:
+    """Run a plan with the server in charge: every (client, stream)'s first forward is submitted up front (so the
+    clients compute in parallel), then per step the server method ``method(activation, key)`` runs here and its
+    gradient goes back together with that client's next forward (one message). Each client host receives the
+    same calls in the same order as the driver-chained loop in ``Runtime.split_steps``, so both paths give the
+    same results bit for bit."""
+    serve = getattr(server_host, method)
+    pending = {}
+    for s in plan:
+        k = (s.client, s.tag.stream)
+        if k not in pending:
+            pending[k] = port.submit(s.client, [("forward", (s.tag, batch_size))])
+    last = []
+    for s in plan:
+        k = (s.client, s.tag.stream)
+        grad = serve(port.fetch(pending.pop(k)), s.key)
+        if s.next is not None:
+            pending[k] = port.submit(s.client, [("backward", (grad,)), ("forward", (s.next, batch_size))])
+        else:
+            last.append(port.submit(s.client, [("backward", (grad,))]))
+    port.wait(last)  # every gradient applied before the driver's next call on a client host runs

@@ -1,0 +1,194 @@
+"""The seams of the architecture: typed host calls, streams end to end, one step-through for every family (busy
+time), hooks instead of flags, documented parameters, no import cycle, one rule for non-finite losses."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_config
+from raysplit.experiment import prepare, run_experiment
+from raysplit.runtime import ClientHost, Gradient, NonFiniteLossError, Runtime, ServerHost, make_backend
+
+
+def _runtime(cfg):
+    p = prepare(cfg)
+    return p, Runtime(make_backend(cfg.runtime), p.inputs)
+
+
+def test_unknown_host_method_fails_at_the_call_naming_class_and_method(tmp_path, mlflow_uri):
+    p, rt = _runtime(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local"}))
+    try:
+        with pytest.raises(AttributeError, match=r"ServerHost \(the server host\) has no method 'frok'"):
+            rt.server.frok([0])
+        with pytest.raises(AttributeError, match=r"ClientHost \(the client host\) has no method 'get_stat'"):
+            rt.client(0).get_stat()
+        with pytest.raises(AttributeError, match="'partial_summ'"):
+            rt.workers.partial_summ({0: 1.0})
+        with pytest.raises(AttributeError, match="_check"):
+            rt.server._check(0.0, None)  # private names are not part of the surface
+        rt.begin_round(0, [0, 1], 0.0)
+        with pytest.raises(AttributeError, match="'train_stepp'"):
+            rt.split_steps([0, 1], method="train_stepp")
+        rt.split_steps([0, 1])  # nothing was sent by the failed call: the round is still consistent
+        rt.end_round()
+    finally:
+        rt.shutdown()
+
+
+class TwoStreamClient(ClientHost):
+    """A second feature stream without a graph (no gradient comes back for it), as Semi-SFL's teacher encoder."""
+
+    def forward(self, tag, batch_size=None):
+        if tag.stream != "teacher":
+            return super().forward(tag, batch_size)
+        with torch.no_grad():
+            return super().forward(tag, batch_size)
+
+
+class TwoStreamServer(ServerHost):
+    """Trains on the student stream; answers the teacher stream with an empty gradient; records what it served."""
+
+    served: list = []
+
+    def train_step(self, act, key="main"):
+        TwoStreamServer.served.append(act.tag)
+        if act.tag.stream == "teacher":
+            return Gradient(act.tag, None, act.t_sent)
+        return super().train_step(act, key)
+
+
+def _two_stream_runtime(cfg):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's hosts travel to the actors
+    p = prepare(cfg)
+    inputs = dataclasses.replace(p.inputs, client_host=TwoStreamClient, server_host=TwoStreamServer)
+    return Runtime(make_backend(cfg.runtime), inputs)
+
+
+def test_two_streams_per_client_pair_by_tag_end_to_end(tmp_path, mlflow_uri):
+    """split_steps with (client, stream) entries: each stream counts its own steps, the tag carries the stream to
+    the server and back, and every gradient meets its own activation."""
+    rt = _two_stream_runtime(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local"}))
+    TwoStreamServer.served = []
+    seq = [(0, "student"), (0, "teacher"), (1, "student"), (1, "teacher"), (0, "student"), (0, "teacher")]
+    try:
+        rt.begin_round(0, [0, 1], 0.0)
+        rt.split_steps(seq)
+        stats = rt.end_round()  # raises if an activation never got its gradient
+    finally:
+        rt.shutdown()
+    assert [(t.client, t.stream, t.step) for t in TwoStreamServer.served] == [
+        (0, "student", 0), (0, "teacher", 0), (1, "student", 0), (1, "teacher", 0), (0, "student", 1),
+        (0, "teacher", 1)]
+    assert stats.clients[0]["steps"] == 4 and stats.clients[1]["steps"] == 2
+    assert len(stats.server["losses"]) == 3  # the student steps
+
+
+def test_two_streams_through_ray_actors_both_paths(ray_session, tmp_path, mlflow_uri):
+    """Through Ray, server-driven and driver-chained: if the stream were lost, the two forwards of a client step
+    would share a tag and the second gradient would find no activation."""
+    seq = [(c, s) for _ in range(2) for c in (0, 1, 2) for s in ("student", "teacher")]
+    for direct in (True, False):
+        rt = _two_stream_runtime(make_config(tmp_path, mlflow_uri, **{"runtime.direct_steps": direct}))
+        try:
+            rt.begin_round(0, [0, 1, 2], 0.0)
+            rt.split_steps(seq)
+            stats = rt.end_round()
+            assert {c: stats.clients[c]["steps"] for c in (0, 1, 2)} == {0: 4, 1: 4, 2: 4}
+            assert len(stats.server["losses"]) == len(seq) // 2
+        finally:
+            rt.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "cyclesfl"}, {"name": "sglr", "variant": "original"}, {"name": "sflv2"}],
+                         ids=lambda a: "-".join(a.values()))
+def test_server_busy_time_counts_for_every_family(tmp_path, mlflow_uri, algorithm):
+    cfg = make_config(tmp_path, mlflow_uri, **{"algorithm": algorithm, "runtime.backend": "local", "train.rounds": 1,
+                                               "train.local_steps": 2, "tracking.experiment": "busy"})
+    final = run_experiment(cfg)
+    assert final["server_busy_s"] > 0
+
+
+def test_hooks_decide_split_eval_and_persistence(tmp_path, mlflow_uri):
+    over = {"runtime.backend": "local"}
+    fedavg = prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "fedavg", **over}))
+    assert fedavg.cut is None and fedavg.inputs.spec.cut is None  # the whole model on the clients
+    psl = prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", **over}))
+    assert psl.eval_mode == "clients" and psl.inputs.spec.persist_client_models
+    sflv3 = prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "sflv3", "data.test_fraction": 0.0,
+                                                         **over}))
+    assert sflv3.eval_mode == "global" and sflv3.inputs.spec.persist_client_models
+    from raysplit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.mode=clients is not available for multihead"):
+        prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "multihead", "eval.mode": "clients", **over}))
+
+
+def test_every_algorithm_parameter_is_documented_and_listed(capsys):
+    from raysplit.algorithms import ALGORITHMS
+    from raysplit.cli import main
+
+    for name, cls in ALGORITHMS.items():
+        for key, default, desc in cls.param_docs():
+            assert desc, f"{name}: algorithm.{key} has no description"
+    assert main(["list", "hydra"]) == 0
+    out = capsys.readouterr().out
+    assert "cut_b" in out and "head_weights" in out and "'samples'" in out and "uniform (code)" in out
+    assert main(["list", "nope"]) == 2
+
+
+@pytest.mark.parametrize("first", ["raysplit.config", "raysplit.algorithms", "raysplit.algorithms.hydra",
+                                   "raysplit.runtime", "raysplit.experiment"])
+def test_no_import_cycle_whatever_is_imported_first(first):
+    code = f"import {first}; import raysplit.config, raysplit.algorithms; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_algorithms_import_no_private_runtime_names():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "raysplit"
+    for path in (root / "algorithms").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports private {private} from {node.module}"
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_nonfinite_loss_on_the_client_path_follows_stop_on_nonfinite(tmp_path, mlflow_uri, stop):
+    """FedAvg's loss is computed on the clients; it obeys train.stop_on_nonfinite like the server path."""
+    cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.name": "fedavg", "runtime.backend": "local",
+                                               "train.optimizer.lr": 1e8, "train.rounds": 3, "train.local_steps": 5,
+                                               "train.stop_on_nonfinite": stop, "tracking.experiment": f"nf{stop}"})
+    if stop:
+        with pytest.raises(NonFiniteLossError, match=r"round \d+, client \d+"):
+            run_experiment(cfg)
+    else:
+        final = run_experiment(cfg)
+        assert np.isnan(final["train_loss"])
+
+
+def test_transport_unpack_copies_read_only_arrays_only():
+    import torch
+
+    from raysplit.runtime import transport
+
+    a = np.arange(4, dtype=np.float32)
+    t = transport.unpack(a)
+    assert t.data_ptr() == a.__array_interface__["data"][0]  # writable: shared, no copy
+    ro = a.copy()
+    ro.setflags(write=False)
+    t2 = transport.unpack(ro)
+    assert t2.data_ptr() != ro.__array_interface__["data"][0]  # read-only (as from ray.get): copied
+    t2 += 1  # and safe to write
+    assert torch.equal(t2, torch.arange(1, 5, dtype=torch.float32)) and ro[0] == 0

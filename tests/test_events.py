@@ -1,0 +1,193 @@
+"""The event-driven mode: events in simulated-time order (by hand), slots refilled from the latest global model,
+determinism across backends and actor counts, exact resume from a checkpoint taken with forwards in flight."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import make_config
+from raysplit.algorithms import ALGORITHMS, AsyncAlgorithm
+from raysplit.experiment import prepare, run_experiment
+from raysplit.models import build_model
+from raysplit.runtime.events import AsyncServer
+
+
+class RecordingServer(AsyncServer):
+    """The default asynchronous server (a step per arrival, models averaged per M uploads) that records what it
+    serves: (client, job round, step) per arrival, (client, version the job started from) per upload."""
+
+    log: list = []
+
+    def on_arrival(self, act):
+        RecordingServer.log.append(("arrival", act.tag.client, act.tag.round, act.tag.step, act.t_sent))
+        return super().on_arrival(act)
+
+    def on_model_upload(self, cid, msg, job):
+        RecordingServer.log.append(("upload", cid, job.version, self.version, msg.t_sent))
+        return super().on_model_upload(cid, msg, job)
+
+
+class AsyncSL(AsyncAlgorithm):
+    """Asynchronous split learning with the default hooks (test algorithm)."""
+
+    name = "test_async_sl"
+    description = "test: asynchronous split learning"
+    server_host = RecordingServer
+
+
+class AsyncFL(AsyncAlgorithm):
+    """Asynchronous FL with the default hooks (local SGD jobs; test algorithm)."""
+
+    name = "test_async_fl"
+    description = "test: asynchronous FL"
+    server_host = RecordingServer
+    split = False
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's hosts travel to the actors
+    ALGORITHMS[AsyncSL.name] = AsyncSL
+    ALGORITHMS[AsyncFL.name] = AsyncFL
+    RecordingServer.log = []
+    yield
+    ALGORITHMS.pop(AsyncSL.name)
+    ALGORITHMS.pop(AsyncFL.name)
+
+
+def async_cfg(tmp_path, mlflow_uri, **over):
+    base = {"algorithm.name": AsyncSL.name, "data.num_clients": 5, "train.participation.count": 2,
+            "train.local_steps": 3, "train.rounds": 3, "clock.profile": "uniform", "runtime.backend": "local",
+            "tracking.experiment": "events", "train.optimizer.momentum": 0.9}
+    base.update(over)
+    return make_config(tmp_path, mlflow_uri, **base)
+
+
+def _flops(fn):
+    with FlopCounterMode(display=False) as fc:
+        out = fn()
+    return out, fc.get_total_flops()
+
+
+def test_event_order_equals_hand_computation(tmp_path, mlflow_uri):
+    """Two clients, both always active (N = M = 2), GAS's clock (no server time, free downloads): each client's
+    activations arrive at a_1 = fwd/f + A/up, a_(k+1) = a_k + bwd/f + fwd/f + A/up within a job, and a job ends
+    with the model upload bwd/f + M/up after its last arrival; the server must take them merged by time."""
+    cfg = async_cfg(tmp_path, mlflow_uri, **{
+        "data.num_clients": 2, "data.partition.name": "iid", "data.max_train_samples": 256, "train.batch_size": 16,
+        "train.rounds": 2, "clock.profile": "homogeneous", "clock.charge_server": False, "data.test_fraction": 0.0})
+    p = prepare(cfg)
+    # give the two clients different speeds and bandwidths (profiles are data: replace them before the run)
+    from raysplit.clock import ClientProfile
+
+    profs = (ClientProfile(1e9, 2e6, 1e7), ClientProfile(2.5e9, 5e5, 1e7))
+    import dataclasses
+
+    setup = dataclasses.replace(p.inputs.spec.host_setup, profiles=profs)
+    spec = dataclasses.replace(p.inputs.spec, host_setup=setup)
+    p.inputs = dataclasses.replace(p.inputs, spec=spec, profiles=list(profs))
+    from raysplit.runtime import Runtime, make_backend
+    from raysplit.runtime.events import EventDriver
+
+    rt = Runtime(make_backend(cfg.runtime), p.inputs)
+    try:
+        EventDriver(rt, p.algorithm, p.sample_stream, cfg.seed).run(0, 2, lambda r, st: None)
+    finally:
+        rt.shutdown()
+    # by hand
+    torch.manual_seed(0)
+    client, _ = build_model(cfg.model.name, p.num_classes, p.inputs.spec.input_shape).split(p.cut)
+    x = torch.zeros(16, *p.inputs.spec.input_shape)
+    a, fwd = _flops(lambda: client(x))
+    _, bwd = _flops(lambda: a.backward(torch.ones_like(a)))
+    act_bytes = a.numel() * 4 + 16 * 8
+    model_bytes = sum(v.numel() * v.element_size() for v in client.state_dict().values())
+    events = []
+    for c, pr in enumerate(profs):
+        t = 0.0
+        for job in range(10):  # more jobs than two global rounds take
+            for k in range(3):
+                t = t + fwd / pr.flops + act_bytes / pr.up
+                events.append((t, c, "arrival", k))
+                t = t + bwd / pr.flops
+            t = t + model_bytes / pr.up
+            events.append((t, c, "upload", job))
+    events.sort(key=lambda e: (e[0], e[1]))
+    got = [(e[1], e[0], e[3] if e[0] == "arrival" else None) for e in RecordingServer.log]
+    want = [(c, kind, k if kind == "arrival" else None) for _, c, kind, k in events][:len(got)]
+    assert got == want
+    times = [e[-1] for e in RecordingServer.log]
+    assert times == pytest.approx([e[0] for e in events][:len(times)], rel=1e-12)
+    assert sum(1 for e in got if e[1] == "upload") == 4  # two global rounds of M = 2 uploads
+
+
+def test_slots_refill_from_the_latest_global_model(tmp_path, mlflow_uri):
+    cfg = async_cfg(tmp_path, mlflow_uri, **{"train.rounds": 4})
+    final = run_experiment(cfg)
+    ups = [e for e in RecordingServer.log if e[0] == "upload"]
+    assert len(ups) == 4 * 2  # M = 2 uploads per global round
+    versions = [e[3] for e in ups]
+    assert versions == sorted(versions) and versions[-1] == 3  # version counts the global models made so far
+    # jobs start from the global model of their time: some uploads are stale by the models made meanwhile
+    assert all(e[3] >= e[2] for e in ups) and any(e[3] > e[2] for e in ups)
+    arrivals = [e for e in RecordingServer.log if e[0] == "arrival"]
+    assert all(b[4] >= a[4] for a, b in zip(RecordingServer.log, RecordingServer.log[1:]))  # time never goes back
+    assert len({e[1] for e in arrivals}) > 2  # replaced clients joined
+    assert final["sim_time"] == pytest.approx(ups[-1][4])  # a global round ends with its last upload
+
+
+@pytest.mark.parametrize("algorithm", [AsyncSL.name, AsyncFL.name])
+def test_same_metrics_with_one_or_three_client_actors_and_in_process(ray_session, tmp_path, mlflow_uri, algorithm):
+    keys = ("accuracy", "loss", "train_loss", "sim_time", "bytes_up", "bytes_down", "client_flops", "server_flops")
+    runs = []
+    for backend, workers in (("ray", 1), ("ray", 3), ("local", 2)):
+        cfg = async_cfg(tmp_path / f"{backend}{workers}", mlflow_uri, **{
+            "algorithm.name": algorithm, "runtime.backend": backend, "runtime.num_workers": workers,
+            "train.local_steps": 3 if algorithm == AsyncSL.name else 12})
+        runs.append(run_experiment(cfg))
+    for r in runs[1:]:
+        for k in keys:
+            assert r[k] == runs[0][k] or (np.isnan(r[k]) and np.isnan(runs[0][k])), k
+    assert runs[0]["accuracy"] > 0.15, runs[0]  # it trained (digits, 10 classes)
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_async_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri, backend):
+    """A checkpoint taken at a global-round boundary, with clients' forwards awaiting their gradients, resumes
+    into exactly the run that was not interrupted."""
+    from mlflow.tracking import MlflowClient
+
+    over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "runtime.backend": backend,
+            "tracking.experiment": f"async-resume-{backend}", "model.name": "cnn_small"}
+    full = run_experiment(async_cfg(tmp_path / "a", mlflow_uri, **over))
+
+    class Interrupted(Exception):
+        pass
+
+    def crash(rnd, metrics):
+        if rnd == 2:
+            raise Interrupted()
+
+    cfg = async_cfg(tmp_path / "b", mlflow_uri, **over)
+    with pytest.raises(Interrupted):
+        run_experiment(cfg, on_round=crash)
+    client = MlflowClient(mlflow_uri)
+    crashed = client.search_runs([client.get_experiment_by_name(over["tracking.experiment"]).experiment_id],
+                                 order_by=["attributes.start_time DESC"])[0]
+    resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
+    for k in ("accuracy", "loss", "train_loss", "sim_time", "bytes_up", "client_flops"):
+        assert resumed[k] == full[k], k
+
+
+def test_async_config_errors_before_any_actor(tmp_path, mlflow_uri):
+    from raysplit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="local_epochs"):
+        prepare(async_cfg(tmp_path, mlflow_uri, **{"train.local_epochs": 1}))
