@@ -61,8 +61,20 @@ class FlopCache:
     def __init__(self):
         self._cache: dict[tuple, int] = {}
 
-    def run(self, key: tuple, fn):
-        """Run ``fn()``; on the first call for ``key`` count its FLOPs. Returns (result, flops)."""
+    def run(self, key: tuple, fn, batch: int | None = None):
+        """Run ``fn()``; on the first call for ``key`` count its FLOPs. Returns (result, flops).
+
+        ``batch``: for computations whose batch size varies from call to call (GAS's server updates over real and
+        generated activations): the FLOPs of layers that treat the leading dimension as the batch (convolutions,
+        linear maps, matmuls) are linear in it, so they are counted once per key and scaled by ``batch``."""
+        if batch is not None:
+            key = (key, "per_sample")
+            if key not in self._cache:
+                with FlopCounterMode(display=False) as counter:
+                    out = fn()
+                self._cache[key] = counter.get_total_flops() / batch
+                return out, int(round(self._cache[key] * batch))
+            return fn(), int(round(self._cache[key] * batch))
         if key in self._cache:
             return fn(), self._cache[key]
         with FlopCounterMode(display=False) as counter:

@@ -9,13 +9,14 @@ exactly like the file. Algorithm-specific parameters are validated by the parame
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raysplit.algorithms import algorithm_params
+from raysplit.algorithms import algorithm_params, get_algorithm
 from raysplit.errors import ConfigError
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -98,6 +99,8 @@ class TrainConfig(_Strict):
     participation: ParticipationConfig = ParticipationConfig()
     aggregation: AggregationConfig = AggregationConfig()
     stop_on_nonfinite: bool = True
+    clip_grad_norm: float | None = Field(default=None, gt=0, description="clip every client and server step's "
+                                         "gradient norm (GAS's code: 10)")
 
 
 class EvalConfig(_Strict):
@@ -178,6 +181,15 @@ class ExperimentConfig(_Strict):
     def algorithm_name(self) -> str:
         return str(self.algorithm["name"])
 
+    def clients_per_round(self, num_clients: int) -> int:
+        """Clients sampled per round (asynchronous methods: clients active at a time) among ``num_clients``."""
+        part = self.train.participation
+        if part.count is not None:
+            if part.count > num_clients:
+                raise ConfigError(f"train.participation.count={part.count} exceeds data.num_clients={num_clients}")
+            return part.count
+        return max(1, math.ceil((part.fraction or 1.0) * num_clients))
+
 
 def _parse_scalar(text: str) -> Any:
     """Parse an override value with YAML rules (numbers, bools, null, lists); ``1e-3`` is a float too."""
@@ -243,7 +255,8 @@ def validate(raw: dict) -> ExperimentConfig:
         cfg = ExperimentConfig.model_validate(raw or {})
     except ValidationError as err:
         raise ConfigError(_format_error(err, ExperimentConfig)) from None
-    algorithm_params(cfg.algorithm)  # raises ConfigError naming algorithm.<key>
+    params = algorithm_params(cfg.algorithm)  # raises ConfigError naming algorithm.<key>
+    get_algorithm(cfg.algorithm_name).check_config(params, cfg)  # combinations with the rest of the config
     return cfg
 
 

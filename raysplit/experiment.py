@@ -5,7 +5,6 @@ checkpoint, and finish. What is recorded and logged lives in ``reporting.py``; t
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -40,15 +39,6 @@ def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> n
     """The client-sampling stream: depends only on (seed, V, m, rounds), so it is identical across algorithms."""
     rng = np.random.default_rng([seed, 0x5A3])
     return np.stack([rng.choice(num_clients, per_round, replace=False) for _ in range(rounds)])
-
-
-def clients_per_round(cfg: ExperimentConfig, num_clients: int) -> int:
-    part = cfg.train.participation
-    if part.count is not None:
-        if part.count > num_clients:
-            raise ConfigError(f"train.participation.count={part.count} exceeds data.num_clients={num_clients}")
-        return part.count
-    return max(1, math.ceil((part.fraction or 1.0) * num_clients))
 
 
 def _load_partitioned(cfg: ExperimentConfig):
@@ -102,7 +92,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     cut, client, server = alg.split_model(model, want)
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
 
-    m = clients_per_round(cfg, num_clients)
+    m = cfg.clients_per_round(num_clients)
     profiles = draw_profiles(cfg.clock, num_clients, np.random.default_rng([cfg.seed, 2]))
     alg.setup(SetupInfo(model=model, cut=cut, counts=counts, num_classes=spec_d.num_classes, seed=cfg.seed,
                         clients_per_round=m, profiles=tuple(profiles)))
@@ -124,7 +114,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         torch_threads=cfg.runtime.torch_threads, device=cfg.runtime.device, server_flops=cfg.clock.server_flops,
         persist_client_models=not alg.keeps_global_client_model(), stop_on_nonfinite=cfg.train.stop_on_nonfinite,
         rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),
-        asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
+        clip_grad_norm=cfg.train.clip_grad_norm, asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
     )
     inputs = RuntimeInputs(
         spec=spec, client_host=alg.client_host, server_host=alg.server_host,

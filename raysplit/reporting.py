@@ -54,7 +54,7 @@ def round_metrics(stats) -> dict:
         "sim_time_round": stats.sim_time, "sim_time": stats.t_end, "wall_time_round": stats.wall,
         "bytes_up": up, "bytes_down": down, "bytes_up_per_client": up / n, "bytes_down_per_client": down / n,
         "client_flops": sum(c.get("flops", 0) for c in cl), "server_flops": srv.get("flops", 0.0),
-        "server_busy_s": srv.get("busy_wall", 0.0),
+        "server_busy_s": srv.get("busy_wall", 0.0), **srv.get("metrics", {}),
     }
 
 

@@ -61,11 +61,19 @@ def _cut_points(cfg) -> list:
     return [by_index[i] for i in sorted(by_index)]
 
 
-# name -> (dotted key, default values or a function of the base config)
-PRESETS: dict[str, tuple[str, Any]] = {
+def _buffer_keys(cfg) -> list[str]:
+    """GAS's activation and model buffers, or the one buffer of FedBuff/CA2FL: the keys the base algorithm has."""
+    from raysplit.algorithms import get_algorithm
+
+    fields = get_algorithm(cfg.algorithm_name).Params.model_fields
+    return [f"algorithm.{k}" for k in ("buffer_size", "model_buffer_size") if k in fields] or ["algorithm.buffer_size"]
+
+
+# name -> (dotted key(s) — a list or a function of the base config, default values or a function of the config)
+PRESETS: dict[str, tuple[Any, Any]] = {
     "cut_points": ("model.cut", _cut_points),  # where to split
     "server_epochs": ("algorithm.server_epochs", [1, 2, 4, 8]),  # CycleSL's E
-    "buffer_sizes": ("algorithm.buffer_size", [5, 10, 20]),  # GAS's activation buffer
+    "buffer_sizes": (_buffer_keys, [5, 10, 20]),  # GAS's activation and model buffers; FedBuff's K
     "ks_schedules": ("algorithm.ks_schedule", ["fixed", "adaptive"]),  # Semi-SFL's K_s
 }
 
@@ -116,10 +124,12 @@ def space_spec(spec: SweepFile, cfg0) -> dict[str, dict]:
         name, values = (pr, None) if isinstance(pr, str) else next(iter(pr.items()))
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-        key, default = PRESETS[name]
+        keys, default = PRESETS[name]
+        keys = keys(cfg0) if callable(keys) else [keys]
         if values is None:
             values = default(cfg0) if callable(default) else default
-        space[key] = {"grid": list(values)}
+        for key in keys:  # several keys: a full grid over each
+            space[key] = {"grid": list(values)}
     for key, s in space.items():
         if not isinstance(s, dict) or len(s) != 1 or next(iter(s)) not in SPACE_KINDS:
             raise ConfigError(f"space.{key}: give exactly one of {', '.join(SPACE_KINDS)} (got {s!r})")

@@ -143,14 +143,14 @@ def test_slots_refill_from_the_latest_global_model(tmp_path, mlflow_uri):
     assert final["sim_time"] == pytest.approx(ups[-1][4])  # a global round ends with its last upload
 
 
-@pytest.mark.parametrize("algorithm", [AsyncSL.name, AsyncFL.name])
+@pytest.mark.parametrize("algorithm", [AsyncSL.name, AsyncFL.name, "gas", "fedbuff"])
 def test_same_metrics_with_one_or_three_client_actors_and_in_process(ray_session, tmp_path, mlflow_uri, algorithm):
     keys = ("accuracy", "loss", "train_loss", "sim_time", "bytes_up", "bytes_down", "client_flops", "server_flops")
     runs = []
     for backend, workers in (("ray", 1), ("ray", 3), ("local", 2)):
         cfg = async_cfg(tmp_path / f"{backend}{workers}", mlflow_uri, **{
             "algorithm.name": algorithm, "runtime.backend": backend, "runtime.num_workers": workers,
-            "train.local_steps": 3 if algorithm == AsyncSL.name else 12})
+            "train.local_steps": 12 if algorithm in (AsyncFL.name, "fedbuff") else 3})
         runs.append(run_experiment(cfg))
     for r in runs[1:]:
         for k in keys:
@@ -158,14 +158,15 @@ def test_same_metrics_with_one_or_three_client_actors_and_in_process(ray_session
     assert runs[0]["accuracy"] > 0.15, runs[0]  # it trained (digits, 10 classes)
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_async_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri, backend):
+@pytest.mark.parametrize("backend,algorithm", [("local", AsyncSL.name), ("ray", AsyncSL.name), ("ray", "gas"),
+                                               ("local", "ca2fl")])
+def test_async_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri, backend, algorithm):
     """A checkpoint taken at a global-round boundary, with clients' forwards awaiting their gradients, resumes
     into exactly the run that was not interrupted."""
     from mlflow.tracking import MlflowClient
 
     over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "runtime.backend": backend,
-            "tracking.experiment": f"async-resume-{backend}", "model.name": "cnn_small"}
+            "tracking.experiment": f"async-resume-{backend}-{algorithm}", "algorithm.name": algorithm}
     full = run_experiment(async_cfg(tmp_path / "a", mlflow_uri, **over))
 
     class Interrupted(Exception):

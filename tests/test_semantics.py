@@ -17,13 +17,11 @@ from raysplit.runtime import Runtime, make_backend, transport
 
 def run_rounds(cfg, rounds=None):
     """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
-    from raysplit.runtime.drivers import RoundDriver
-
     p = prepare(cfg)
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     try:
         stats = []
-        driver = RoundDriver(rt, p.algorithm, p.sample_stream, cfg.seed)
+        driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)  # rounds or events
         driver.run(0, rounds or cfg.train.rounds, lambda r, st: stats.append(st))
         handle = driver.global_handle if p.algorithm.keeps_global_client_model() else None
         client = transport.unpack_state(rt.get(handle, timeout=GET_TIMEOUT).state) if handle is not None else None

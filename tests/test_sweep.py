@@ -78,3 +78,24 @@ def test_shipped_sweep_examples_validate():
     for f in files:
         spec, raw, cfg0 = load_sweep(str(f))
         assert validate_trials(raw, space_spec(spec, cfg0)) >= 2, f
+
+
+def test_buffer_sizes_preset_sweeps_both_gas_buffers_and_fedbuffs_k(tmp_path):
+    from raysplit.sweep import load_sweep, space_spec, validate_trials
+
+    base = {"algorithm": {"name": "gas"}, "train.participation": {"count": 5}, "train.local_steps": 4}
+    spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={}, presets=[{"buffer_sizes": [2, 5]}],
+                                                 overrides={**base, "train.rounds": 2})))
+    space = space_spec(spec, cfg0)
+    assert space == {"algorithm.buffer_size": {"grid": [2, 5]}, "algorithm.model_buffer_size": {"grid": [2, 5]}}
+    assert validate_trials(raw, space) == 4
+    spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={}, presets=["buffer_sizes"], overrides={
+        **base, "algorithm": {"name": "fedbuff"}, "data.num_clients": 10})))
+    space = space_spec(spec, cfg0)
+    assert space == {"algorithm.buffer_size": {"grid": [5, 10, 20]}}
+    assert validate_trials(raw, space) == 3
+    # a buffer larger than the participants can fill is refused before any trial, naming the trial and the key
+    spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={}, presets=[{"buffer_sizes": [2, 50]}],
+                                                 overrides={**base, "train.rounds": 2})))
+    with pytest.raises(ConfigError, match="sweep trial .*model_buffer_size=50 exceeds the 10 clients"):
+        validate_trials(raw, space_spec(spec, cfg0))

@@ -93,6 +93,12 @@ class Algorithm:
             return rt.evaluate_global(global_handle)
         return rt.evaluate_clients(clients)
 
+    @classmethod
+    def check_config(cls, params: AlgorithmParams, cfg) -> None:
+        """Combinations of the algorithm's parameters with the rest of the config that cannot work: raise
+        ConfigError naming the key. Runs whenever a config is validated (so a sweep refuses a bad trial before
+        any trial starts); checks that need the data belong in ``setup``."""
+
     def setup(self, info: SetupInfo) -> None:
         """Called on the driver before any actor exists (raise ConfigError for a bad combination)."""
 
@@ -159,10 +165,21 @@ class AsyncAlgorithm(Algorithm):
             return None, model, torch.nn.Identity()
         return super().split_model(model, cut)
 
-    def setup(self, info: SetupInfo) -> None:
-        if self.local_epochs:
-            raise ConfigError(f"{self.name} runs train.local_steps iterations per client job; train.local_epochs is "
+    @classmethod
+    def check_config(cls, params, cfg) -> None:
+        if cfg.train.local_epochs:
+            raise ConfigError(f"{cls.name} runs train.local_steps iterations per client job; train.local_epochs is "
                               "not supported")
+        n, m, k = cfg.data.num_clients, cfg.clients_per_round(cfg.data.num_clients), cfg.train.local_steps
+        model_buffer = getattr(params, "model_buffer_size", None)
+        if model_buffer is not None and model_buffer > n:
+            raise ConfigError(f"algorithm.model_buffer_size={model_buffer} exceeds the {n} clients (data.num_clients)")
+        buffer = getattr(params, "buffer_size", None)
+        if buffer is not None and buffer > m * k:  # an activation buffer in batches, or a buffer of updates
+            raise ConfigError(f"algorithm.buffer_size={buffer} exceeds the {m * k} batches the {m} active clients "
+                              "send in one job each (train.participation x train.local_steps)")
+
+    def setup(self, info: SetupInfo) -> None:
         sizes = tuple(int(n) for n in info.counts.sum(axis=1))
         self.event_setup = EventSetup(active=info.clients_per_round, local_steps=self.local_steps,
                                       client_sizes=sizes, profiles=tuple(info.profiles), split=self.split)

@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from raysplit.clock import ClientProfile
 from raysplit.runtime import transport
+from raysplit.runtime.aggregation import average_states
 from raysplit.runtime.drivers import Driver
 from raysplit.runtime.hosts import ServerHost, advance_cursor
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
@@ -217,6 +218,7 @@ class EventLoop:
         msg = server.global_model()
         job = Job(cid, server.version, self.round, t)
         self.jobs[cid] = job
+        server.on_job_start(cid, job)
         t = self.costs.download(cid, t, msg.t_sent, self.costs.model_nbytes)
         self._count(cid, bytes_down=self.costs.model_nbytes)
         calls = [("join", (cid, msg, job.t_start, self.round))]
@@ -267,8 +269,11 @@ class EventLoop:
                                f"predicted {t!r} (client host and ClientCosts disagree)")
         job = self.jobs.pop(cid)
         self._count(cid, bytes_up=self.costs.model_nbytes)
+        if np.isfinite(msg.loss):  # a local job's training loss (asynchronous FL)
+            self._count(cid, loss_sum=msg.loss * self.setup.local_steps, loss_n=self.setup.local_steps)
         self.totals[cid]["t_end"] = t
         self.participants.append(cid)
+        server.staleness.append(server.version - job.version)
         done = server.on_model_upload(cid, msg, job)
         self._start(server, port, self._replacement(cid), t)
         return done
@@ -281,7 +286,8 @@ class AsyncServer(ServerHost):
     - ``should_flush() -> bool`` and ``flush()``: after each arrival, e.g. a full activation buffer trains the
       server;
     - ``on_model_upload(cid, msg, job) -> bool``: a client's model arrived; True when a new global model exists
-      (it must then bump ``version`` and make ``global_model()`` return it).
+      (it must then bump ``version`` and make ``global_model()`` return it);
+    - ``on_job_start(cid, job)``: a client took a slot.
 
     The defaults give plain asynchronous split learning: the server steps on every arrival and the global model is
     the uniform average of every ``active`` uploads (a full model buffer)."""
@@ -298,6 +304,9 @@ class AsyncServer(ServerHost):
         self.events = EventLoop(setup, costs, spec.seed)
 
     # ---- hooks ------------------------------------------------------------------------------------------------
+    def on_job_start(self, cid: int, job: Job) -> None:
+        pass
+
     def on_arrival(self, act: Activation) -> Gradient:
         return self.train_step(act)
 
@@ -311,9 +320,15 @@ class AsyncServer(ServerHost):
         self.uploads.append(msg)
         if len(self.uploads) < self.setup.active:
             return False
-        self.set_global(self.aggregate(*[StateMsg(m.state, m.t_sent, 1.0) for m in self.uploads]))
+        self.set_global(self.average(self.uploads, [1.0] * len(self.uploads)))
         self.uploads = []
         return True
+
+    @staticmethod
+    def average(msgs: list[StateMsg], weights: list[float]) -> StateMsg:
+        """Weighted average of uploaded client models (``aggregation.average_states``)."""
+        state = average_states([transport.unpack_state(m.state) for m in msgs], weights)
+        return StateMsg(transport.pack_state(state), t_sent=max(m.t_sent for m in msgs), weight=float(sum(weights)))
 
     # ---- the global client model ------------------------------------------------------------------------------
     def global_model(self) -> StateMsg:
@@ -325,6 +340,14 @@ class AsyncServer(ServerHost):
         self.version += 1
 
     # ---- driving ----------------------------------------------------------------------------------------------
+    def _reset_round(self):
+        super()._reset_round()
+        self.staleness: list[int] = []  # global models made while each uploaded job ran
+
+    def round_metrics(self) -> dict:
+        st = self.staleness
+        return {"staleness_mean": float(np.mean(st)) if st else 0.0, "staleness_max": float(max(st, default=0))}
+
     def run_events(self, rnd: int, port) -> dict:
         """One global round of the event loop (``EventLoop.run``), with the server's per-round counters."""
         t_wall = time.perf_counter()

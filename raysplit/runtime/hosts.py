@@ -66,6 +66,7 @@ class HostSpec:
     rounds: int = 1  # train.rounds (schedules that depend on the run's length, e.g. SGLR's comm_fraction)
     params: Any = None  # the algorithm's validated Params (``algorithm:`` section)
     host_setup: Any = None  # what the algorithm derived at setup for its hosts (``Algorithm.host_setup``)
+    clip_grad_norm: float | None = None  # train.clip_grad_norm: clip every step's gradients (clients and server)
     asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
     charge_server: bool = True  # server compute and downloads cost simulated time (False: GAS's code)
 
@@ -177,6 +178,7 @@ class ClientHost:
         self.totals: dict[int, _Counters] = defaultdict(_Counters)
         self.round = -1
         self.job_round: dict[int, int] = {}  # event driver: the global round each active client's job began in
+        self.job_loss: dict[int, float] = {}  # event driver: mean loss of a local job, sent with the model
 
     # ---- virtual-client bookkeeping -------------------------------------------------------------------------
     def _new_module(self) -> torch.nn.Module:
@@ -251,6 +253,10 @@ class ClientHost:
             if c in self.clock:
                 self.clock[c] = t0
 
+    def _clip(self, module: torch.nn.Module) -> None:
+        if self.spec.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
+
     def _charge_compute(self, cid: int, flops: float) -> None:
         self.clock[cid] += flops / self.profiles[cid].flops
         self.round_stats[cid].add(flops=flops)
@@ -304,6 +310,7 @@ class ClientHost:
         g = transport.unpack(grad.g)
         slot.optimizer.zero_grad(set_to_none=True)
         _, fl = self.flops.run(("bwd", tuple(out.shape)), lambda: out.backward(g))
+        self._clip(slot.module)
         slot.optimizer.step()
         self._charge_compute(cid, fl)
         return self.clock[cid]
@@ -328,6 +335,7 @@ class ClientHost:
 
         loss, fl = self.flops.run(("train", tuple(x.shape)), fwd_bwd)
         check_finite(loss.item(), self.spec.stop_on_nonfinite, f"round {self.round}, client {cid}")
+        self._clip(slot.module)
         slot.optimizer.step()
         self._charge_compute(cid, fl)
         self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
@@ -400,12 +408,14 @@ class ClientHost:
         """``steps`` local SGD batches of the client's whole part (asynchronous FL); returns the mean loss."""
         slot = self.slots[cid]
         with self._rng(cid, 1, self.job_round.get(cid, 0)):
-            return float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
+            self.job_loss[cid] = float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
+        return self.job_loss[cid]
 
     def leave(self, cid: int) -> StateMsg:
         """The client uploads its model (upload charged) and frees its slot."""
         msg = self.get_state(cid)
         msg.state = {k: np.array(v, copy=True) for k, v in msg.state.items()}  # the slot's module is reused
+        msg.loss = self.job_loss.pop(cid, float("nan"))
         self.release(cid, keep_weights=False)
         return msg
 
@@ -530,12 +540,14 @@ class ServerHost:
 
     # ---- the one training step ---------------------------------------------------------------------------------
     def step_through(self, x: torch.Tensor, y: torch.Tensor, module, optimizers: list, *, tag: Tag, flop_key: tuple,
-                     ready_at: float = 0.0, loss_fn: Callable | None = None, record: bool = True) -> float:
+                     ready_at: float = 0.0, loss_fn: Callable | None = None, record: bool = True,
+                     varying_batch: bool = False) -> float:
         """Forward ``x`` through ``module``, ``loss_fn(logits, y)`` (default: mean cross-entropy), backward, then
         step ``optimizers`` (none: a gradient pass, e.g. through a frozen server); the FLOPs (counted once per
         ``flop_key``) are charged to the server clock from ``ready_at`` on and the wall time to ``busy_wall``.
         ``record``: the loss counts as a training loss (checked for finiteness, logged). Returns the loss; the
-        caller reads ``x.grad`` when it needs the gradient for the client."""
+        caller reads ``x.grad`` when it needs the gradient for the client. ``varying_batch``: FLOPs counted once
+        per sample for a computation whose batch size changes every call (``FlopCache.run``)."""
         t_wall = time.perf_counter()
         loss_fn = loss_fn or F.cross_entropy
 
@@ -546,10 +558,12 @@ class ServerHost:
             loss.backward()
             return loss
 
-        loss, fl = self.flops.run(flop_key, step)
+        loss, fl = self.flops.run(flop_key, step, batch=len(y) if varying_batch else None)
         lv = float(loss.item())
         if record:
             self._check(lv, tag)
+        if optimizers and self.spec.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
         for opt in optimizers:
             opt.step()
         self.charge(fl, ready_at)
@@ -576,7 +590,9 @@ class ServerHost:
     def _check(self, loss: float, tag: Tag) -> None:
         if not math.isfinite(loss) and self.nonfinite is None:
             self.nonfinite = tag
-        check_finite(loss, self.spec.stop_on_nonfinite, f"round {tag.round}, client {tag.client} (step {tag.step})")
+        where = (f"round {tag.round}, client {tag.client} (step {tag.step})" if tag.client >= 0 else
+                 f"round {tag.round}, server update {tag.step}")  # a server-only step (Tag client -1)
+        check_finite(loss, self.spec.stop_on_nonfinite, where)
 
     # ---- per-client copies ------------------------------------------------------------------------------------
     def fork(self, keys: list) -> None:
@@ -635,7 +651,11 @@ class ServerHost:
             t = self.nonfinite
             raise NonFiniteLossError(f"non-finite loss at round {t.round}, client {t.client} (step {t.step})")
         return {"losses": self.losses, "grad_norms": self.grad_norms, "flops": self.round_flops,
-                "t_end": self.clock, "busy_wall": self.busy_wall}
+                "t_end": self.clock, "busy_wall": self.busy_wall, "metrics": self.round_metrics()}
+
+    def round_metrics(self) -> dict:
+        """Method-specific numbers of the round, logged as they are (e.g. GAS's generated activations)."""
+        return {}
 
     # ---- checkpoint ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -47,3 +47,4 @@ class StateMsg:
     state: dict
     t_sent: float = 0.0
     weight: float = 0.0
+    loss: float = float("nan")  # an asynchronous client's mean training loss over the job it just finished

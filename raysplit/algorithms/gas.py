@@ -1,0 +1,222 @@
+"""GAS: generative activation-aided asynchronous split federated learning (Yang et al., AAAI 2025;
+../shared/papers/gas.txt; what the authors' code does: ../shared/notes/seed-code.md §1).
+
+M clients train at a time; each runs ``train.local_steps`` split iterations from the latest global client model,
+then uploads its model and a newly sampled client takes its slot (the event driver, runtime/events.py). On the
+server, in simulated-time order (the paper's Algorithm 1):
+
+- **on activation arrival**: the activation joins the activation buffer with its client's recency weight; the
+  client's gradient comes from the *current* server model with logit adjustment ``log(pi_c^tau + 1e-12)`` added to
+  the logits (``pi_c``: the client's label frequencies over its local data); only the client part steps.
+- **when the activation buffer is full** (``buffer_size`` batches, default M): the per-label activation statistics
+  absorb the buffer (raysplit/gaussian.py); once every label has statistics, each label is topped up to
+  ``min_per_label`` samples (default: the batch size) with activations drawn from its Gaussian; the server takes
+  one step of plain cross-entropy over the real and generated activations; the buffer empties.
+- **on model upload**: the model joins the model buffer; when it holds ``model_buffer_size`` models (default M)
+  they are averaged (``model_weights``: uniform as in the code, or by samples) into the new global client model:
+  one global round.
+
+Recency weights (seed-code.md §1.4, the paper's "dynamic weighting"): an initial client's activations weigh 1, 2,
+3, ... by its iteration; a client that joins later starts at ``total``, which grows by the cumulative number of
+server updates at every aggregation. ``weighting: uniform`` weighs every activation 1.
+
+Choices where the paper, the code and this implementation differ:
+- The covariance is never re-factorised (raysplit/gaussian.py): ``covariance: full`` draws from exactly the
+  code's N(mu, S) (the code rebuilds a Cholesky factor per label per server update); ``diagonal`` and ``lowrank``
+  are cheaper approximations for large activations.
+- The client's gradient pass runs through the server model with its parameters frozen (only the input gradient is
+  computed; the code computes the parameter gradients too and discards them), and its FLOPs are charged to the
+  server clock unless ``clock.charge_server: false`` (the code charges no server time at all).
+- The code shares one client momentum buffer across all clients; here every client keeps its own optimizer state
+  (as every raysplit algorithm does).
+- The code's logit-adjustment vector has 10 entries whatever the dataset (a bug for CIFAR-100); here it has one
+  per label.
+- Generated activations are drawn by the server from a generator seeded per run, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from .base import AsyncAlgorithm, AlgorithmParams, SetupInfo, register
+from ..gaussian import LabelGaussian
+from ..runtime import transport
+from ..runtime.events import AsyncServer, EventSetup, Job
+from ..runtime.messages import Activation, Gradient, StateMsg, Tag
+
+
+@dataclass(frozen=True)
+class GASSetup(EventSetup):
+    label_counts: tuple = ()  # (clients x labels) train-label counts, for logit adjustment
+
+
+class GASParams(AlgorithmParams):
+    buffer_size: int | None = Field(default=None, ge=1, description="activation buffer: batches per server "
+                                    "update (default: M = the active clients)")
+    model_buffer_size: int | None = Field(default=None, ge=1, description="model buffer: uploads per global "
+                                          "model (default: M)")
+    model_weights: Literal["uniform", "samples"] = Field(default="uniform", description="averaging of the "
+                                                         "buffered models: uniform (the code) or by samples")
+    generate: bool = Field(default=True, description="top labels up with generated activations (false: the "
+                           "paper's ablation)")
+    min_per_label: int | None = Field(default=None, ge=0, description="samples per label in a server update "
+                                      "after generation (default: train.batch_size)")
+    covariance: Literal["full", "diagonal", "lowrank"] = Field(default="full", description="per-label activation "
+                                                               "covariance (raysplit/gaussian.py)")
+    rank: int = Field(default=32, ge=1, description="covariance: lowrank: columns kept")
+    logit_adjustment: bool = Field(default=True, description="add log(pi_c^tau + 1e-12) to the logits in the "
+                                   "client's gradient")
+    tau: float = Field(default=1.0, ge=0, description="logit-adjustment temperature")
+    weighting: Literal["recency", "uniform"] = Field(default="recency", description="activation weights in the "
+                                                     "statistics: GAS's growing recency weights, or 1")
+
+
+class GASServer(AsyncServer):
+    """The server of GAS: activation buffer, per-label Gaussians, model buffer (module docstring)."""
+
+    def __init__(self, spec, init_state, client_init_state, test):
+        super().__init__(spec, init_state, client_init_state, test)
+        p, setup = self.params, spec.host_setup
+        self.buffer_size = p.buffer_size or setup.active
+        self.model_buffer_size = p.model_buffer_size or setup.active
+        self.min_per_label = spec.batch_size if p.min_per_label is None else p.min_per_label
+        counts = np.asarray(setup.label_counts, dtype=np.float64)
+        self.num_labels = counts.shape[1]
+        pi = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+        self.adjustment = torch.as_tensor(np.log(pi ** p.tau + 1e-12), dtype=torch.float32, device=self.device)
+        self.act_shape = self.events.costs.act_shape
+        dim = int(np.prod(self.act_shape))
+        self.stats = [LabelGaussian(dim, p.covariance, p.rank) for _ in range(self.num_labels)]
+        self.buffer: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self.models_in: list[StateMsg] = []
+        self.weight_count: dict[int, float] = {}
+        self.total_weight = 1.0
+        self.server_updates = 0
+        self.gen_rng = np.random.default_rng([spec.seed, 0x6A5])
+        self._reset_gas_round()
+
+    def _reset_gas_round(self):
+        self.generated = 0
+        self.updates_this_round = 0
+
+    def begin_round(self, rnd: int, t0: float) -> None:
+        super().begin_round(rnd, t0)
+        self._reset_gas_round()
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+    def on_job_start(self, cid: int, job: Job) -> None:
+        self.weight_count[cid] = self.total_weight
+
+    def on_arrival(self, act: Activation) -> Gradient:
+        c = act.tag.client
+        w = self.weight_count[c] if self.params.weighting == "recency" else 1.0
+        self.weight_count[c] += 1
+        x = transport.unpack(act.x, self.device, writable=True)
+        y = torch.as_tensor(np.array(act.y), device=self.device)
+        self.buffer.append((x.detach().clone(), y, w))
+        model = self.models["main"].module
+        adjust = self.adjustment[c] if self.params.logit_adjustment else None
+
+        def adjusted_ce(out, y):
+            return F.cross_entropy(out + adjust if adjust is not None else out, y)
+
+        x.requires_grad_(True)
+        for prm in model.parameters():
+            prm.requires_grad_(False)
+        try:
+            lv = self.step_through(x, y, model, [], tag=act.tag, flop_key=("gas_client", tuple(x.shape)),
+                                   ready_at=act.t_sent, loss_fn=adjusted_ce, record=False)
+        finally:
+            for prm in model.parameters():
+                prm.requires_grad_(True)
+        self.grad_norms.append(float(x.grad.norm()))
+        return Gradient(act.tag, transport.pack(x.grad), self.clock, lv)
+
+    def should_flush(self) -> bool:
+        return len(self.buffer) >= self.buffer_size
+
+    def flush(self) -> None:
+        xs = torch.cat([b[0] for b in self.buffer])
+        ys = torch.cat([b[1] for b in self.buffer])
+        ws = np.concatenate([np.full(len(b[1]), b[2]) for b in self.buffer])
+        flat = xs.reshape(len(xs), -1).cpu().numpy()
+        labels = ys.cpu().numpy()
+        for lab in np.unique(labels):
+            mask = labels == lab
+            st = self.stats[int(lab)]
+            st.merge(flat[mask], ws[mask])
+            if not st.finite():
+                raise FloatingPointError(f"GAS: the activation statistics of label {int(lab)} became non-finite at "
+                                         f"server update {self.server_updates} (round {self.round})")
+        if self.params.generate and all(st.merges for st in self.stats):
+            gen_x, gen_y = [], []
+            counts = np.bincount(labels, minlength=self.num_labels)
+            for lab in range(self.num_labels):
+                need = self.min_per_label - int(counts[lab])
+                if need > 0:
+                    gen_x.append(self.stats[lab].sample(need, self.gen_rng))
+                    gen_y.append(np.full(need, lab))
+            if gen_x:
+                g = torch.as_tensor(np.concatenate(gen_x), dtype=xs.dtype, device=self.device)
+                xs = torch.cat([xs, g.reshape(len(g), *self.act_shape)])
+                ys = torch.cat([ys, torch.as_tensor(np.concatenate(gen_y), device=self.device)])
+                self.generated += len(g)
+        slot = self.models["main"]
+        self.step_through(xs, ys, slot.module, [slot.optimizer], tag=Tag(-1, self.round, self.server_updates),
+                          flop_key=("gas_server",), ready_at=self.clock, varying_batch=True)
+        self.buffer = []
+        self.server_updates += 1
+        self.updates_this_round += 1
+
+    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
+        self.weight_count.pop(cid, None)
+        size = float(self.setup.client_sizes[cid]) if self.params.model_weights == "samples" else 1.0
+        self.models_in.append(StateMsg(msg.state, msg.t_sent, size))
+        if len(self.models_in) < self.model_buffer_size:
+            return False
+        self.set_global(self.average(self.models_in, [m.weight for m in self.models_in]))
+        self.models_in = []
+        self.total_weight += self.server_updates
+        return True
+
+    def round_metrics(self) -> dict:
+        return {**super().round_metrics(), "server_updates": self.updates_this_round,
+                "generated_activations": self.generated}
+
+    # ---- checkpoint -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st["gas"] = {k: getattr(self, k) for k in ("stats", "buffer", "models_in", "weight_count", "total_weight",
+                                                     "server_updates", "gen_rng")}
+        return st
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        for k, v in st["gas"].items():
+            setattr(self, k, v)
+
+
+@register
+class GAS(AsyncAlgorithm):
+    """GAS (module docstring): asynchronous SFL with activation and model buffers, generative activations from
+    per-label Gaussians, logit adjustment on the clients' gradients."""
+
+    name = "gas"
+    description = "GAS: async SFL, activation/model buffers, generated activations, logit adjustment"
+    Params = GASParams
+    server_host = GASServer
+
+    def setup(self, info: SetupInfo) -> None:
+        super().setup(info)
+        self.event_setup = GASSetup(**vars(self.event_setup), label_counts=tuple(map(tuple, info.counts.tolist())))
+
+    def resolved(self) -> dict:
+        p, m = self.params, self.event_setup.active
+        return {"gas.buffer_size": p.buffer_size or m, "gas.model_buffer_size": p.model_buffer_size or m,
+                "gas.min_per_label": self.cfg.train.batch_size if p.min_per_label is None else p.min_per_label}
