@@ -50,7 +50,8 @@ def prepare_authors(src: Path, rounds: int, work: Path) -> Path:
     text = main.read_text()
     edits = [(r"^cifar = True", "cifar = False"), (r"^fmnist = False", "fmnist = True"),
              (r"^epochs = \d+", f"epochs = {rounds}"), (r"^Accu_Test_Frequency = \d+", "Accu_Test_Frequency = 10**9"),
-             (r"^(\s+)epoch \+= 1$", r"\1epoch += 1\n\1print('RAYSPLIT_ROUND_DONE', epoch, __import__('time').time(), flush=True)")]
+             (r"^(\s+)epoch \+= 1$",
+              r"\1epoch += 1\n\1print('RAYSPLIT_ROUND_DONE', epoch, __import__('time').time(), local_epoch, flush=True)")]
     for pattern, repl in edits:
         text, n = re.subn(pattern, repl, text, count=1, flags=re.M)
         if n != 1:
@@ -59,26 +60,28 @@ def prepare_authors(src: Path, rounds: int, work: Path) -> Path:
     return code
 
 
-def time_authors(code: Path, timeout: float) -> list[float]:
+def time_authors(code: Path, timeout: float) -> tuple[list[float], list[int]]:
+    """Wall time of each global round and the server updates it made (``local_epoch`` counts them)."""
     t0 = time.time()
     # GAS_main.py looks for utils/ beside its parent folder; the repository has it beside the script
     env = dict(os.environ, PYTHONPATH=str(code / "utils"))
     proc = subprocess.Popen([sys.executable, "-u", "GAS_main.py"], cwd=code, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    stamps, tail = [], []
+    stamps, updates, tail = [], [], []
     for line in proc.stdout:
         tail = (tail + [line])[-30:]
         if line.startswith("RAYSPLIT_ROUND_DONE"):
             stamps.append(float(line.split()[2]))
+            updates.append(int(line.split()[3]))
         if time.time() - t0 > timeout:
             proc.kill()
             break
     if proc.wait() != 0 and not stamps:
         raise RuntimeError("the authors' code failed:\n" + "".join(tail))
-    return [b - a for a, b in zip([t0] + stamps, stamps)]
+    return [b - a for a, b in zip([t0] + stamps, stamps)], [b - a for a, b in zip([0] + updates, updates)]
 
 
-def time_raysplit(kind: str, backend: str, rounds: int, workdir: Path) -> list[float]:
+def time_raysplit(kind: str, backend: str, rounds: int, workdir: Path) -> tuple[list[float], list[int]]:
     from mlflow.tracking import MlflowClient
 
     from raysplit.config import load_config
@@ -91,8 +94,12 @@ def time_raysplit(kind: str, backend: str, rounds: int, workdir: Path) -> list[f
         f"tracking.uri={uri}", "tracking.experiment=gas-benchmark", f"tracking.output_dir={workdir / 'out'}",
         "tracking.progress=false", "tracking.checkpoint_every=0"])
     final = run_experiment(cfg)
-    hist = MlflowClient(uri).get_metric_history(final["run_id"], "wall_time_round")
-    return [h.value for h in sorted(hist, key=lambda h: h.step)]
+    client = MlflowClient(uri)
+
+    def series(key):
+        return [h.value for h in sorted(client.get_metric_history(final["run_id"], key), key=lambda h: h.step)]
+
+    return series("wall_time_round"), [int(v) for v in series("server_updates")]
 
 
 def sampling_step_reference(rounds: int) -> dict:
@@ -111,9 +118,14 @@ def sampling_step_reference(rounds: int) -> dict:
     return {"per_server_update_s": per_update, "per_round_s (22 updates)": 22 * per_update}
 
 
-def summary(times: list[float]) -> dict:
-    rest = times[1:] or times
-    return {"rounds": times, "median_s": statistics.median(rest), "min_s": min(rest), "max_s": max(rest)}
+def summary(measured: tuple[list[float], list[int]]) -> dict:
+    """Per-round wall times (the first round left out: start-up), their median, and the time per server update
+    (one activation buffer: 10 client iterations and a server step), which does not depend on how many buffers a
+    round happens to take."""
+    times, updates = measured
+    rest, ups = (times[1:], updates[1:]) if len(times) > 1 else (times, updates)
+    return {"rounds": times, "server_updates": updates, "median_s": statistics.median(rest), "mean_s": statistics.mean(rest),
+            "min_s": min(rest), "max_s": max(rest), "s_per_server_update": sum(rest) / max(sum(ups), 1)}
 
 
 def main() -> int:
@@ -144,7 +156,7 @@ def main() -> int:
     if "authors" in out:
         for k, v in list(out.items()):
             if k.startswith("raysplit_"):
-                v["speedup_vs_authors"] = out["authors"]["median_s"] / v["median_s"]
+                v["speedup_vs_authors"] = out["authors"]["s_per_server_update"] / v["s_per_server_update"]
     out["machine"]["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

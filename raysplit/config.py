@@ -52,6 +52,8 @@ class DataConfig(_Strict):
     test_fraction: float = Field(default=0.1, ge=0, lt=1, description="per-client sample-wise test split")
     max_train_samples: int | None = Field(default=None, ge=1, description="subsample the train set (quick runs)")
     max_test_samples: int | None = Field(default=None, ge=1)
+    n_labeled: int = Field(default=0, ge=0, description="class-balanced labelled samples taken out of the training "
+                           "set for the server (semi-supervised methods); the rest goes to the clients")
     options: dict[str, Any] = Field(default_factory=dict, description="extra loader kwargs (e.g. label: coarse)")
 
 
@@ -69,6 +71,8 @@ class OptimizerConfig(_Strict):
     nesterov: bool = False
     decay: float = Field(default=1.0, gt=0, le=1, description="per-round lr factor: lr_r = max(lr*decay^r, min_lr)")
     min_lr: float = Field(default=0.0, ge=0)
+    schedule: Literal["exponential", "cosine"] = Field(default="exponential", description="per-round lr: "
+                                                       "exponential (decay) or cosine from lr to min_lr over the rounds")
 
 
 class ParticipationConfig(_Strict):

@@ -42,8 +42,9 @@ def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> n
 
 
 def _load_partitioned(cfg: ExperimentConfig):
-    """The dataset, subsampled as configured and partitioned over the clients (each with a test split)."""
-    from raysplit.data import client_train_test_split, load_dataset, partition
+    """The dataset, subsampled as configured, the server's labelled set taken out (``data.n_labeled``), the rest
+    partitioned over the clients (each with a test split)."""
+    from raysplit.data import client_train_test_split, labeled_split, load_dataset, partition
 
     bundle = load_dataset(cfg.data.dataset, cfg.data.root, **cfg.data.options)
     rng = np.random.default_rng([cfg.seed, 1])
@@ -52,6 +53,9 @@ def _load_partitioned(cfg: ExperimentConfig):
         if bundle.natural_train is None:
             raise ConfigError(f"data.partition.name=natural needs a dataset with natural clients (LEAF); "
                               f"{cfg.data.dataset} has none")
+        if cfg.data.n_labeled:
+            raise ConfigError("data.n_labeled takes a labelled set out of the training set before partitioning; "
+                              "natural (LEAF) partitions have no such step")
         parts = list(bundle.natural_train)
         if cfg.data.num_clients < len(parts):
             parts = parts[:cfg.data.num_clients]
@@ -59,17 +63,31 @@ def _load_partitioned(cfg: ExperimentConfig):
         if cfg.data.max_train_samples and cfg.data.max_train_samples < len(y_tr):
             keep = np.sort(rng.choice(len(y_tr), cfg.data.max_train_samples, replace=False))
             x_tr, y_tr = x_tr[keep], y_tr[keep]
+        client_pool = np.arange(len(y_tr))
+        if cfg.data.n_labeled:
+            n, classes = cfg.data.n_labeled, bundle.spec.num_classes
+            if n % classes or n > len(y_tr):
+                raise ConfigError(f"data.n_labeled={n} must be a multiple of the {classes} classes and at most the "
+                                  f"{len(y_tr)} training samples (a class-balanced labelled set)")
+            try:
+                labeled, client_pool = labeled_split(np.asarray(y_tr), n, np.random.default_rng([cfg.seed, 4]))
+            except ValueError as e:
+                raise ConfigError(f"data.n_labeled: {e}") from None
         try:
-            parts = partition(cfg.data.partition.name, np.asarray(y_tr), cfg.data.num_clients, rng,
+            parts = partition(cfg.data.partition.name, np.asarray(y_tr)[client_pool], cfg.data.num_clients, rng,
                               **cfg.data.partition.params())
         except ValueError as e:
             raise ConfigError(f"data.partition: {e}") from None
+        parts = [client_pool[p] for p in parts]
     if cfg.data.max_test_samples and cfg.data.max_test_samples < len(y_te):
         keep = np.sort(np.random.default_rng([cfg.seed, 3]).choice(len(y_te), cfg.data.max_test_samples,
                                                                     replace=False))
         x_te, y_te = x_te[keep], y_te[keep]
     train_idx, test_idx = client_train_test_split(parts, cfg.data.test_fraction, rng)
-    return bundle.spec, (x_tr, y_tr, x_te, y_te), train_idx, test_idx
+    labeled_data = {}
+    if cfg.data.n_labeled:
+        labeled_data = {"x": np.ascontiguousarray(x_tr[labeled]), "y": np.asarray(y_tr, dtype=np.int64)[labeled]}
+    return bundle.spec, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
@@ -77,7 +95,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.models import MODELS, build_model
 
     alg = get_algorithm(cfg.algorithm_name)(algorithm_params(cfg.algorithm), cfg)
-    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx = _load_partitioned(cfg)
+    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data = _load_partitioned(cfg)
     num_clients = len(train_idx)
     counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
 
@@ -119,7 +137,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     inputs = RuntimeInputs(
         spec=spec, client_host=alg.client_host, server_host=alg.server_host,
         train_data={"x": np.ascontiguousarray(x_tr), "y": np.asarray(y_tr, dtype=np.int64)},
-        test_data={"x": np.ascontiguousarray(x_te), "y": np.asarray(y_te, dtype=np.int64)},
+        test_data={"x": np.ascontiguousarray(x_te), "y": np.asarray(y_te, dtype=np.int64)}, labeled_data=labeled_data,
         train_idx=train_idx, test_idx=test_idx,
         profiles=profiles,
         client_init=transport.pack_state(client.state_dict()), server_init=transport.pack_state(server.state_dict()),

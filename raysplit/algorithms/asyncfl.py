@@ -38,8 +38,8 @@ def _to_float(state: dict) -> dict[str, torch.Tensor]:
 class UpdateServer(AsyncServer):
     """Asynchronous FL server: remembers the global model each job started from, turns uploads into updates."""
 
-    def __init__(self, spec, init_state, client_init_state, test):
-        super().__init__(spec, init_state, client_init_state, test)
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
         self.start_of: dict[int, StateMsg] = {}
         self.pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # (client, update) in the buffer
         self.buffer_size = getattr(self.params, "buffer_size", None) or self.setup.active
@@ -122,8 +122,8 @@ class CA2FLParams(FedBuffParams):
 class CA2FLServer(UpdateServer):
     _persist = UpdateServer._persist + ("cache",)
 
-    def __init__(self, spec, init_state, client_init_state, test):
-        super().__init__(spec, init_state, client_init_state, test)
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
         self.cache: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:

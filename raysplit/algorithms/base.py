@@ -97,7 +97,11 @@ class Algorithm:
     def check_config(cls, params: AlgorithmParams, cfg) -> None:
         """Combinations of the algorithm's parameters with the rest of the config that cannot work: raise
         ConfigError naming the key. Runs whenever a config is validated (so a sweep refuses a bad trial before
-        any trial starts); checks that need the data belong in ``setup``."""
+        any trial starts); checks that need the data belong in ``setup``. Default: the server's labelled set
+        (``data.n_labeled``) is for the semi-supervised algorithms, which override this."""
+        if cfg.data.n_labeled:
+            raise ConfigError(f"data.n_labeled={cfg.data.n_labeled} takes labelled samples away from the clients for "
+                              f"the server; {cls.name} does not train on them (the semi-supervised algorithms do)")
 
     def setup(self, info: SetupInfo) -> None:
         """Called on the driver before any actor exists (raise ConfigError for a bad combination)."""
@@ -167,6 +171,7 @@ class AsyncAlgorithm(Algorithm):
 
     @classmethod
     def check_config(cls, params, cfg) -> None:
+        super().check_config(params, cfg)
         if cfg.train.local_epochs:
             raise ConfigError(f"{cls.name} runs train.local_steps iterations per client job; train.local_epochs is "
                               "not supported")

@@ -134,7 +134,7 @@ class CycleServer(ServerHost):
         feats, ys = self._pool(acts)
         x = torch.cat(feats).requires_grad_(True)
         y = torch.cat(ys)
-        set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round) * len(acts) ** p.lr_pow)
+        set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round, self.spec.rounds) * len(acts) ** p.lr_pow)
         self.clock = max([self.clock] + [a.t_sent for a in acts])
         lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("concat", tuple(x.shape)))
         sizes = np.cumsum([0] + [len(t) for t in ys])

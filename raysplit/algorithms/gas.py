@@ -80,8 +80,8 @@ class GASParams(AlgorithmParams):
 class GASServer(AsyncServer):
     """The server of GAS: activation buffer, per-label Gaussians, model buffer (module docstring)."""
 
-    def __init__(self, spec, init_state, client_init_state, test):
-        super().__init__(spec, init_state, client_init_state, test)
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
         p, setup = self.params, spec.host_setup
         self.buffer_size = p.buffer_size or setup.active
         self.model_buffer_size = p.model_buffer_size or setup.active

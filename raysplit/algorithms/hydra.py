@@ -134,8 +134,8 @@ class HydraServer(ServerHost):
     optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers (``spec.host_setup`` is
     the algorithm's :class:`HydraLayout`)."""
 
-    def __init__(self, spec, init_state, client_init_state, test):
-        super().__init__(spec, init_state, client_init_state, test)
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
         full = self.models["main"].module
         layout: HydraLayout = spec.host_setup
         self.body, self.head = full[:layout.head_at], full[layout.head_at:]
@@ -151,7 +151,7 @@ class HydraServer(ServerHost):
         super().begin_round(rnd, t0)
         self.head_samples[:] = 0
         for h in self.heads:
-            set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd))
+            set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
 
     def hydra_step(self, act: Activation, key: int) -> Gradient:
         """part-2a then head ``key`` (the client's group); both step; the gradient goes back to the client."""

@@ -64,6 +64,18 @@ class LastStepLSTM(nn.Module):
         return out[:, -1, :]
 
 
+class ProjectionHead(nn.Module):
+    """Semi-SFL's projection head (``ProjectionHead('mlp')``): ``Linear(d, d) -> ReLU -> Linear(d, out)`` on a
+    flattened embedding; the caller L2-normalises."""
+
+    def __init__(self, dim: int, out: int = 128):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, out))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 @torch.no_grad()
 def infer_output_shape(module: nn.Module, input_shape: Sequence[int], *, dtype=torch.float32) -> tuple[int, ...]:
     """Shape (without the batch dimension) of ``module``'s output for one input of ``input_shape``.

@@ -48,6 +48,7 @@ class RuntimeInputs:
     server_host: type = ServerHost
     train_data: dict = field(default_factory=dict)  # {"x", "y"} numpy
     test_data: dict = field(default_factory=dict)
+    labeled_data: dict = field(default_factory=dict)  # the server's labelled set {"x", "y"} (data.n_labeled)
     train_idx: list = field(default_factory=list)  # per client
     test_idx: list = field(default_factory=list)
     profiles: list = field(default_factory=list)
@@ -182,7 +183,7 @@ class Runtime:
         getattr(self.server, method)  # an unknown server method fails here, on the driver
         plan = stepping.plan_steps(seq, self.round, keys or {})
         if self.backend.direct_steps:
-            self.backend.drive_steps(plan, method, batch_size)
+            self.backend.drive("steps", plan, method, batch_size)
             return
         pending = {}
         for s in plan:
@@ -195,11 +196,30 @@ class Runtime:
             if s.next is not None:
                 pending[k] = self.backend.call(self.worker_of(s.client), "forward", s.next, batch_size)
 
+    def pooled_steps(self, clients: list[int], steps: int, method: str, streams: tuple[str, ...] = ("main",),
+                     batch_sizes: dict | None = None) -> None:
+        """``steps`` pooled steps of the round's ``clients``: per step each client forwards one batch per stream,
+        the server method receives all activations at once (clients in order, streams in order within a client)
+        and returns one gradient per activation (CycleSL-style pooling, Semi-SFL's two streams). Server-driven
+        (``stepping.drive_pooled``) where the backend offers it, otherwise chained through the driver with each
+        client host receiving the same calls in the same order."""
+        getattr(self.server.returning(1), method)  # an unknown server method fails here, on the driver
+        clients = [int(c) for c in clients]
+        sizes = {c: (batch_sizes or {}).get(c) for c in clients}
+        if self.backend.direct_steps:
+            self.backend.drive("pooled", clients, tuple(streams), steps, self.round, method, sizes)
+            return
+        for k in range(steps):
+            acts = [self.forward(c, k, s, sizes[c]) for c in clients for s in streams]
+            grads = getattr(self.server.returning(len(acts)), method)(*acts)
+            for i, g in enumerate(grads):
+                self.backward(clients[i // len(streams)], g)
+
     def run_events(self, rnd: int) -> RoundStats:
         """One global round of an asynchronous algorithm: the server host's event loop
         (``AsyncServer.run_events``) runs where the server lives, driving the client hosts itself, until the next
         global model exists. One blocking call per global round."""
-        out = self.backend.get(self.backend.drive_events(rnd))
+        out = self.backend.get(self.backend.drive("events", rnd))
         self.backend.round_done()
         self.round = rnd
         return RoundStats(rnd, out["t_start"], out["t_end"], out["wall"], out["clients"], out["server"],
@@ -291,7 +311,8 @@ class LocalBackend:
         self.server = None
 
     def start(self, inputs: RuntimeInputs) -> None:
-        self.server = inputs.server_host(inputs.spec, inputs.server_init, inputs.client_init, inputs.test_data)
+        self.server = inputs.server_host(inputs.spec, inputs.server_init, inputs.client_init, inputs.test_data,
+                                         inputs.labeled_data)
         self.workers = [inputs.client_host(inputs.spec, w, inputs.train_data, tr, te, pr, inputs.client_init)
                         for w, (tr, te, pr) in enumerate(host_inputs(inputs, self.num_workers))]
 
@@ -304,11 +325,9 @@ class LocalBackend:
             raise RuntimeError(f"{type(host).__name__}.{method} returned {len(out)} results, expected {n}")
         return out
 
-    def drive_steps(self, plan: list, method: str, batch_size=None) -> None:
-        stepping.drive_steps(self.server, plan, method, batch_size, LocalPort(self.workers))
-
-    def drive_events(self, rnd: int) -> dict:
-        return self.server.run_events(rnd, LocalPort(self.workers))
+    def drive(self, loop: str, *args):
+        """Run one of ``stepping.LOOPS`` in process, as the server actor does with Ray."""
+        return stepping.LOOPS[loop](self.server, *args, LocalPort(self.workers))
 
     def round_done(self) -> None:
         pass

@@ -292,8 +292,8 @@ class AsyncServer(ServerHost):
     The defaults give plain asynchronous split learning: the server steps on every arrival and the global model is
     the uniform average of every ``active`` uploads (a full model buffer)."""
 
-    def __init__(self, spec, init_state, client_init_state, test):
-        super().__init__(spec, init_state, client_init_state, test)
+    def __init__(self, spec, init_state, client_init_state, *data):
+        super().__init__(spec, init_state, client_init_state, *data)
         setup: EventSetup = spec.host_setup
         self.setup = setup
         self.version = 0

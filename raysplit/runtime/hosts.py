@@ -23,6 +23,7 @@ import contextlib
 import copy
 import math
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -151,6 +152,8 @@ class _Counters:
 class ClientHost:
     """Hosts a set of virtual clients on one worker."""
 
+    seeded_randomness: bool = False  # seed every forward's randomness per (client, step, stream), as under events
+
     def __init__(self, spec: HostSpec, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
                  test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
         if spec.torch_threads:
@@ -200,7 +203,7 @@ class ClientHost:
         opt = make_optimizer(module.parameters(), self.spec.client_optimizer)
         if cid in self.opt_state:
             opt.load_state_dict(self.opt_state[cid])
-        set_lr(opt, round_lr(self.spec.client_optimizer, self.round if rnd is None else rnd))
+        set_lr(opt, round_lr(self.spec.client_optimizer, self.round if rnd is None else rnd, self.spec.rounds))
         self.slots[cid] = ModelSlot(module, opt)
         return self.slots[cid]
 
@@ -239,7 +242,7 @@ class ClientHost:
     def _rng(self, cid: int, *salt: int):
         """Under the event driver, client computations draw from a generator seeded per (client, salt), so their
         randomness (dropout, augmentation) does not depend on which worker hosts the client or what ran before."""
-        if not self.spec.asynchronous:
+        if not (self.spec.asynchronous or self.seeded_randomness):
             yield
             return
         with torch.random.fork_rng(devices=[]):
@@ -280,17 +283,36 @@ class ClientHost:
         (whatever its stream) arrives."""
         cid = tag.client
         slot = self.activate(cid)
-        idx = self._draw(cid, batch_size)
-        x, y = self.batch(idx)
+        idx = self.batch_indices(tag, batch_size)
         if self.spec.asynchronous:  # what a checkpoint needs to rebuild this forward's graph (load_state_dict)
             self._replay[tag] = (idx, {k: b.detach().clone() for k, b in slot.module.named_buffers()})
-        with self._rng(cid, 0, tag.round, tag.step):
-            out, fl = self.flops.run(("fwd", tuple(x.shape)), lambda: slot.module(x))
+        with self._rng(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+            x, y = self.inputs(tag, idx)
+            encode = self.encoder(tag, slot)
+            out, fl = self.flops.run(("fwd", tuple(x.shape)), lambda: encode(x))
         self.pending[tag] = out
         self._charge_compute(cid, fl)
-        msg = Activation(tag, transport.pack(out), y.numpy(), 0.0, float(len(self.train_idx[cid])))
+        msg = Activation(tag, transport.pack(out), y, 0.0, float(len(self.train_idx[cid])))
         msg.t_sent = self._charge_upload(cid, msg.nbytes)
         return msg
+
+    # hooks of forward (a semi-supervised host draws one batch for two streams, augments, has a teacher encoder)
+    def batch_indices(self, tag: Tag, batch_size: int | None) -> np.ndarray:
+        """The samples of this forward: the client's next batch."""
+        return self._draw(tag.client, batch_size)
+
+    def inputs(self, tag: Tag, idx: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """Model input and the labels sent with the activation."""
+        x, y = self.batch(idx)
+        return x, y.numpy()
+
+    def encoder(self, tag: Tag, slot: ModelSlot) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The module that encodes this forward: the client's model."""
+        return slot.module
+
+    def forward_many(self, tags: list[Tag], batch_size: int | None = None) -> list[Activation]:
+        """Several forwards in one call, in order (one per stream of a client step)."""
+        return [self.forward(tag, batch_size) for tag in tags]
 
     def backward(self, grad: Gradient) -> float:
         """Apply the gradient for the activation with the same tag; returns the client's clock."""
@@ -483,7 +505,7 @@ class ClientHost:
             after = {k: b.detach().clone() for k, b in module.named_buffers()}
             module.load_state_dict(buffers, strict=False)
             x, _ = self.batch(idx)
-            with self._rng(tag.client, 0, tag.round, tag.step):
+            with self._rng(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
                 self.pending[tag] = module(x)
             module.load_state_dict(after, strict=False)
             self._replay[tag] = (idx, buffers)
@@ -497,7 +519,8 @@ class ServerHost:
     """Owns the server-side model(s) and optimizer(s). ``models['main']`` is the server model; per-client copies
     (PSL, SFLV1) are forked from it and merged back by weighted averaging."""
 
-    def __init__(self, spec: HostSpec, init_state: dict, client_init_state: dict, test: dict):
+    def __init__(self, spec: HostSpec, init_state: dict, client_init_state: dict, test: dict,
+                 labeled: dict | None = None):
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed * 1009 + 7919)
@@ -511,6 +534,7 @@ class ServerHost:
         self.models: dict = {"main": ModelSlot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
         self._eval_client = client.to(self.device)
         self.test_x, self.test_y = test["x"], test["y"]
+        self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
         self.flops = FlopCache()
         self.clock = 0.0
         self.round = -1
@@ -528,7 +552,7 @@ class ServerHost:
         self.clock = max(self.clock, t0)
         self._reset_round()
         for slot in self.models.values():
-            set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd))
+            set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
 
     def charge(self, flops: float, ready_at: float = 0.0) -> float:
         """Advance the server clock by a computation that can start once ``ready_at`` has passed (instantly with
@@ -541,13 +565,14 @@ class ServerHost:
     # ---- the one training step ---------------------------------------------------------------------------------
     def step_through(self, x: torch.Tensor, y: torch.Tensor, module, optimizers: list, *, tag: Tag, flop_key: tuple,
                      ready_at: float = 0.0, loss_fn: Callable | None = None, record: bool = True,
-                     varying_batch: bool = False) -> float:
+                     varying_batch: bool = False, where: str | None = None) -> float:
         """Forward ``x`` through ``module``, ``loss_fn(logits, y)`` (default: mean cross-entropy), backward, then
         step ``optimizers`` (none: a gradient pass, e.g. through a frozen server); the FLOPs (counted once per
         ``flop_key``) are charged to the server clock from ``ready_at`` on and the wall time to ``busy_wall``.
         ``record``: the loss counts as a training loss (checked for finiteness, logged). Returns the loss; the
         caller reads ``x.grad`` when it needs the gradient for the client. ``varying_batch``: FLOPs counted once
-        per sample for a computation whose batch size changes every call (``FlopCache.run``)."""
+        per sample for a computation whose batch size changes every call (``FlopCache.run``). ``where``: how a
+        non-finite loss names the step (default: round, client and step of ``tag``)."""
         t_wall = time.perf_counter()
         loss_fn = loss_fn or F.cross_entropy
 
@@ -561,7 +586,7 @@ class ServerHost:
         loss, fl = self.flops.run(flop_key, step, batch=len(y) if varying_batch else None)
         lv = float(loss.item())
         if record:
-            self._check(lv, tag)
+            self._check(lv, tag, where)
         if optimizers and self.spec.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
         for opt in optimizers:
@@ -587,11 +612,11 @@ class ServerHost:
         slot = self.models[key]
         return self.step_activation(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
 
-    def _check(self, loss: float, tag: Tag) -> None:
+    def _check(self, loss: float, tag: Tag, where: str | None = None) -> None:
         if not math.isfinite(loss) and self.nonfinite is None:
             self.nonfinite = tag
-        where = (f"round {tag.round}, client {tag.client} (step {tag.step})" if tag.client >= 0 else
-                 f"round {tag.round}, server update {tag.step}")  # a server-only step (Tag client -1)
+        where = where or (f"round {tag.round}, client {tag.client} (step {tag.step})" if tag.client >= 0 else
+                          f"round {tag.round}, server update {tag.step}")  # a server-only step (Tag client -1)
         check_finite(loss, self.spec.stop_on_nonfinite, where)
 
     # ---- per-client copies ------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ per-round learning-rate schedule. Pure torch (no Ray)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -21,8 +23,13 @@ def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg['name']!r}")
 
 
-def round_lr(cfg: dict, rnd: int) -> float:
-    """Learning rate of round ``rnd``: ``max(lr * decay**rnd, min_lr)`` (Hydra's per-epoch decay)."""
+def round_lr(cfg: dict, rnd: int, rounds: int = 1) -> float:
+    """Learning rate of round ``rnd`` of ``rounds``: ``exponential`` (default): ``max(lr * decay**rnd, min_lr)``
+    (Hydra's per-epoch decay); ``cosine``: ``min_lr + (lr - min_lr) (1 + cos(pi rnd / rounds)) / 2`` (Semi-SFL's
+    code)."""
+    if cfg.get("schedule", "exponential") == "cosine":
+        return cfg.get("min_lr", 0.0) + 0.5 * (cfg["lr"] - cfg.get("min_lr", 0.0)) * (
+            1 + math.cos(math.pi * max(rnd, 0) / max(rounds, 1)))
     return max(cfg["lr"] * cfg.get("decay", 1.0) ** max(rnd, 0), cfg.get("min_lr", 0.0))
 
 

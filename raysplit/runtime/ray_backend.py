@@ -54,21 +54,13 @@ class HostActor:
             out = getattr(self.host, method)(*args)
         return out
 
-    def drive_steps(self, plan: list, workers: list, method: str, batch_size, before: list):
-        """Run split steps with this (server) actor in charge, calling the client actors directly
-        (:func:`stepping.drive_steps`). ``before`` (nested, so not fetched) holds the driver's last call on each
-        client actor: those must have run before ours do."""
+    def drive(self, loop: str, args: tuple, workers: list, before: list):
+        """Run one of ``stepping.LOOPS`` (split steps, pooled steps, a round of events) with this (server) actor in
+        charge, calling the client actors directly. ``before`` (nested, so not fetched) holds the driver's last
+        call on each client actor: those must have run before ours do."""
         if before:
             ray.wait(before, num_returns=len(before), fetch_local=False)
-        stepping.drive_steps(self.host, plan, method, batch_size, RayPort(workers))
-
-
-    def drive_events(self, rnd: int, workers: list, before: list):
-        """One global round of the event loop (``AsyncServer.run_events``) with this (server) actor driving the
-        client actors directly."""
-        if before:
-            ray.wait(before, num_returns=len(before), fetch_local=False)
-        return self.host.run_events(rnd, RayPort(workers))
+        return stepping.LOOPS[loop](self.host, *args, RayPort(workers))
 
 
 class RayPort:
@@ -159,7 +151,8 @@ class RayBackend:
         self.server = HostActor.options(
             num_cpus=r.server.num_cpus, num_gpus=r.server.num_gpus, resources=r.server.resources or None,
             memory=r.server.memory, name=None,
-        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref)
+        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref,
+                 ray.put(inputs.labeled_data))
         opts = dict(num_cpus=r.client.num_cpus, num_gpus=r.client.num_gpus, resources=r.client.resources or None,
                     memory=r.client.memory)
         if r.spread_clients:
@@ -186,17 +179,11 @@ class RayBackend:
         self._last[actor._actor_id] = ref
         return ref
 
-    def drive_steps(self, plan: list, method: str, batch_size=None):
-        """Hand a sequence of split steps to the server actor (``HostActor.drive_steps``); the driver submits one
-        call and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
+    def drive(self, loop: str, *args):
+        """Hand a loop (``stepping.LOOPS``) to the server actor (``HostActor.drive``); the driver submits one call
+        and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
-        self._barrier = self.server.drive_steps.remote(plan, self.workers, method, batch_size, before)
-        return self._barrier
-
-    def drive_events(self, rnd: int):
-        """A global round of the event loop, run by the server actor; a handle to its stats."""
-        before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
-        self._barrier = self.server.drive_events.remote(rnd, self.workers, before)
+        self._barrier = self.server.drive.remote(loop, args, self.workers, before)
         return self._barrier
 
     def round_done(self) -> None:

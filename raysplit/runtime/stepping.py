@@ -79,3 +79,38 @@ def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | No
         else:
             last.append(port.submit(s.client, [("backward", (grad,))]))
     port.wait(last)  # every gradient applied before the driver's next call on a client host runs
+
+
+def drive_pooled(server_host, clients: list[int], streams: tuple[str, ...], steps: int, rnd: int, method: str,
+                 batch_sizes: dict, port: ClientPort) -> None:
+    """``steps`` pooled steps with the server in charge: per step every client sends one activation per stream
+    (``ClientHost.forward_many``), the server method gets all of them at once (clients in the given order, each
+    client's streams in order) and returns one gradient per activation, which goes back with the client's next
+    forwards (one message). Each client host receives the same calls in the same order as the driver-chained loop
+    in ``Runtime.pooled_steps``."""
+    serve = getattr(server_host, method)
+    width = len(streams)
+
+    def forwards(c, k):
+        return ("forward_many", ([Tag(c, rnd, k, s) for s in streams], batch_sizes.get(c)))
+
+    pending = {c: port.submit(c, [forwards(c, 0)]) for c in clients}
+    last = []
+    for k in range(steps):
+        acts = [a for c in clients for a in port.fetch(pending.pop(c))]
+        grads = list(serve(*acts))
+        for i, c in enumerate(clients):
+            calls = [("backward", (g,)) for g in grads[i * width:(i + 1) * width]]
+            if k + 1 < steps:
+                pending[c] = port.submit(c, calls + [forwards(c, k + 1)])
+            else:
+                last.append(port.submit(c, calls))
+    port.wait(last)
+
+
+def run_events(server_host, rnd: int, port: ClientPort) -> dict:
+    """One global round of an asynchronous algorithm (``AsyncServer.run_events``)."""
+    return server_host.run_events(rnd, port)
+
+
+LOOPS = {"steps": drive_steps, "pooled": drive_pooled, "events": run_events}  # what a server host can drive

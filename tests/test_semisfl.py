@@ -1,0 +1,240 @@
+"""Semi-SFL and its baselines: the queue, the clustering loss and the EMA by hand, each K_s rule on a loss trace,
+pseudo-labels above the threshold only, the labelled set, client labels never used, bad input, and every new
+algorithm through Ray with its MLflow run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from conftest import make_config
+from raysplit.algorithms.semisfl import ema_update, ks_milestones, ks_ratio, pseudo_label_ce
+from raysplit.errors import ConfigError
+from raysplit.experiment import prepare, run_experiment
+from raysplit.losses import FeatureQueue, queue_contrastive_loss
+
+
+@pytest.fixture(scope="module")
+def fmnist_root(tmp_path_factory):
+    """Small fake Fashion-MNIST in the real IDX format (uint8 28x28 images, balanced labels, a class pattern)."""
+    import gzip
+    import struct
+
+    root = tmp_path_factory.mktemp("fmnist")
+    folder = root / "fashion_mnist"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 600), ("t10k", 100)):
+        y = np.tile(np.arange(10, dtype=np.uint8), n // 10)
+        x = rng.integers(0, 120, (n, 28, 28), dtype=np.uint8)
+        for c in range(10):
+            x[y == c, 2 * c:2 * c + 6, 4:24] += 120  # a band per class: learnable, still images
+        for kind, arr in (("images-idx3", x), ("labels-idx1", y)):
+            header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", d) for d in arr.shape)
+            with gzip.open(folder / f"{prefix}-{kind}-ubyte.gz", "wb") as f:
+                f.write(header + arr.tobytes())
+    return root
+
+
+def semi_cfg(tmp_path, mlflow_uri, root, **over):
+    base = {"algorithm": {"name": "semisfl", "ks_initial": 3, "queue_size": 64, "server_batch_size": 8},
+            "data.dataset": "fashion_mnist", "data.root": str(root), "data.options": {"search_system": False},
+            "data.num_clients": 6, "data.n_labeled": 100, "data.partition.name": "iid", "data.test_fraction": 0.0,
+            "train.participation.count": 3, "train.batch_size": 8, "train.local_steps": 2, "train.rounds": 2,
+            "runtime.backend": "local", "tracking.experiment": "semisfl", "model.name": "semisfl_cnn",
+            "model.cut": "features", "train.aggregation.weights": "uniform"}
+    base.update(over)
+    return make_config(tmp_path, mlflow_uri, **base)
+
+
+# ---- building blocks by hand ----------------------------------------------------------------------------------------
+def test_queue_is_fifo_with_wrap_labels_and_masks():
+    q = FeatureQueue(5, 2)
+    assert (q.labels == -1).all() and (q.masks == 0).all()
+    q.push(torch.tensor([[1.0, 0], [0, 1]]), torch.tensor([3, 4]), torch.tensor([1.0, 0.0]))
+    q.push(torch.tensor([[1.0, 1], [2, 2], [3, 3], [4, 4]]), torch.tensor([5, 6, 7, 8]), torch.ones(4))
+    # 6 entries into 5 slots: the oldest ([1, 0], label 3) was overwritten by the last one
+    assert q.labels.tolist() == [8, 4, 5, 6, 7] and q.masks.tolist() == [1, 0, 1, 1, 1] and q.ptr == 1
+    assert torch.equal(q.keys[0], torch.tensor([4.0, 4.0]))
+    q.push(torch.zeros(1, 2), torch.tensor([9]), None)  # no masks: the overwritten entry keeps its mask
+    assert q.labels[1] == 9 and q.masks[1] == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        q.push(torch.zeros(6, 2), torch.zeros(6), torch.zeros(6))
+
+
+def test_clustering_loss_by_hand():
+    q = F.normalize(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), dim=1)
+    k = F.normalize(torch.tensor([[1.0, 1.0], [0.0, 1.0]]), dim=1)
+    queue = FeatureQueue(2, 2)
+    queue.keys = F.normalize(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]), dim=1)
+    queue.labels = torch.tensor([0, 1])
+    queue.masks = torch.tensor([1.0, 0.0])  # the second queued key may not be a positive
+    labels, masks, t = torch.tensor([0, 1]), torch.tensor([1.0, 1.0]), 0.5
+    got = queue_contrastive_loss(q, k, labels, masks, queue, t, push=False)
+    keys = torch.cat([k, queue.keys])
+    key_labels, key_masks = torch.tensor([0, 1, 0, 1]), torch.tensor([1.0, 1.0, 1.0, 0.0])
+    want = 0.0
+    for i in range(2):
+        logits = torch.tensor([float(q[i] @ keys[j]) / t for j in range(4)])
+        log_p = logits - torch.logsumexp(logits, 0)
+        pos = [j for j in range(4) if key_labels[j] == labels[i] and key_masks[j] > 0]
+        want += -sum(float(log_p[j]) for j in pos) / len(pos)
+    assert float(got) == pytest.approx(want / 2, rel=1e-6)
+    # anchor 1 (label 1) has the masked-out queue key as a same-label entry: without masks it becomes a positive
+    unmasked = queue_contrastive_loss(q, k, labels, None, queue, t, push=False)
+    assert float(unmasked) != pytest.approx(float(got))
+
+
+def test_ema_update_by_hand_with_warmup():
+    teacher, student = torch.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
+    with torch.no_grad():
+        teacher.weight.fill_(1.0), student.weight.fill_(3.0)
+        teacher.running_mean.fill_(0.0), student.running_mean.fill_(2.0)
+    student.num_batches_tracked.fill_(7)
+    gamma = 0.99
+    for step, expected_a in [(0, 0.0), (1, 0.5), (2, 2 / 3)]:  # a = min(1 - 1/(step+1), gamma)
+        a = min(1 - 1 / (step + 1), gamma)
+        assert a == pytest.approx(expected_a)
+        before = teacher.weight.clone()
+        ema_update(teacher, student, a)
+        torch.testing.assert_close(teacher.weight, a * before + (1 - a) * student.weight)
+    assert int(teacher.num_batches_tracked) == 7  # integer buffers are copied
+    assert min(1 - 1 / (1000 + 1), gamma) == gamma
+
+
+def test_pseudo_labels_only_above_the_threshold():
+    teacher = torch.tensor([[4.0, 0.0], [0.1, 0.0], [0.0, 5.0]])
+    student = torch.randn(3, 2)
+    ce, labels, mask = pseudo_label_ce(student, teacher, 0.9)
+    assert labels.tolist() == [0, 0, 1] and mask.tolist() == [1.0, 0.0, 1.0]
+    per = F.cross_entropy(student, labels, reduction="none")
+    assert float(ce) == pytest.approx(float((per[0] + per[2]) / 3))  # averaged over all samples, as the code
+    ce_none, _, mask_none = pseudo_label_ce(student, teacher, 1.01)  # nothing is that confident
+    assert float(ce_none) == 0.0 and mask_none.sum() == 0
+
+
+def test_ks_milestones_rule_on_a_loss_trace():
+    # flat loss (change 0 < rho1) at milestone 20 halves; a drop of 0.2 (> rho2) at milestone 30 doubles;
+    # a change of 0.03 (between) at milestone 40 keeps; no change between milestones
+    trace = [1.0] * 20 + [0.8] * 10 + [0.77] * 10
+    ks, seq = 16, []
+    for r in range(40):
+        ks = ks_milestones(ks, r, trace[:r + 1], [20, 30, 40], 10, 0.01, 0.05)
+        seq.append(ks)
+    assert seq[:19] == [16] * 19 and seq[19:29] == [8] * 10 and seq[29:39] == [16] * 10 and seq[39] == 16
+
+
+def test_ks_ratio_rule_on_a_loss_trace():
+    ku, share, every, window = 5, 0.02, 20, 2
+    r = 21  # decisions after rounds 19, 39, ...: this trace has 22 rounds, enough for 11 windows of 2 at r=21
+    flat_x = [1.0] * 22
+    falling_u = [2.0 - 0.05 * i for i in range(22)]  # the unsupervised loss keeps falling, the supervised not
+    lrs, kss = [0.1] * 22, [40] * 22
+    assert ks_ratio(40, r, flat_x, falling_u, lrs, kss, ku, 11, window, 1.5, 8.0, share) == round(40 / 1.5)
+    # a floor beta * K_u * share above K_s / alpha: K_s drops only to the floor; never above K_s
+    assert ks_ratio(40, r, flat_x, falling_u, lrs, kss, ku, 11, window, 1.5, 8.0, 0.8) == 32
+    assert ks_ratio(10, r, flat_x, falling_u, lrs, [10] * 22, ku, 11, window, 1.5, 8.0, 0.8) == 10
+    # the supervised loss falling faster: no change; and no decision off the schedule
+    assert ks_ratio(40, r, falling_u, flat_x, lrs, kss, ku, 11, window, 1.5, 8.0, share) == 40
+    assert ks_ratio(40, r, flat_x, falling_u, lrs, kss, ku, every, window, 1.5, 8.0, share) == 40
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+def test_labeled_set_is_class_balanced_and_disjoint_from_the_clients(tmp_path, mlflow_uri, fmnist_root):
+    p = prepare(semi_cfg(tmp_path, mlflow_uri, fmnist_root))
+    lab = p.inputs.labeled_data
+    assert np.bincount(lab["y"], minlength=10).tolist() == [10] * 10
+    x = p.inputs.train_data["x"]
+    client_rows = np.concatenate(p.inputs.train_idx)
+    labeled_rows = {x[i].tobytes() for i in range(len(x))} & {r.tobytes() for r in lab["x"]}
+    assert labeled_rows  # the labelled images came from the training set ...
+    assert not ({x[i].tobytes() for i in client_rows} & {r.tobytes() for r in lab["x"]})  # ... not the clients'
+    assert p.partition_counts.sum() + 100 == len(p.inputs.train_data["y"])
+
+
+def test_client_labels_never_influence_training(tmp_path, mlflow_uri, fmnist_root):
+    from raysplit.runtime import Runtime, make_backend, transport
+
+    def train(shuffle: bool):
+        cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"train.rounds": 2})
+        p = prepare(cfg)
+        if shuffle:  # every client's labels scrambled; the server's labelled set untouched
+            y = p.inputs.train_data["y"]
+            rows = np.concatenate(p.inputs.train_idx)
+            y[rows] = np.random.default_rng(1).permutation(y[rows])[::-1] % 10
+        rt = Runtime(make_backend(cfg.runtime), p.inputs)
+        try:
+            driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
+            driver.run(0, 2, lambda r, st: None)
+            return (transport.unpack_state(rt.get(driver.global_handle).state),
+                    transport.unpack_state(rt.get(rt.server.get_state()).state))
+        finally:
+            rt.shutdown()
+
+    a, b = train(False), train(True)
+    for sa, sb in zip(a, b):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("over,match", [
+    ({"data.n_labeled": 105}, "data.n_labeled=105 must be a multiple of the 10 classes"),
+    ({"data.n_labeled": 100000}, "data.n_labeled=100000"),
+    ({"data.n_labeled": 0}, "set data.n_labeled > 0"),
+    ({"algorithm": {"name": "semisfl", "tau": 1.5}}, "algorithm.tau"),
+    ({"algorithm": {"name": "semisfl", "tau": 0}}, "algorithm.tau"),
+    ({"algorithm": {"name": "semisfl", "queue_size": 16}}, "algorithm.queue_size=16 is smaller"),
+    ({"algorithm": {"name": "semisfl", "ks": "adaptive"}}, "algorithm.ks"),
+    ({"algorithm": {"name": "semisfl", "milestones": [50, 20]}}, "algorithm.milestones must be strictly increasing"),
+    ({"algorithm": {"name": "sflv2"}}, "data.n_labeled=100 takes labelled samples away"),
+])
+def test_bad_semisfl_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, fmnist_root, monkeypatch, over,
+                                                         match):
+    import raysplit.runtime.api as api
+
+    def no_actors(*a, **k):
+        raise AssertionError("runtime started despite a bad config")
+
+    monkeypatch.setattr(api.Runtime, "__init__", no_actors)
+    with pytest.raises(ConfigError, match=match):
+        run_experiment(semi_cfg(tmp_path, mlflow_uri, fmnist_root, **over))
+
+
+@pytest.mark.parametrize("phase,lr", [("supervised", {"train.server_optimizer": {"name": "sgd", "lr": 1e12}}),
+                                      ("cross-entity", {"train.optimizer.lr": 1e30,
+                                                        "train.server_optimizer": {"name": "sgd", "lr": 0.05}})])
+def test_nonfinite_loss_names_the_phase_round_and_step(tmp_path, mlflow_uri, fmnist_root, phase, lr):
+    from raysplit.runtime import NonFiniteLossError
+
+    cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"train.rounds": 6, **lr})
+    with pytest.raises(NonFiniteLossError, match=rf"{phase} phase, round \d+, step \d+"):
+        run_experiment(cfg)
+
+
+# ---- through Ray and MLflow ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", ["semisfl", "fedswitch_sl", "supervised_only", "semifl"])
+def test_semi_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_path, mlflow_uri, fmnist_root,
+                                                           algorithm):
+    alg = {"name": algorithm, "ks_initial": 3, "server_batch_size": 8}
+    if algorithm != "semifl":
+        alg["queue_size"] = 64
+    cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, "runtime.backend": "ray",
+                                           "tracking.experiment": "semi-family"})
+    final = run_experiment(cfg)
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(final["run_id"])
+    assert run.info.status == "FINISHED"
+    assert [h.step for h in client.get_metric_history(final["run_id"], "accuracy")] == [0, 1]
+    assert math.isfinite(run.data.metrics["train_loss"]) and run.data.metrics["server_flops"] > 0
+    if algorithm in ("semisfl", "fedswitch_sl"):
+        assert run.data.metrics["ks"] == 3 and 0 <= run.data.metrics["mask_rate"] <= 1
+        # two streams per client step: the teacher features are counted too (features of both views, no labels)
+        assert run.data.metrics["bytes_up"] > 0 and run.data.metrics["client_flops"] > 0
+    if algorithm == "supervised_only":
+        assert run.data.metrics["bytes_up"] == 0
