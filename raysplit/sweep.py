@@ -74,7 +74,7 @@ PRESETS: dict[str, tuple[Any, Any]] = {
     "cut_points": ("model.cut", _cut_points),  # where to split
     "server_epochs": ("algorithm.server_epochs", [1, 2, 4, 8]),  # CycleSL's E
     "buffer_sizes": (_buffer_keys, [5, 10, 20]),  # GAS's activation and model buffers; FedBuff's K
-    "ks_schedules": ("algorithm.ks_schedule", ["fixed", "adaptive"]),  # Semi-SFL's K_s
+    "ks_schedules": ("algorithm.ks", ["fixed", "milestones", "ratio"]),  # Semi-SFL's K_s rule
 }
 
 

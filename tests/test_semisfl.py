@@ -238,3 +238,37 @@ def test_semi_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_pat
         assert run.data.metrics["bytes_up"] > 0 and run.data.metrics["client_flops"] > 0
     if algorithm == "supervised_only":
         assert run.data.metrics["bytes_up"] == 0
+
+
+@pytest.mark.parametrize("name", ["fmnist", "svhn", "cifar10"])
+def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, name):
+    """configs/semisfl/*.yaml resolve and run a round on small fake files in the real formats (no download)."""
+    import pickle
+    from pathlib import Path
+
+    from raysplit.config import load_config
+
+    rng = np.random.default_rng(0)
+    over = {"train.rounds": 1, "train.local_steps": 1, "algorithm.ks_initial": 2, "runtime.backend": "local",
+            "tracking.uri": mlflow_uri, "tracking.output_dir": str(tmp_path / "out"), "tracking.progress": False,
+            "eval.every": 1, "data.root": str(tmp_path), "data.n_labeled": 100}
+    if name == "fmnist":
+        over.update({"data.root": str(fmnist_root), "data.options": {"search_system": False}})
+    elif name == "svhn":
+        from scipy.io import savemat
+
+        (tmp_path / "svhn").mkdir()
+        for split, n in (("train", 700), ("test", 50)):
+            savemat(tmp_path / "svhn" / f"{split}_32x32.mat",
+                    {"X": rng.integers(0, 256, (32, 32, 3, n), dtype=np.uint8),
+                     "y": (np.arange(n) % 10 + 1).astype(np.uint8).reshape(n, 1)})
+    else:
+        d = tmp_path / "cifar10" / "cifar-10-batches-py"
+        d.mkdir(parents=True)
+        for fname, n in [(f"data_batch_{i}", 140) for i in range(1, 6)] + [("test_batch", 40)]:
+            with open(d / fname, "wb") as f:
+                pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                             b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)
+    cfg = load_config(Path(__file__).parent.parent / f"configs/semisfl/{name}.yaml", over)
+    final = run_experiment(cfg)
+    assert final["ks"] == 2 and 0 <= final["accuracy"] <= 1

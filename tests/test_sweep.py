@@ -99,3 +99,13 @@ def test_buffer_sizes_preset_sweeps_both_gas_buffers_and_fedbuffs_k(tmp_path):
                                                  overrides={**base, "train.rounds": 2})))
     with pytest.raises(ConfigError, match="sweep trial .*model_buffer_size=50 exceeds the 10 clients"):
         validate_trials(raw, space_spec(spec, cfg0))
+
+
+def test_ks_schedules_preset_sweeps_the_semisfl_rules(tmp_path):
+    from raysplit.sweep import load_sweep, space_spec, validate_trials
+
+    spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, base=str(ROOT / "configs/semisfl/fmnist.yaml"), space={},
+                                                 presets=["ks_schedules"], overrides={"train.rounds": 2})))
+    space = space_spec(spec, cfg0)
+    assert space == {"algorithm.ks": {"grid": ["fixed", "milestones", "ratio"]}}
+    assert validate_trials(raw, space) == 3

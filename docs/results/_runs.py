@@ -22,3 +22,21 @@ def run_cached(code: str, out: Path, what: str) -> dict:
     res = json.loads(line[-1][6:])
     out.write_text(json.dumps(res))
     return res
+
+
+def run_config(config: Path, overrides: dict, label: str, out: Path, keys: tuple[str, ...] = ()) -> dict:
+    """One ``run_experiment`` of ``config`` with ``overrides`` (cached in ``out``): the final metrics, the evaluated
+    rounds as ``curve`` = [(round, sim_time, accuracy)], and ``history`` = the per-round values of ``keys``."""
+    code = f"""
+import json
+from raysplit.config import load_config
+from raysplit.experiment import run_experiment
+cfg = load_config({str(config)!r}, {{**{overrides!r}, "tracking.progress": False, "tracking.run_name": {label!r}}})
+hist = []
+res = run_experiment(cfg, on_round=lambda r, m: hist.append((r, m)))
+out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
+out["curve"] = [(r + 1, m["sim_time"], m["accuracy"]) for r, m in hist if "accuracy" in m]
+out["history"] = [{{"round": r + 1, **{{k: m[k] for k in {list(keys)!r} if k in m}}}} for r, m in hist]
+print("RESULT" + json.dumps(out))
+"""
+    return run_cached(code, out, label)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_cached
+from _runs import ROOT, run_config
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -37,21 +37,10 @@ OUT = HERE / ".gas_runs"
 
 def one(method, alg, part_label, partition, seed, rounds, eval_every):
     out = OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_").replace("/", "")
-    code = f"""
-import json
-from raysplit.config import load_config
-from raysplit.experiment import run_experiment
-cfg = load_config({str(ROOT / 'configs/gas/fmnist.yaml')!r}, {{"algorithm": {alg!r}, "seed": {seed},
-      "data.partition": {partition!r}, "train.rounds": {rounds}, "eval.every": {eval_every},
-      "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.progress": False,
-      "tracking.checkpoint_every": 0, "tracking.run_name": {f'{method} {part_label} seed {seed}'!r}}})
-hist = []
-res = run_experiment(cfg, on_round=lambda r, m: hist.append((r, m)))
-out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
-out["curve"] = [(r + 1, m["sim_time"], m["accuracy"]) for r, m in hist if "accuracy" in m]
-print("RESULT" + json.dumps(out))
-"""
-    res = run_cached(code, out, f"{method} {part_label} seed {seed}")
+    res = run_config(ROOT / "configs/gas/fmnist.yaml", {
+        "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds, "eval.every": eval_every,
+        "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
+        f"{method} {part_label} seed {seed}", out)
     print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['accuracy']:.4f} sim {res['sim_time']:.0f}s",
           flush=True)
     return res

@@ -1,7 +1,8 @@
 """Weak and strong augmentation of image batches (FixMatch's views, as Semi-SFL's code uses them; seed-code.md
 §3.6), with torchvision's transforms, applied per sample to the stored uint8 images before normalisation.
 
-- ``weak``: random horizontal flip, then a random crop of the image size after reflect-padding by 12.5 %;
+- ``weak``: random horizontal flip (not for SVHN's digits, as in FixMatch), then a random crop of the image size
+  after reflect-padding by 12.5 %;
 - ``strong``: ``weak``, then ``RandAugment(num_ops=2, magnitude=10)`` (torchvision's operation pool) and a
   cutout of half the image size filled with grey (FixMatch's ``CutoutAbs(16)`` for 32-pixel images);
 - ``plain``: no augmentation.
@@ -21,6 +22,7 @@ from torchvision.transforms import v2
 from .datasets import DataSpec, to_tensor
 
 View = Literal["plain", "weak", "strong"]
+NO_FLIP = ("svhn",)  # digits: a mirrored 2 is no 2
 
 
 class Augmenter:
@@ -31,8 +33,8 @@ class Augmenter:
             raise ValueError(f"augmentation needs images; {spec.name} holds {spec.kind} data")
         self.spec = spec
         c, h, w = spec.input_shape
-        self.weak_t = v2.Compose([v2.RandomHorizontalFlip(),
-                                  v2.RandomCrop((h, w), padding=int(0.125 * h), padding_mode="reflect")])
+        flip = [] if spec.name in NO_FLIP else [v2.RandomHorizontalFlip()]
+        self.weak_t = v2.Compose(flip + [v2.RandomCrop((h, w), padding=int(0.125 * h), padding_mode="reflect")])
         self.rand_augment = v2.RandAugment(num_ops=2, magnitude=10)
         self.cut = max(1, h // 2)
 

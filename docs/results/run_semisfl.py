@@ -1,0 +1,138 @@
+"""Reproduce docs/results/semisfl.md: Semi-SFL against its baselines on Fashion-MNIST (configs/semisfl/fmnist.yaml).
+
+    .venv/bin/python docs/results/run_semisfl.py [--rounds 60] [--seeds 0 1 2] [--jobs 2] [--target 0.8]
+
+1,000 labelled samples on the server, 30 clients (10 active), IID and Dirichlet(0.1): Semi-SFL (K_s by the paper's
+milestones rule), Semi-SFL with a fixed K_s, FedSwitch-SL, supervised-only and SemiFL; every run a full raysplit
+run logged to MLflow (experiment semisfl-fmnist in ./mlflow.db), on the local backend with one torch thread and
+``--jobs`` runs at a time.
+
+Prints the markdown table (accuracy at the last round, best evaluated accuracy: mean ± std over seeds; traffic per
+client until the first evaluation at or above ``--target``, median over the seeds that reach it) and writes
+docs/results/semisfl_rounds.png (accuracy against rounds) and semisfl_ks.png (K_s per round of the adaptive
+runs). Cached per run under docs/results/.semisfl_runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from _runs import ROOT, run_config
+
+SEMI = {"ks_initial": 20, "milestones": [20, 30, 40, 50], "window": 5, "ratio_every": 20, "server_batch_size": 32,
+        "server_views": ["strong", "strong"]}
+METHODS = [("Semi-SFL", {"name": "semisfl", "ks": "milestones", **SEMI}),
+           ("Semi-SFL fixed K_s", {"name": "semisfl", "ks": "fixed", **SEMI}),
+           ("FedSwitch-SL", {"name": "fedswitch_sl", "ks": "milestones", **SEMI}),
+           ("Supervised-only", {"name": "supervised_only", "ks": "milestones", **SEMI}),
+           ("SemiFL", {"name": "semifl", "ks_initial": 20, "server_batch_size": 32})]
+PARTITIONS = [("IID", {"name": "iid"}), ("Dirichlet 0.1", {"name": "dirichlet", "alpha": 0.1})]
+HERE = Path(__file__).resolve().parent
+OUT = HERE / ".semisfl_runs"
+CLIENTS = 30
+
+
+def one(method, alg, part_label, partition, seed, rounds):
+    out = OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_")
+    res = run_config(ROOT / "configs/semisfl/fmnist.yaml", {
+        "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds,
+        "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
+        f"{method} {part_label} seed {seed}", out, keys=("ks", "bytes_up", "bytes_down"))
+    print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['accuracy']:.4f}", flush=True)
+    return res
+
+
+def to_target(res: dict, target: float) -> float | None:
+    """Bytes per client (up + down, averaged over all clients) until the first evaluation at or above target."""
+    total = 0.0
+    evaluated = {r: acc for r, _, acc in res["curve"]}
+    for h in res["history"]:
+        total += h.get("bytes_up", 0.0) + h.get("bytes_down", 0.0)
+        if evaluated.get(h["round"], -1) >= target:
+            return total / CLIENTS
+    return None
+
+
+def table(results, rounds, target) -> str:
+    head = " | ".join(f"{p} acc. @{rounds} | {p} best | {p} MB/client to {target:.0%}" for p, _ in PARTITIONS)
+    lines = [f"| method | {head} |", "|---" * (1 + 3 * len(PARTITIONS)) + "|"]
+    for method, _ in METHODS:
+        cells = []
+        for part, _ in PARTITIONS:
+            rs = results[(method, part)]
+            a = np.array([r["accuracy"] for r in rs]) * 100
+            b = np.array([max(c[2] for c in r["curve"]) for r in rs]) * 100
+            reach = [x for x in (to_target(r, target) for r in rs) if x is not None]
+            mb = f"{np.median(reach) / 1e6:.1f} ({len(reach)}/{len(rs)} seeds)" if reach else "not reached"
+            cells += [f"{a.mean():.2f} ± {a.std():.2f}", f"{b.mean():.2f} ± {b.std():.2f}", mb]
+        lines.append(f"| {method} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def figures(results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PARTITIONS), figsize=(6 * len(PARTITIONS), 4), squeeze=False)
+    for ax, (part, _) in zip(axes[0], PARTITIONS):
+        for method, _ in METHODS:
+            curves = [np.array(r["curve"]) for r in results[(method, part)]]
+            n = min(len(c) for c in curves)
+            ax.plot(curves[0][:n, 0], np.median([c[:n, 2] for c in curves], axis=0) * 100, marker="o", ms=3,
+                    label=method)
+        ax.set_title(f"Fashion-MNIST, 1,000 labelled, {part}"), ax.set_xlabel("round"), ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "semisfl_rounds.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for part, _ in PARTITIONS:
+        for i, r in enumerate(results[("Semi-SFL", part)]):
+            ks = [(h["round"], h["ks"]) for h in r["history"] if "ks" in h]
+            ax.step(*zip(*ks), where="post", alpha=0.7, label=f"{part}" if i == 0 else None,
+                    color="C0" if part == "IID" else "C1")
+    ax.set_xlabel("round"), ax.set_ylabel("K_s (supervised steps)"), ax.grid(alpha=0.3), ax.legend()
+    ax.set_title("Semi-SFL: K_s by the milestones rule (each seed)")
+    fig.tight_layout()
+    fig.savefig(HERE / "semisfl_ks.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--target", type=float, default=0.8)
+    args = ap.parse_args()
+    OUT.mkdir(exist_ok=True)
+    import mlflow
+
+    from raysplit.tracking import resolve_uri
+
+    os.chdir(ROOT)  # the runs log to ./mlflow.db of the repository root (or $MLFLOW_TRACKING_URI)
+    mlflow.set_tracking_uri(resolve_uri(None))  # the store made once here, before parallel runs race to make it
+    mlflow.set_experiment("semisfl-fmnist")
+    todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = list(pool.map(lambda j: (j, one(*j, args.rounds)), todo))
+    results: dict = {}
+    for (m, _, pl, _, _), res in done:
+        results.setdefault((m, pl), []).append(res)
+    print(table(results, args.rounds, args.target))
+    figures(results)
+    (OUT / f"summary_r{args.rounds}.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
