@@ -44,3 +44,18 @@ def make_config(tmp_path, mlflow_uri, **overrides):
     }
     base.update(overrides)
     return load_config(None, base)
+
+
+def write_fake_cifar10(root, per_batch: int, test: int = 40, seed: int = 0) -> None:
+    """CIFAR-10's python pickles in the real layout under ``root/cifar10`` (random images, balanced labels)."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    d = root / "cifar10" / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    for fname, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", test)]:
+        with open(d / fname, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                         b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import make_config, write_fake_cifar10
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
 from raysplit.gaussian import LabelGaussian
@@ -263,7 +263,6 @@ def test_new_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_path
 def test_shipped_gas_configs_run_a_round(tmp_path, mlflow_uri, name):
     """configs/gas/*.yaml resolve (model, cut, partition, clock) and run a global round: Fashion-MNIST's shape on
     synthetic data, CIFAR-10 on small fake pickles in the real format (no download)."""
-    import pickle
     from pathlib import Path
 
     from raysplit.config import load_config
@@ -273,13 +272,7 @@ def test_shipped_gas_configs_run_a_round(tmp_path, mlflow_uri, name):
     if name == "fmnist":
         over.update({"data.dataset": "synthetic", "data.options": {"num_samples": 400, "shape": [1, 28, 28]}})
     else:
-        rng = np.random.default_rng(0)
-        d = tmp_path / "cifar10" / "cifar-10-batches-py"
-        d.mkdir(parents=True)
-        for fname, n in [(f"data_batch_{i}", 80) for i in range(1, 6)] + [("test_batch", 40)]:
-            with open(d / fname, "wb") as f:
-                pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                             b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)
+        write_fake_cifar10(tmp_path, per_batch=80)
         over["data.root"] = str(tmp_path)
     cfg = load_config(Path(__file__).parent.parent / f"configs/gas/{name}.yaml", over)
     p = prepare(cfg)

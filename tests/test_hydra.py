@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import make_config, write_fake_cifar10
 from raysplit import metrics as M
 from raysplit.algorithms import orders
 from raysplit.algorithms.hydra import ConfidentServer, greedy_groups
@@ -246,18 +246,11 @@ def test_hydra_family_through_ray(ray_session, tmp_path, mlflow_uri, algorithm):
 def test_cifar10_mobilenet_config_runs_on_fake_cifar_files(tmp_path, mlflow_uri):
     """configs/hydra/cifar10_mobilenet.yaml (Hydra's setting) resolves its cuts and runs a round on small fake
     CIFAR-10 pickles in the real format (no download), with K = 5 superclasses."""
-    import pickle
     from pathlib import Path
 
     from raysplit.config import load_config
 
-    rng = np.random.default_rng(0)
-    d = tmp_path / "cifar10" / "cifar-10-batches-py"
-    d.mkdir(parents=True)
-    for name, n in [(f"data_batch_{i}", 60) for i in range(1, 6)] + [("test_batch", 40)]:
-        labels = np.tile(np.arange(10), n // 10)
-        with open(d / name, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": labels.tolist()}, f)
+    write_fake_cifar10(tmp_path, per_batch=60)
     cfg_path = Path(__file__).parent.parent / "configs/hydra/cifar10_mobilenet.yaml"
     cfg = load_config(cfg_path, {"data.root": str(tmp_path), "train.rounds": 1, "runtime.backend": "local",
                                  "runtime.server.num_gpus": 0, "tracking.uri": mlflow_uri,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import make_config, write_fake_cifar10
 from raysplit.algorithms.semisfl import ema_update, ks_milestones, ks_ratio, pseudo_label_ce
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
@@ -243,7 +243,6 @@ def test_semi_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_pat
 @pytest.mark.parametrize("name", ["fmnist", "svhn", "cifar10"])
 def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, name):
     """configs/semisfl/*.yaml resolve and run a round on small fake files in the real formats (no download)."""
-    import pickle
     from pathlib import Path
 
     from raysplit.config import load_config
@@ -263,12 +262,7 @@ def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, 
                     {"X": rng.integers(0, 256, (32, 32, 3, n), dtype=np.uint8),
                      "y": (np.arange(n) % 10 + 1).astype(np.uint8).reshape(n, 1)})
     else:
-        d = tmp_path / "cifar10" / "cifar-10-batches-py"
-        d.mkdir(parents=True)
-        for fname, n in [(f"data_batch_{i}", 140) for i in range(1, 6)] + [("test_batch", 40)]:
-            with open(d / fname, "wb") as f:
-                pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                             b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)
+        write_fake_cifar10(tmp_path, per_batch=140)
     cfg = load_config(Path(__file__).parent.parent / f"configs/semisfl/{name}.yaml", over)
     final = run_experiment(cfg)
     assert final["ks"] == 2 and 0 <= final["accuracy"] <= 1

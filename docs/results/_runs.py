@@ -40,3 +40,20 @@ out["history"] = [{{"round": r + 1, **{{k: m[k] for k in {list(keys)!r} if k in 
 print("RESULT" + json.dumps(out))
 """
     return run_cached(code, out, label)
+
+
+def run_all(experiment: str, todo: list, run_one, jobs: int) -> list:
+    """``run_one(*job)`` for every job, ``jobs`` at a time, all logging to the MLflow experiment ``experiment`` of
+    ./mlflow.db in the repository root (or $MLFLOW_TRACKING_URI); returns ``[(job, result), ...]`` in order."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import mlflow
+
+    from raysplit.tracking import resolve_uri
+
+    os.chdir(ROOT)
+    mlflow.set_tracking_uri(resolve_uri(None))  # the store made once here, before parallel runs race to make it
+    mlflow.set_experiment(experiment)
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda job: (job, run_one(*job)), todo))

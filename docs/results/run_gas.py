@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_config
+from _runs import ROOT, run_all, run_config
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -96,16 +94,8 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=4)
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
-    import mlflow
-
-    from raysplit.tracking import resolve_uri
-
-    os.chdir(ROOT)  # the runs log to ./mlflow.db of the repository root (or $MLFLOW_TRACKING_URI)
-    mlflow.set_tracking_uri(resolve_uri(None))  # the store made once here, before parallel runs race to make it
-    mlflow.set_experiment("gas-fmnist")
     todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(lambda j: (j, one(*j, args.rounds, args.eval_every)), todo))
+    done = run_all("gas-fmnist", todo, lambda *job: one(*job, args.rounds, args.eval_every), args.jobs)
     results: dict = {}
     for (m, _, pl, _, _), res in done:
         results.setdefault((m, pl), []).append(res)

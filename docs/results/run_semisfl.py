@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_config
+from _runs import ROOT, run_all, run_config
 
 SEMI = {"ks_initial": 20, "milestones": [20, 30, 40, 50], "window": 5, "ratio_every": 20, "server_batch_size": 32,
         "server_views": ["strong", "strong"]}
@@ -115,16 +113,8 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.8)
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
-    import mlflow
-
-    from raysplit.tracking import resolve_uri
-
-    os.chdir(ROOT)  # the runs log to ./mlflow.db of the repository root (or $MLFLOW_TRACKING_URI)
-    mlflow.set_tracking_uri(resolve_uri(None))  # the store made once here, before parallel runs race to make it
-    mlflow.set_experiment("semisfl-fmnist")
     todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(lambda j: (j, one(*j, args.rounds)), todo))
+    done = run_all("semisfl-fmnist", todo, lambda *job: one(*job, args.rounds), args.jobs)
     results: dict = {}
     for (m, _, pl, _, _), res in done:
         results.setdefault((m, pl), []).append(res)

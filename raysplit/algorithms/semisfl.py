@@ -363,6 +363,11 @@ class SemiServer(ServerHost):
 
 
 # ---- algorithms ----------------------------------------------------------------------------------------------------
+def needs_labelled_set(name: str, cfg) -> None:
+    if not cfg.data.n_labeled:
+        raise ConfigError(f"{name} trains the server on a labelled set: set data.n_labeled > 0")
+
+
 class SemiParams(AlgorithmParams):
     ks: Literal["fixed", "milestones", "ratio"] = Field(default="milestones", description="K_s schedule: fixed, "
                                                          "the paper's milestones rule, or the code's ratio rule")
@@ -407,8 +412,7 @@ class SemiSFL(Algorithm):
 
     @classmethod
     def check_config(cls, params, cfg) -> None:
-        if not cfg.data.n_labeled:
-            raise ConfigError(f"{cls.name} trains the server on labelled data: set data.n_labeled > 0")
+        needs_labelled_set(cls.name, cfg)
         m = cfg.clients_per_round(cfg.data.num_clients)
         if params.queue_size < m * cfg.train.batch_size or params.queue_size < params.server_batch_size:
             raise ConfigError(f"algorithm.queue_size={params.queue_size} is smaller than a concatenated batch "
@@ -570,8 +574,7 @@ class SemiFL(Algorithm):
 
     @classmethod
     def check_config(cls, params, cfg) -> None:
-        if not cfg.data.n_labeled:
-            raise ConfigError(f"{cls.name} fine-tunes on the server's labelled data: set data.n_labeled > 0")
+        needs_labelled_set(cls.name, cfg)
 
     def split_model(self, model, cut):
         return None, model, torch.nn.Identity()
