@@ -40,6 +40,7 @@ class PartitionConfig(_Strict):
             "dirichlet": {"alpha": self.alpha, "min_size": self.min_size},
             "shards": {"per_client": self.per_client},
             "dominant_label": {"ratio": self.ratio},
+            "device_dirichlet": {"alpha": self.alpha},
             "natural": {},
         }.get(self.name, {})
 

@@ -206,9 +206,10 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
             reporter.begin()
 
             def after_round(rnd: int, stats) -> None:
-                reporter.record(rnd, stats, rt, driver.global_handle)
+                last = rnd == cfg.train.rounds - 1 or alg.finished()
+                reporter.record(rnd, stats, rt, driver.global_handle, last)
                 every = tcfg.checkpoint_every
-                if rnd == cfg.train.rounds - 1 or (every and (rnd + 1) % every == 0):
+                if last or (every and (rnd + 1) % every == 0):
                     _atomic_save({"round": rnd, "history": reporter.hist, "runtime": rt.state_dict(),
                                   "driver": driver.state_dict(), "config": dump(cfg)}, ckpt_path)
 

@@ -17,6 +17,7 @@ from raysplit import metrics as M
 from raysplit.config import dump, flatten
 
 CLIENT_KEYS = ("bytes_up", "bytes_down", "flops", "steps", "t_end")
+BYTE_KINDS = ("bytes_up_activations", "bytes_up_model", "bytes_up_labels", "bytes_down_gradients", "bytes_down_model")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class History:
     rounds_to_target: int | None = None
     t_sim: float = 0.0
     wall: float = 0.0
+    last_round: int = -1  # the last round recorded (early stopping ends a run before train.rounds)
 
     def add(self, key: str, rnd: int, value: float) -> None:
         self.curves.setdefault(key, []).append((rnd, float(value)))
@@ -55,6 +57,7 @@ def round_metrics(stats) -> dict:
         "bytes_up": up, "bytes_down": down, "bytes_up_per_client": up / n, "bytes_down_per_client": down / n,
         "client_flops": sum(c.get("flops", 0) for c in cl), "server_flops": srv.get("flops", 0.0),
         "server_busy_s": srv.get("busy_wall", 0.0), **srv.get("metrics", {}),
+        **{k: sum(c.get(k, 0) for c in cl) for k in BYTE_KINDS},  # the traffic by what it carries
     }
 
 
@@ -115,8 +118,9 @@ class Reporter:
         np.savetxt(out / "partition_counts.csv", p.partition_counts, fmt="%d", delimiter=",")
         tr.log_artifact(out / "partition_counts.csv")
 
-    def record(self, rnd: int, stats, rt, global_handle) -> dict:
-        """Metrics of round ``rnd``: training counters, evaluation when due, history; logged at step ``rnd``."""
+    def record(self, rnd: int, stats, rt, global_handle, last: bool) -> dict:
+        """Metrics of round ``rnd``: training counters, evaluation when due (and after the ``last`` round),
+        history; logged at step ``rnd``."""
         cfg, hist = self.cfg, self.hist
         hist.t_sim = stats.t_end
         hist.wall = time.perf_counter() - self._wall0
@@ -125,9 +129,10 @@ class Reporter:
         hist.grad_norms.extend(stats.server.get("grad_norms", []))
         hist.client_rows.extend([rnd, c] + [st.get(k, 0.0) for k in CLIENT_KEYS]
                                 for c, st in sorted(stats.clients.items()))
-        if (rnd + 1) % cfg.eval.every == 0 or rnd == cfg.train.rounds - 1:
+        if (rnd + 1) % cfg.eval.every == 0 or last:
             m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
         hist.add("train_loss", rnd, m["train_loss"])
+        hist.last_round = rnd
         self.tracker.log_metrics(m, step=rnd)
         self.final = m
         if self.on_round is not None:
@@ -170,7 +175,7 @@ class Reporter:
         gm, gs = M.mean_std(hist.grad_norms)
         tr.log_metrics({"final_best_accuracy": hist.best_accuracy, "grad_norm_mean_all": gm,
                         "grad_norm_std_all": gs, "sim_time_total": hist.t_sim, "wall_time_total": hist.wall},
-                       step=cfg.train.rounds - 1)
+                       step=hist.last_round)
         plot_curves(hist.curves, str(out / "curves.png"), title=cfg.name)
         tr.log_artifact(out / "curves.png")
         if hist.rounds:
@@ -187,7 +192,7 @@ class Reporter:
                           ["round"] + [f"position_{i}_label_{lab}" for i, lab in enumerate(self.positions)],
                           ([r] + row.tolist() for r, row in zip(hist.rounds, pos_acc)))
         self._csv("client_rounds.csv", ["round", "client", *CLIENT_KEYS], hist.client_rows)
-        keys = ["rounds", "steps", "bytes_up", "bytes_down", "flops"]
+        keys = ["rounds", "steps", "bytes_up", "bytes_down", "flops", *BYTE_KINDS, "t_last"]
         self._csv("client_accounting.csv", ["client"] + keys,
                   ([c] + [totals[c].get(k, 0) for k in keys] for c in sorted(totals)))
         if cfg.tracking.log_checkpoint_artifact and ckpt_path.is_file():

@@ -59,3 +59,27 @@ def write_fake_cifar10(root, per_batch: int, test: int = 40, seed: int = 0) -> N
         with open(d / fname, "wb") as f:
             pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
                          b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)
+
+
+@pytest.fixture(scope="session")
+def fmnist_root(tmp_path_factory):
+    """Small fake Fashion-MNIST in the real IDX format (uint8 28x28 images, balanced labels, a class pattern)."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("fmnist")
+    folder = root / "fashion_mnist"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 600), ("t10k", 100)):
+        y = np.tile(np.arange(10, dtype=np.uint8), n // 10)
+        x = rng.integers(0, 120, (n, 28, 28), dtype=np.uint8)
+        for c in range(10):
+            x[y == c, 2 * c:2 * c + 6, 4:24] += 120  # a band per class: learnable, still images
+        for kind, arr in (("images-idx3", x), ("labels-idx1", y)):
+            header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", d) for d in arr.shape)
+            with gzip.open(folder / f"{prefix}-{kind}-ubyte.gz", "wb") as f:
+                f.write(header + arr.tobytes())
+    return root

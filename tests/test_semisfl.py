@@ -19,28 +19,6 @@ from raysplit.experiment import prepare, run_experiment
 from raysplit.losses import FeatureQueue, queue_contrastive_loss
 
 
-@pytest.fixture(scope="module")
-def fmnist_root(tmp_path_factory):
-    """Small fake Fashion-MNIST in the real IDX format (uint8 28x28 images, balanced labels, a class pattern)."""
-    import gzip
-    import struct
-
-    root = tmp_path_factory.mktemp("fmnist")
-    folder = root / "fashion_mnist"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 600), ("t10k", 100)):
-        y = np.tile(np.arange(10, dtype=np.uint8), n // 10)
-        x = rng.integers(0, 120, (n, 28, 28), dtype=np.uint8)
-        for c in range(10):
-            x[y == c, 2 * c:2 * c + 6, 4:24] += 120  # a band per class: learnable, still images
-        for kind, arr in (("images-idx3", x), ("labels-idx1", y)):
-            header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", d) for d in arr.shape)
-            with gzip.open(folder / f"{prefix}-{kind}-ubyte.gz", "wb") as f:
-                f.write(header + arr.tobytes())
-    return root
-
-
 def semi_cfg(tmp_path, mlflow_uri, root, **over):
     base = {"algorithm": {"name": "semisfl", "ks_initial": 3, "queue_size": 64, "server_batch_size": 8},
             "data.dataset": "fashion_mnist", "data.root": str(root), "data.options": {"search_system": False},

@@ -114,6 +114,18 @@ class Algorithm:
         """What the hosts need beyond the validated ``Params`` (derived at ``setup``; ``HostSpec.host_setup``)."""
         return None
 
+    def finished(self) -> bool:
+        """True once the algorithm has nothing left to train (early stopping); the driver stops before
+        ``train.rounds``."""
+        return False
+
+    def state_dict(self) -> dict:
+        """The algorithm's own state across rounds on the driver (phases, patience counters), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def positions(self) -> list[int] | None:
         """For ordered processing: the label dominant at the clients served at each position of a cycle."""
         return None

@@ -74,8 +74,7 @@ class LabelClient(ClientHost):
         for c, idx in self.train_idx.items():
             v = np.bincount(np.asarray(self.y[idx], dtype=np.int64), minlength=num_classes)
             if charge:
-                self.clock[c] += v.nbytes / self.profiles[c].up
-                self.round_stats[c].add(bytes_up=v.nbytes)
+                self._charge_upload(c, v.nbytes, "labels")
             out[c] = v
         return out
 

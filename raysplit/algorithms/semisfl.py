@@ -140,7 +140,7 @@ class SemiClient(ClientHost):
         self.teacher.train()
         for c in receivers:
             if int(c) in self.train_idx:
-                self._charge_download(int(c), transport.state_nbytes(state), msg.t_sent)
+                self._charge_download(int(c), transport.state_nbytes(state), msg.t_sent, "model")
 
     def batch_indices(self, tag: Tag, batch_size):
         key = (tag.client, tag.round, tag.step)

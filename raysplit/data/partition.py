@@ -34,6 +34,12 @@ Partitioners (``PARTITIONERS`` / :func:`partition`):
     ``N == C`` this is Hydra's matrix ``ratio`` on the diagonal and
     ``(1 - ratio) / (N - 1)`` elsewhere.
 
+``device_dirichlet(alpha)``
+    Ampere's scheme (../shared/papers/ampere.txt §5.1): every client draws a class distribution
+    ``p_k ~ Dir(beta * 1_C)`` with ``beta = alpha / (1 - alpha + 1e-9)`` (``alpha`` in (0, 1]; 1 is about IID),
+    and gets ``n / N`` samples (the first ``n mod N`` clients one more), each of a class drawn from ``p_k``
+    among the classes that still have unassigned samples.
+
 LEAF's natural per-writer split is not label-based; use :func:`natural_partition`.
 """
 
@@ -202,7 +208,33 @@ def dominant_label_partition(
     return _finish(np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
 
 
+def device_dirichlet_partition(labels, num_clients: int, rng: np.random.Generator, *, alpha: float) -> list[np.ndarray]:
+    y = _check_labels(labels)
+    n = len(y)
+    num_clients = _check_clients(num_clients, n)
+    if not 0 < float(alpha) <= 1:
+        raise ValueError(f"device_dirichlet: alpha must lie in (0, 1], got {alpha}")
+    classes = np.unique(y)
+    beta = float(alpha) / (1 - float(alpha) + 1e-9)
+    pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
+    left = np.array([len(p) for p in pools], dtype=float)
+    sizes = np.full(num_clients, n // num_clients) + (np.arange(num_clients) < n % num_clients)
+    parts = []
+    for k in range(num_clients):
+        p = rng.dirichlet(np.full(len(classes), beta))
+        mine = []
+        for _ in range(sizes[k]):
+            q = p * (left > 0)
+            q = q / q.sum() if q.sum() > 0 else (left > 0) / (left > 0).sum()
+            c = int(rng.choice(len(classes), p=q))
+            mine.append(pools[c].pop())
+            left[c] -= 1
+        parts.append(np.asarray(mine, dtype=np.int64))
+    return _finish(parts)
+
+
 PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {
+    "device_dirichlet": device_dirichlet_partition,
     "iid": iid_partition,
     "dirichlet": dirichlet_partition,
     "shards": shards_partition,

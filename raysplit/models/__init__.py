@@ -45,6 +45,7 @@ from . import small as _small  # noqa: F401,E402
 from . import gas as _gas  # noqa: F401,E402
 from . import resnets as _resnets  # noqa: F401,E402
 from . import mobilenets as _mobilenets  # noqa: F401,E402
+from . import vit as _vit  # noqa: F401,E402
 
 __all__ = [
     "MODELS",

@@ -309,6 +309,7 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int] | None =
     model.name = name
     model.input_shape = shape
     model.input_kind = info.input_kind
+    model.num_classes = num_classes
     model.default_cut = model.resolve_cut(info.default_cut)
     return model
 

@@ -33,9 +33,12 @@ class Driver:
         self.global_handle = rt.put(StateMsg(rt.inputs.client_init))
 
     def run(self, start: int, rounds: int, on_round: Callable[[int, object], None]) -> None:
-        """Run global rounds ``start .. rounds-1``; ``on_round(rnd, RoundStats)`` after each."""
+        """Run global rounds ``start .. rounds-1``, or until the algorithm says it has finished (early stopping);
+        ``on_round(rnd, RoundStats)`` after each."""
         for rnd in range(start, rounds):
             on_round(rnd, self.round(rnd))
+            if self.algorithm.finished():
+                break
 
     def round(self, rnd: int):
         raise NotImplementedError
@@ -46,11 +49,13 @@ class Driver:
 
     def state_dict(self) -> dict:
         g = self.global_handle
-        return {"t_sim": self.t_sim, "global": self.rt.get(g) if g is not None else None}
+        return {"t_sim": self.t_sim, "global": self.rt.get(g) if g is not None else None,
+                "algorithm": self.algorithm.state_dict()}
 
     def load_state_dict(self, st: dict) -> None:
         self.t_sim = st["t_sim"]
         self.global_handle = self.rt.put(st["global"]) if st["global"] is not None else None
+        self.algorithm.load_state_dict(st.get("algorithm", {}))
 
 
 class RoundDriver(Driver):

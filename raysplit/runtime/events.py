@@ -220,7 +220,7 @@ class EventLoop:
         self.jobs[cid] = job
         server.on_job_start(cid, job)
         t = self.costs.download(cid, t, msg.t_sent, self.costs.model_nbytes)
-        self._count(cid, bytes_down=self.costs.model_nbytes)
+        self._count(cid, bytes_down=self.costs.model_nbytes, bytes_down_model=self.costs.model_nbytes)
         calls = [("join", (cid, msg, job.t_start, self.round))]
         if self.setup.split:
             n = self._draw(cid)
@@ -249,8 +249,8 @@ class EventLoop:
             server.flush()
         job = self.jobs[cid]
         job.done += 1
-        self._count(cid, bytes_up=act.nbytes, bytes_down=grad.nbytes, steps=1,
-                    flops=self.costs.flops("fwd", n) + self.costs.flops("bwd", n))
+        self._count(cid, bytes_up=act.nbytes, bytes_down=grad.nbytes, steps=1, bytes_up_activations=act.nbytes,
+                    bytes_down_gradients=grad.nbytes, flops=self.costs.flops("fwd", n) + self.costs.flops("bwd", n))
         t_back = self.costs.backward(cid, self.costs.download(cid, t, grad.t_sent, grad.nbytes), n)
         if job.done < self.setup.local_steps:
             n_next = self._draw(cid)
@@ -268,7 +268,7 @@ class EventLoop:
             raise RuntimeError(f"client {cid}: its model reached the server at {msg.t_sent!r}, the event loop "
                                f"predicted {t!r} (client host and ClientCosts disagree)")
         job = self.jobs.pop(cid)
-        self._count(cid, bytes_up=self.costs.model_nbytes)
+        self._count(cid, bytes_up=self.costs.model_nbytes, bytes_up_model=self.costs.model_nbytes)
         if np.isfinite(msg.loss):  # a local job's training loss (asynchronous FL)
             self._count(cid, loss_sum=msg.loss * self.setup.local_steps, loss_n=self.setup.local_steps)
         self.totals[cid]["t_end"] = t
@@ -358,7 +358,7 @@ class AsyncServer(ServerHost):
         return out
 
     def event_totals(self) -> dict[int, dict]:
-        return {c: dict(v) for c, v in self.events.totals.items()}
+        return {c: dict(v, t_last=v.get("t_end", 0.0)) for c, v in self.events.totals.items()}
 
     def state_dict(self) -> dict:
         st = super().state_dict()

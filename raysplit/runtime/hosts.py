@@ -182,6 +182,7 @@ class ClientHost:
         self.round = -1
         self.job_round: dict[int, int] = {}  # event driver: the global round each active client's job began in
         self.job_loss: dict[int, float] = {}  # event driver: mean loss of a local job, sent with the model
+        self.last_active: dict[int, float] = {}  # clock at the end of the client's last round
 
     # ---- virtual-client bookkeeping -------------------------------------------------------------------------
     def _new_module(self) -> torch.nn.Module:
@@ -264,17 +265,18 @@ class ClientHost:
         self.clock[cid] += flops / self.profiles[cid].flops
         self.round_stats[cid].add(flops=flops)
 
-    def _charge_upload(self, cid: int, nbytes: int) -> float:
+    def _charge_upload(self, cid: int, nbytes: int, kind: str) -> float:
+        """Client ``cid`` sends ``nbytes`` of ``kind`` (activations, model, labels): counted in total and by kind."""
         self.clock[cid] += nbytes / self.profiles[cid].up
-        self.round_stats[cid].add(bytes_up=nbytes)
+        self.round_stats[cid].add(bytes_up=nbytes, **{f"bytes_up_{kind}": nbytes})
         return self.clock[cid]
 
-    def _charge_download(self, cid: int, nbytes: int, t_sent: float) -> float:
-        """A message of ``nbytes`` sent at ``t_sent`` reaches client ``cid`` (which may still be busy); with
-        ``charge_server`` off (GAS's code) the transfer takes no time."""
+    def _charge_download(self, cid: int, nbytes: int, t_sent: float, kind: str) -> float:
+        """A message of ``nbytes`` of ``kind`` (gradients, model) sent at ``t_sent`` reaches client ``cid`` (which
+        may still be busy); with ``charge_server`` off (GAS's code) the transfer takes no time."""
         cost = nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
         self.clock[cid] = max(self.clock[cid], t_sent) + cost
-        self.round_stats[cid].add(bytes_down=nbytes)
+        self.round_stats[cid].add(bytes_down=nbytes, **{f"bytes_down_{kind}": nbytes})
         return self.clock[cid]
 
     # ---- split-learning steps -------------------------------------------------------------------------------
@@ -293,7 +295,7 @@ class ClientHost:
         self.pending[tag] = out
         self._charge_compute(cid, fl)
         msg = Activation(tag, transport.pack(out), y, 0.0, float(len(self.train_idx[cid])))
-        msg.t_sent = self._charge_upload(cid, msg.nbytes)
+        msg.t_sent = self._charge_upload(cid, msg.nbytes, "activations")
         return msg
 
     # hooks of forward (a semi-supervised host draws one batch for two streams, augments, has a teacher encoder)
@@ -325,17 +327,26 @@ class ClientHost:
         self._replay.pop(tag, None)
         cid = tag.client
         slot = self.slots[cid]
-        self._charge_download(cid, grad.nbytes, grad.t_sent)
+        self._charge_download(cid, grad.nbytes, grad.t_sent, "gradients")
         self.round_stats[cid].add(steps=1)
         if grad.g is None:
             return self.clock[cid]
         g = transport.unpack(grad.g)
         slot.optimizer.zero_grad(set_to_none=True)
-        _, fl = self.flops.run(("bwd", tuple(out.shape)), lambda: out.backward(g))
-        self._clip(slot.module)
+        fl = self.backward_pass(tag, out, g)
+        self.before_step(cid, slot)
         slot.optimizer.step()
         self._charge_compute(cid, fl)
         return self.clock[cid]
+
+    # hooks of the client's update (SplitGP adds a local loss, SCAFFOLD corrects the gradients)
+    def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
+        """Back-propagate the server's gradient ``g`` of the activation ``out``; returns the FLOPs."""
+        return self.flops.run(("bwd", tuple(out.shape)), lambda: out.backward(g))[1]
+
+    def before_step(self, cid: int, slot: ModelSlot) -> None:
+        """Last touch on the gradients before the optimizer steps: clipping (``train.clip_grad_norm``)."""
+        self._clip(slot.module)
 
     def local_train(self, cid: int, steps: int) -> float:
         """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss."""
@@ -357,7 +368,7 @@ class ClientHost:
 
         loss, fl = self.flops.run(("train", tuple(x.shape)), fwd_bwd)
         check_finite(loss.item(), self.spec.stop_on_nonfinite, f"round {self.round}, client {cid}")
-        self._clip(slot.module)
+        self.before_step(cid, slot)
         slot.optimizer.step()
         self._charge_compute(cid, fl)
         self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
@@ -375,7 +386,7 @@ class ClientHost:
         if not mine:
             return None
         states = [self._state_of(c) for c, _ in mine]
-        t = max(self._charge_upload(c, transport.state_nbytes(st)) for (c, _), st in zip(mine, states))
+        t = max(self._charge_upload(c, transport.state_nbytes(st), "model") for (c, _), st in zip(mine, states))
         acc = weighted_sum(states, [w for _, w in mine])
         return StateMsg(transport.pack_state(acc), t_sent=t, weight=float(sum(w for _, w in mine)))
 
@@ -397,12 +408,12 @@ class ClientHost:
             if c in self.train_idx:
                 if c in self.slots:
                     self.slots[c].module.load_state_dict(state)
-                self._charge_download(c, nb, msg.t_sent)
+                self._charge_download(c, nb, msg.t_sent, "model")
 
     def get_state(self, cid: int) -> StateMsg:
         """Client ``cid`` sends its current model (upload charged)."""
         st = self._state_of(cid)
-        t = self._charge_upload(cid, transport.state_nbytes(st))
+        t = self._charge_upload(cid, transport.state_nbytes(st), "model")
         return StateMsg(transport.pack_state(st), t_sent=t, weight=float(len(self.train_idx[cid])))
 
     def load_state(self, cid: int, msg: StateMsg) -> None:
@@ -411,7 +422,7 @@ class ClientHost:
         self.own[cid] = state
         if cid in self.slots:
             self.slots[cid].module.load_state_dict(state)
-        self._charge_download(cid, transport.state_nbytes(state), msg.t_sent)
+        self._charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
 
     # ---- asynchronous jobs (the event driver) ---------------------------------------------------------------------
     def join(self, cid: int, msg: StateMsg, t0: float, rnd: int) -> float:
@@ -424,7 +435,7 @@ class ClientHost:
         self.clock[cid] = t0
         self.job_round[cid] = rnd
         self.activate(cid, state=state, rnd=rnd)
-        return self._charge_download(cid, transport.state_nbytes(state), msg.t_sent)
+        return self._charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
 
     def local_job(self, cid: int, steps: int) -> float:
         """``steps`` local SGD batches of the client's whole part (asynchronous FL); returns the mean loss."""
@@ -451,6 +462,7 @@ class ClientHost:
         for c, cnt in self.round_stats.items():
             out[c] = dict(cnt.v, t_end=self.clock[c])
             self.totals[c].add(**cnt.v, rounds=1)
+            self.last_active[c] = self.clock[c]
         return out
 
     # ---- evaluation ----------------------------------------------------------------------------------------
@@ -483,7 +495,7 @@ class ClientHost:
         return {"global": self.global_state, "own": self.own, "opt": self.opt_state, "cursor": self.cursor,
                 "clock": self.clock, "totals": {c: dict(v.v) for c, v in self.totals.items()},
                 "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(self._replay),
-                "job_round": dict(self.job_round)}
+                "job_round": dict(self.job_round), "last_active": dict(self.last_active)}
 
     def load_state_dict(self, st: dict) -> None:
         self.global_state, self.own, self.opt_state = st["global"], st["own"], st["opt"]
@@ -493,6 +505,7 @@ class ClientHost:
             self.totals[c].add(**v)
         self._perm.clear()
         self.job_round = dict(st.get("job_round", {}))
+        self.last_active = dict(st.get("last_active", {}))
         for c, (weights, opt) in st.get("slots", {}).items():
             module = self._new_module()
             module.load_state_dict(weights)
@@ -512,7 +525,9 @@ class ClientHost:
         torch.set_rng_state(st["torch_rng"])
 
     def client_totals(self) -> dict[int, dict]:
-        return {c: dict(v.v) for c, v in self.totals.items()}
+        """Per hosted client: counters summed over the rounds, and ``t_last``, its clock at the end of the last
+        round it took part in (its participation time: every client starts at 0)."""
+        return {c: dict(v.v, t_last=self.last_active.get(c, 0.0)) for c, v in self.totals.items()}
 
 
 class ServerHost:

@@ -1,0 +1,380 @@
+"""Ampere: unidirectional inter-block training (Zhang et al.; ../shared/papers/ampere.txt, Algorithm 1). No public
+code exists (seed-code.md §5): this module is our reading of the paper.
+
+1. **Device phase.** The device block (the client part) is trained with a lightweight auxiliary network
+   (raysplit/models/auxiliary.py: the server block's first layer at ``ratio`` x its dimension, then a linear
+   classifier) and a local cross-entropy loss: FedAvg rounds over the sampled devices of (device block, auxiliary
+   net), ``train.local_epochs`` (or ``train.local_steps``) each. No activation or gradient leaves a device. After
+   every round the aggregate is validated on every device's validation split (``data.test_fraction``); the phase
+   ends when validation accuracy has not improved for ``patience`` rounds, or after ``device_rounds``.
+2. **One-shot transfer.** Every device downloads the final device block, computes the activations of its whole
+   local set once and sends them in chunks of ``chunk_rows`` (counted as activation bytes and on the virtual
+   clock); the server writes them to a disk-backed store (raysplit/data/store.py) at ``store_path`` as they arrive,
+   the validation splits' activations to a second store.
+3. **Server phase.** The server block is trained from scratch on the consolidated store, one epoch per round with
+   a shuffled, memory-bounded loader (``cache_mb``), until validation accuracy (the validation activations) has
+   not improved for ``patience`` epochs, or after ``server_epochs``. ``consolidate: false`` is the paper's ablation
+   (§5.2.4): a server block per device trained on that device's activations only, averaged after every epoch.
+
+Evaluation on the global test set: the device block with the auxiliary net during the device phase, with the
+server block during the server phase. A round is a device round or a server epoch; the run stops when the server
+phase does (``train.rounds`` bounds device rounds + server epochs).
+
+Choices: the store's loader overlaps the transfer in simulated time only (the server's first epoch may start when
+the first shard has arrived and ends no earlier than the last one's arrival plus its share of the epoch); in wall
+time the transfer completes before the first epoch. Shuffling is exact within the shards that fit the cache: with
+a cache smaller than the activations, a batch mixes the devices whose chunks share a cache group.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from .base import Algorithm, AlgorithmParams, SetupInfo, register
+from ..data.store import ActivationStore, ShuffledLoader, check_space
+from ..errors import ConfigError
+from ..models.auxiliary import UnsupportedLayer, auxiliary_net
+from ..runtime import ClientHost, ServerHost, transport
+from ..runtime.hosts import EvalTally, predict_batches
+from ..runtime.messages import StateMsg, Tag
+from ..runtime.optim import make_optimizer
+
+
+def with_auxiliary(model, device: torch.nn.Module, server: torch.nn.Module, cut, ratio: float) -> torch.nn.Sequential:
+    """(device block, auxiliary net) for a split of ``model`` (a ConfigError naming the cut when the generator has
+    no rule for the server block's first layer)."""
+    dtype = torch.long if model.input_kind == "tokens" else torch.float32
+    with torch.no_grad():
+        out = device.eval()(torch.zeros(2, *model.input_shape, dtype=dtype))
+    device.train()
+    try:
+        return torch.nn.Sequential(device, auxiliary_net(server, tuple(out.shape[1:]), model.num_classes, ratio))
+    except UnsupportedLayer as e:
+        raise ConfigError(f"model.cut={cut!r}: {e}") from None
+
+
+def aux_parts(spec) -> tuple[torch.nn.Sequential, torch.nn.Module]:
+    """(device block + auxiliary net, server block) of a host spec (``spec.params.ratio``)."""
+    from ..models import build_model
+
+    model = build_model(spec.model, spec.num_classes, tuple(spec.input_shape), **spec.model_options)
+    device, server = model.split(spec.cut)
+    return with_auxiliary(model, device, server, spec.cut, spec.params.ratio), server
+
+
+class AuxClient(ClientHost):
+    """A client whose model is (device block, auxiliary net); the device block alone encodes its activations."""
+
+    def _new_module(self) -> torch.nn.Module:
+        if self._pool:
+            return self._pool.pop()
+        return aux_parts(self.spec)[0]
+
+    def encoder(self, tag: Tag, slot):
+        return slot.module[0]
+
+
+class AuxServer(ServerHost):
+    """A server whose client models are (device block, auxiliary net): aggregation and evaluation know it."""
+
+    def __init__(self, spec, init_state, client_init_state, *data):
+        super().__init__(spec, init_state, client_init_state, *data)
+        self._eval_client = aux_parts(spec)[0].to(self.device)
+        self._eval_client.load_state_dict(transport.unpack_state(client_init_state))
+
+    @torch.no_grad()
+    def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
+        """The device block of the given client model with ``models[key]`` (the auxiliary net unused)."""
+        model, server = self._eval_client, self.models[key].module
+        model.load_state_dict(transport.unpack_state(client_state.state))
+        model.eval(), server.eval()
+        out = self.predict(lambda x: server(model[0](x)))
+        server.train()
+        return out
+
+
+class AmpereClient(AuxClient):
+    """A device: trains (device block, auxiliary net) locally; exports its activations once."""
+
+    _export_model = None
+
+    @torch.no_grad()
+    def validate(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """The global (device block, auxiliary net) on the validation splits of every device this worker hosts."""
+        model = aux_parts(self.spec)[0]
+        model.load_state_dict(self.global_state)
+        model.eval()
+        tally = EvalTally()
+        for c in sorted(self.test_idx):
+            idx = self.test_idx[c]
+            if len(idx):
+                predict_batches(self.x[idx], self.y[idx], self.spec.data_spec, self.spec.eval_batch_size, model, tally)
+        return tally.result()
+
+    @torch.no_grad()
+    def export(self, cid: int, split: str, chunk: int, rows: int, t_start: float) -> tuple:
+        """Chunk ``chunk`` (``rows`` rows) of the device block's activations of the device's ``split`` (train or
+        validation), computed with the global device block, charged (FLOPs, activation bytes) from ``t_start`` on:
+        ``(features, labels, device, split, time it reached the server)``."""
+        if chunk == 0:
+            self.clock[cid] = max(self.clock[cid], t_start)
+        if self._export_model is None:  # the global device block, once per transfer
+            self._export_model = aux_parts(self.spec)[0]
+            self._export_model.load_state_dict(self.global_state)
+            self._export_model.eval()
+        device = self._export_model[0]
+        idx = (self.train_idx if split == "train" else self.test_idx)[cid][chunk * rows:(chunk + 1) * rows]
+        x, y = self.batch(idx)
+        out, fl = self.flops.run(("export", tuple(x.shape)), lambda: device(x))
+        self._charge_compute(cid, fl)
+        feats = transport.pack(out)
+        t = self._charge_upload(cid, feats.nbytes + y.numpy().nbytes, "activations")
+        return feats, y.numpy(), cid, split, t
+
+    def set_global(self, msg: StateMsg, receivers=None, only=None) -> None:
+        super().set_global(msg, receivers, only)
+        self._export_model = None
+
+
+class AmpereServer(AuxServer):
+    """Holds the consolidated stores and trains the server block on them."""
+
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
+        self.server_init = copy.deepcopy(self.models["main"].module.state_dict())
+        self.stores: dict[str, ActivationStore] = {}
+        self.arrivals: list[float] = []
+        self.epochs_done = 0
+
+    # ---- transfer ----------------------------------------------------------------------------------------------
+    def open_stores(self, path: str, expected_bytes: int) -> None:
+        try:
+            check_space(path, expected_bytes, "algorithm.store_path")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.store_path = path
+        self.stores = {s: ActivationStore(Path(path) / s) for s in ("train", "validation")}
+        self.arrivals = []
+
+    def ingest(self, chunk: tuple) -> None:
+        feats, y, device, split, t = chunk
+        self.stores[split].append(feats, y, device)
+        self.arrivals.append(t)
+
+    def seal_stores(self) -> int:
+        for s in self.stores.values():
+            s.seal()
+        return self.stores["train"].rows
+
+    # ---- server phase ---------------------------------------------------------------------------------------------
+    def server_epoch(self) -> None:
+        """One epoch of the server block on the consolidated activations (or per-device blocks, averaged)."""
+        p, slot = self.params, self.models["main"]
+        if self.epochs_done == 0:  # the server block starts from scratch (its initial weights)
+            slot.module.load_state_dict(self.server_init)
+            slot.optimizer = make_optimizer(slot.module.parameters(), self.spec.server_optimizer)
+            self.clock = max(self.clock, min(self.arrivals))
+        store = self._store("train")
+        if p.consolidate:
+            self._train(slot, store.shards, "main")
+        else:
+            sources = sorted({s["source"] for s in store.shards})
+            self.fork(sources)
+            for d in sources:
+                self._train(self.models[d], [s for s in store.shards if s["source"] == d], d)
+            rows = {d: sum(s["rows"] for s in store.shards if s["source"] == d) for d in sources}
+            self.merge({d: float(rows[d]) for d in sources})
+        if self.epochs_done == 0:  # the first epoch cannot end before the last activations have arrived
+            self.clock = max(self.clock, max(self.arrivals))
+        self.epochs_done += 1
+
+    def _train(self, slot, shards: list[dict], key) -> None:
+        p = self.params
+        loader = ShuffledLoader(self._store("train"), p.server_batch_size, int(p.cache_mb * 2**20),
+                                self.spec.seed * 1000 + (0 if key == "main" else int(key) + 1), shards)
+        for step, (x, y) in enumerate(loader.epoch(self.epochs_done)):
+            xt = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+            self.step_through(xt, torch.from_numpy(y).to(self.device), slot.module, [slot.optimizer],
+                              tag=Tag(-1, self.round, step, "server"), flop_key=("server_epoch",),
+                              varying_batch=True, where=f"the server phase, epoch {self.epochs_done}, step {step}")
+        self.peak_cache = max(getattr(self, "peak_cache", 0), loader.peak_bytes)
+
+    def _store(self, split: str) -> ActivationStore:
+        if split not in self.stores:  # after a resume: the sealed store on disk, never a half-written one
+            self.stores[split] = ActivationStore.open(Path(self.store_path) / split)
+        return self.stores[split]
+
+    @torch.no_grad()
+    def validate_server(self) -> float:
+        """Accuracy of the server block on the validation activations."""
+        store, module = self._store("validation"), self.models["main"].module
+        module.eval()
+        correct = total = 0
+        for x, y in ShuffledLoader(store, 4096, int(self.params.cache_mb * 2**20), 0).epoch(0):
+            pred = module(torch.from_numpy(np.ascontiguousarray(x)).to(self.device)).argmax(1).cpu().numpy()
+            correct += int((pred == y).sum())
+            total += len(y)
+        module.train()
+        return correct / max(total, 1)
+
+    @torch.no_grad()
+    def evaluate_phase(self, client_state: StateMsg, phase: str) -> tuple[np.ndarray, np.ndarray, float]:
+        """Device block + auxiliary net (device phase) or device block + server block (server phase)."""
+        if phase != "device":
+            return self.evaluate(client_state)
+        model = self._eval_client
+        model.load_state_dict(transport.unpack_state(client_state.state))
+        model.eval()
+        return self.predict(model)
+
+    def round_metrics(self) -> dict:
+        return {"server_epochs": self.epochs_done, "cache_peak_mb": getattr(self, "peak_cache", 0) / 2**20}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "ampere": {"epochs_done": self.epochs_done, "arrivals": self.arrivals,
+                                                   "server_init": self.server_init,
+                                                   "store_path": getattr(self, "store_path", None)}}
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        a = st["ampere"]
+        self.epochs_done, self.arrivals, self.server_init = a["epochs_done"], a["arrivals"], a["server_init"]
+        self.store_path = a["store_path"]
+        self.stores = {}
+
+
+class AmpereParams(AlgorithmParams):
+    ratio: float = Field(default=0.5, gt=0, le=1, description="auxiliary net's dimension relative to the server "
+                         "block's first layer")
+    device_rounds: int = Field(default=100, ge=1, description="N_d: most device-phase FedAvg rounds")
+    server_epochs: int = Field(default=100, ge=1, description="N_s: most server-phase epochs")
+    patience: int = Field(default=15, ge=1, description="rounds/epochs without a better validation accuracy before "
+                          "a phase stops (the paper: 15)")
+    server_batch_size: int = Field(default=64, ge=1, description="batch of the server phase")
+    chunk_rows: int = Field(default=1024, ge=1, description="rows per activation chunk of the one-shot transfer")
+    cache_mb: float = Field(default=512.0, gt=0, description="most MB of activations the server's loader holds")
+    store_path: str | None = Field(default=None, description="folder of the activation store (default: a folder in "
+                                   "the system temp directory)")
+    consolidate: bool = Field(default=True, description="false: the ablation with a server block per device, "
+                              "averaged every epoch")
+
+
+@register
+class Ampere(Algorithm):
+    """Ampere (module docstring): device phase with an auxiliary net, one-shot activation transfer into a
+    disk-backed store, server phase on the consolidated activations."""
+
+    name = "ampere"
+    description = "Ampere: device block + auxiliary net to convergence, one-shot activations, server block after"
+    Params = AmpereParams
+    client_host = AmpereClient
+    server_host = AmpereServer
+
+    @classmethod
+    def check_config(cls, params, cfg) -> None:
+        super().check_config(params, cfg)
+        if cfg.data.test_fraction <= 0:
+            raise ConfigError("ampere stops its phases on validation accuracy: set data.test_fraction > 0 (each "
+                              "device's validation split)")
+
+    def split_model(self, model, cut):
+        """The client part is (device block, auxiliary net)."""
+        index, device, server = super().split_model(model, cut)
+        client = with_auxiliary(model, device, server, cut, self.params.ratio)
+        dtype = torch.long if model.input_kind == "tokens" else torch.float32
+        with torch.no_grad():
+            out = device.eval()(torch.zeros(1, *model.input_shape, dtype=dtype))
+        device.train()
+        self.activation_row_bytes = int(np.prod(out.shape[1:])) * out.element_size() + 8  # features + label
+        return index, client, server
+
+    def setup(self, info: SetupInfo) -> None:
+        p = self.params
+        self.phase, self.best, self.bad, self.done, self.device_rounds, self.server_epochs = "device", -1.0, 0, False, 0, 0
+        shards = sum(math.ceil(n / p.chunk_rows) for n in info.counts.sum(axis=1))
+        need = 2 * shards * self.activation_row_bytes  # the loader holds two groups, each a row of every shard
+        if p.cache_mb * 2**20 < need:
+            raise ConfigError(f"algorithm.cache_mb={p.cache_mb} is too small for the {shards} shards of the store "
+                              f"(at least {need / 2**20:.2f} MB; or raise algorithm.chunk_rows)")
+        rows = int(info.counts.sum()) / (1 - self.cfg.data.test_fraction)  # with the validation splits, about
+        self.store_path = p.store_path or tempfile.mkdtemp(prefix="raysplit-ampere-")
+        try:
+            check_space(self.store_path, int(rows * self.activation_row_bytes), "algorithm.store_path")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def resolved(self) -> dict:
+        return {"ampere.store_path": self.store_path}
+
+    def _improved(self, acc: float) -> bool:
+        """Track the best validation accuracy; True when the phase should go on."""
+        if acc > self.best:
+            self.best, self.bad = acc, 0
+        else:
+            self.bad += 1
+        return self.bad < self.params.patience
+
+    def run_round(self, rt, rnd, clients, rng):
+        p = self.params
+        self.round_phase = self.phase  # what this round trained (and is evaluated on)
+        if self.phase == "device":
+            for c in clients:
+                rt.client(c).local_train(self.steps_for(rt, c))
+            agg = rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+            self.device_rounds += 1
+            parts = rt.get(rt.workers.validate())
+            y, pred = np.concatenate([q[0] for q in parts]), np.concatenate([q[1] for q in parts])
+            self.val_accuracy = float((y == pred).mean()) if len(y) else 0.0
+            if not self._improved(self.val_accuracy) or self.device_rounds >= p.device_rounds:
+                self._transfer(rt, agg)
+                self.phase, self.best, self.bad = "server", -1.0, 0
+            return agg
+        rt.server.server_epoch()
+        self.server_epochs += 1
+        self.val_accuracy = rt.get(rt.server.validate_server())
+        if not self._improved(self.val_accuracy) or self.server_epochs >= p.server_epochs:
+            self.done = True
+        return None
+
+    def _transfer(self, rt, agg) -> None:
+        """Every device downloads the final device block and sends the activations of its data once."""
+        p = self.params
+        everyone = list(range(rt.num_clients))
+        rt.install(agg, receivers=everyone)
+        rows = sum(len(i) for i in rt.inputs.train_idx) + sum(len(i) for i in rt.inputs.test_idx)
+        rt.get(rt.server.open_stores(self.store_path, int(1.1 * self.activation_row_bytes * rows)))
+        t_start = rt.get(agg).t_sent
+        pending = []
+        for c in everyone:
+            for split, n in (("train", len(rt.inputs.train_idx[c])), ("validation", len(rt.inputs.test_idx[c]))):
+                for k in range(math.ceil(n / p.chunk_rows)):
+                    pending.append(rt.server.ingest(rt.client(c).export(split, k, p.chunk_rows, t_start)))
+                    if len(pending) >= 16:  # bound the chunks in flight
+                        rt.get(pending)
+                        pending = []
+        rt.get(pending)
+        rt.get(rt.server.seal_stores())
+
+    def finished(self) -> bool:
+        return self.done
+
+    def eval_modes(self) -> tuple[str, ...]:
+        return ("global",)
+
+    def evaluate(self, rt, mode, global_handle, clients):
+        return rt.get(rt.server.evaluate_phase(global_handle, self.round_phase))
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("phase", "round_phase", "best", "bad", "done", "device_rounds",
+                                              "server_epochs", "store_path")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)

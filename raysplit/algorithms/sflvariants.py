@@ -1,0 +1,226 @@
+"""SplitFed variants, Ampere's baselines (../shared/papers/ampere.txt §5.1): PiPar, SplitGP and SplitFed + SCAFFOLD.
+Each trains like SplitFed V1 (per-client server copies averaged every round, FedAvg of the client parts); they
+differ where their papers do.
+
+- **PiPar** (Zhang, Varghese et al. 2023, "PiPar: Pipeline parallelism for collaborative machine learning"): each
+  batch is cut into ``micro_batches`` m that flow through device compute, uplink, server and downlink as a
+  pipeline, and the gradients are accumulated before one step, so the updates are SplitFed's while the step takes
+  less time. Simulated here with SplitFed's updates and a pipelined clock: for a step with stage times f (forward),
+  u (upload), s (server, including its queue), d (download) and b (backward), the step takes
+  ``(f + u + s + d + b + (m - 1) max(f + b, u, s, d)) / m`` instead of their sum (m = 1 is SplitFed exactly).
+- **SplitGP** (Han et al., INFOCOM 2023, "SplitGP: achieving both generalization and personalization in federated
+  learning"): every client also trains a local head on its activations (here: the auxiliary network Ampere's
+  generator builds, at ``ratio``) and its device block follows ``lambda_local * L_local + (1 - lambda_local) *
+  L_global``; the server trains on the global loss; device blocks and heads are averaged. Evaluated by the global
+  path (device block + server block).
+- **SplitFed + SCAFFOLD** (Karimireddy et al., ICML 2020, extended to SFL by Ampere's authors): SCAFFOLD's control
+  variates on the device block. A client steps with ``g - c_i + c``; after its ``K`` steps of the round
+  ``c_i <- c_i - c + (x_start - x_end) / (K lr)`` (option II), and the server adds ``sum(delta c_i) / N`` to ``c``;
+  controls travel like models (counted as model bytes). The server blocks follow SplitFed V1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from .ampere import AuxClient, AuxServer, with_auxiliary
+from .base import AlgorithmParams, register
+from .baselines import SFLV1
+from ..runtime import ClientHost, ServerHost, transport
+from ..runtime.messages import Activation, Gradient, StateMsg, Tag
+
+
+# ---- PiPar ----------------------------------------------------------------------------------------------------------
+class PiParClient(ClientHost):
+    """SplitFed's computation with a pipelined clock (module docstring)."""
+
+    def __init__(self, spec, *args):
+        super().__init__(spec, *args)
+        self._stages: dict[Tag, tuple] = {}  # per step: start, forward time, upload time, arrival at the server
+
+    def forward(self, tag: Tag, batch_size=None) -> Activation:
+        cid = tag.client
+        t0 = self.clock.get(cid, 0.0)
+        msg = super().forward(tag, batch_size)
+        upload = msg.nbytes / self.profiles[cid].up
+        self._stages[tag] = (t0, msg.t_sent - t0 - upload, upload, msg.t_sent)
+        return msg
+
+    def backward(self, grad: Gradient) -> float:
+        tag, cid = grad.tag, grad.tag.client
+        t0, f, u, arrival = self._stages.pop(tag)
+        d = grad.nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
+        s = max(grad.t_sent - arrival, 0.0)
+        t_back = max(self.clock[cid], grad.t_sent) + d
+        end = super().backward(grad)
+        b = end - t_back
+        m = self.spec.params.micro_batches
+        self.clock[cid] = t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m
+        return self.clock[cid]
+
+
+class PiParParams(AlgorithmParams):
+    micro_batches: int = Field(default=4, ge=1, description="m: micro-batches a batch is pipelined in (1: SplitFed)")
+
+
+@register
+class PiPar(SFLV1):
+    """PiPar: SplitFed V1's updates with a pipelined clock (module docstring)."""
+
+    name = "pipar"
+    description = "PiPar: SplitFed with micro-batch pipelining (same updates, pipelined simulated time)"
+    Params = PiParParams
+    client_host = PiParClient
+
+
+# ---- SplitGP --------------------------------------------------------------------------------------------------------
+class SplitGPClient(AuxClient):
+    """The device block gets the server's gradient scaled by 1 - lambda plus lambda times the local head's."""
+
+    def __init__(self, spec, *args):
+        super().__init__(spec, *args)
+        self._labels: dict[Tag, torch.Tensor] = {}  # the batch of each activation awaiting its gradient
+
+    def inputs(self, tag: Tag, idx):
+        x, y = super().inputs(tag, idx)
+        self._labels[tag] = torch.as_tensor(y)
+        return x, y
+
+    def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
+        lam = self.spec.params.lambda_local
+        head = self.slots[tag.client].module[1]
+        y = self._labels.pop(tag)
+
+        def surrogate():
+            local = F.cross_entropy(head(out), y)
+            ((1 - lam) * (out * g).sum() + lam * local).backward()
+
+        return self.flops.run(("bwd_gp", tuple(out.shape)), surrogate)[1]
+
+
+class SplitGPParams(AlgorithmParams):
+    lambda_local: float = Field(default=0.2, ge=0, le=1, description="weight of the local loss in the device "
+                                "block's objective")
+    ratio: float = Field(default=0.5, gt=0, le=1, description="local head: the auxiliary net at this dimension ratio")
+
+
+@register
+class SplitGP(SFLV1):
+    """SplitGP: SplitFed V1 with a local head and a local loss on every device (module docstring)."""
+
+    name = "splitgp"
+    description = "SplitGP: SplitFed with a local head and lambda * local + (1 - lambda) * global device loss"
+    Params = SplitGPParams
+    client_host = SplitGPClient
+    server_host = AuxServer
+
+    def split_model(self, model, cut):
+        index, device, server = super().split_model(model, cut)
+        return index, with_auxiliary(model, device, server, cut, self.params.ratio), server
+
+
+# ---- SplitFed + SCAFFOLD ---------------------------------------------------------------------------------------------
+class ScaffoldClient(ClientHost):
+    """Control variates of the device block: the global ``c`` and every client's own ``c_i``."""
+
+    def __init__(self, spec, *args):
+        super().__init__(spec, *args)
+        self.c_global: list[torch.Tensor] | None = None
+        self.c_own: dict[int, list[torch.Tensor]] = {}
+        self.x_start: dict[int, list[torch.Tensor]] = {}
+
+    def activate(self, cid: int, state=None, rnd=None):
+        known = cid in self.slots
+        slot = super().activate(cid, state, rnd)
+        if not known:
+            self.x_start[cid] = [p.detach().clone() for p in slot.module.parameters()]
+        return slot
+
+    def before_step(self, cid: int, slot) -> None:
+        params = list(slot.module.parameters())
+        if self.c_global is not None:
+            own = self.c_own.get(cid) or [torch.zeros_like(p) for p in params]
+            for p, c, ci in zip(params, self.c_global, own):
+                if p.grad is not None:
+                    p.grad.add_(c - ci)
+        super().before_step(cid, slot)
+
+    def set_control(self, msg: StateMsg, receivers: list[int]) -> None:
+        """The server's control variate for the round (download charged to the round's clients)."""
+        state = transport.unpack_state(msg.state)
+        self.c_global = [state[str(i)] for i in range(len(state))] if state else None
+        for c in receivers:
+            if int(c) in self.train_idx:
+                self._charge_download(int(c), transport.state_nbytes(state), msg.t_sent, "model")
+
+    def control_deltas(self, clients: list[int]) -> StateMsg | None:
+        """Option II update of each hosted round client's ``c_i``; the sum of the changes goes to the server."""
+        total, t = None, 0.0
+        for c in (int(c) for c in clients):
+            if c not in self.slots:
+                continue
+            slot = self.slots[c]
+            params = [p.detach() for p in slot.module.parameters()]
+            steps = max(self.round_stats[c].v.get("steps", 0), 1)
+            lr = slot.optimizer.param_groups[0]["lr"]
+            own = self.c_own.get(c) or [torch.zeros_like(p) for p in params]
+            glob = self.c_global or [torch.zeros_like(p) for p in params]
+            new = [ci - cg + (x0 - x) / (steps * lr) for ci, cg, x0, x in zip(own, glob, self.x_start[c], params)]
+            delta = {str(i): (n - o) for i, (n, o) in enumerate(zip(new, own))}
+            self.c_own[c] = new
+            t = max(t, self._charge_upload(c, transport.state_nbytes(delta), "model"))
+            total = delta if total is None else {k: total[k] + delta[k] for k in total}
+        if total is None:
+            return None
+        return StateMsg(transport.pack_state(total), t_sent=t)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "scaffold": (self.c_global, self.c_own)}
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        self.c_global, self.c_own = st["scaffold"]
+
+
+class ScaffoldServer(ServerHost):
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
+        self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
+
+    def control_msg(self) -> StateMsg:
+        return StateMsg(transport.pack_state(self.control), t_sent=self.clock)
+
+    def update_control(self, num_clients: int, *partials: StateMsg | None) -> None:
+        """c <- c + sum(delta c_i) / N."""
+        parts = [transport.unpack_state(p.state) for p in partials if p is not None]
+        step = {k: sum(p[k] for p in parts) / num_clients for k in parts[0]}
+        self.control = {k: self.control.get(k, 0) + step[k] for k in step}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "control": self.control}
+
+    def load_state_dict(self, st: dict) -> None:
+        super().load_state_dict(st)
+        self.control = st["control"]
+
+
+@register
+class SplitFedScaffold(SFLV1):
+    """SplitFed V1 + SCAFFOLD's control variates on the device block (module docstring)."""
+
+    name = "sflv1_scaffold"
+    description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
+    client_host = ScaffoldClient
+    server_host = ScaffoldServer
+
+    def run_round(self, rt, rnd, clients, rng):
+        rt.workers.set_control(rt.server.control_msg(), clients)
+        rt.server.fork(clients)
+        self.each_client_in_turn(rt, clients, own_server_copy=True)
+        rt.server.merge(rt.weights(clients, self.agg.weights))
+        deltas = rt.workers.control_deltas(clients)  # before aggregation replaces the device blocks
+        agg = rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
+        rt.server.update_control(rt.num_clients, *deltas)
+        return agg

@@ -1,0 +1,256 @@
+"""Ampere and its baselines: the auxiliary-net generator on every zoo model and cut, the store and its loader,
+device training without gradients, the analytic byte count, PiPar/SplitGP/SCAFFOLD reducing to SplitFed where
+they must, bad input, and every new algorithm through Ray with MLflow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from conftest import make_config
+from raysplit.data.store import ActivationStore, IncompleteStore, ShuffledLoader
+from raysplit.errors import ConfigError
+from raysplit.experiment import prepare, run_experiment
+from raysplit.models import MODELS, build_model
+from raysplit.models.auxiliary import UnsupportedLayer, auxiliary_net, first_layer
+
+
+def amp_cfg(tmp_path, mlflow_uri, root, **over):
+    base = {"algorithm": {"name": "ampere", "device_rounds": 2, "server_epochs": 2, "patience": 5,
+                          "server_batch_size": 16, "chunk_rows": 20, "cache_mb": 1.0,
+                          "store_path": str(tmp_path / "store")},
+            "data.dataset": "fashion_mnist", "data.root": str(root), "data.options": {"search_system": False},
+            "data.num_clients": 4, "data.partition.name": "iid", "data.test_fraction": 0.2,
+            "model.name": "cnn_small", "model.cut": "conv1", "train.rounds": 6, "train.batch_size": 16,
+            "train.local_steps": 3, "train.participation.count": 4, "runtime.backend": "local",
+            "tracking.experiment": "ampere", "eval.every": 1}
+    base.update(over)
+    return make_config(tmp_path, mlflow_uri, **base)
+
+
+def _out_dim(t: torch.Tensor) -> int:
+    return t.shape[-1] if t.dim() == 3 else t.shape[1]  # tokens: width; maps: channels; vectors: features
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_auxiliary_net_scales_the_server_blocks_first_layer_for_every_cut(name):
+    """For every zoo model and cut: the auxiliary net runs on the device block's output, and its first layer's
+    output is ``ratio`` x as wide as the server block's first layer's (measured by running both)."""
+    info = MODELS[name]
+    shape = tuple(info.default_input_shape)
+    model = build_model(name, 10, shape).eval()
+    x = torch.zeros(2, *shape, dtype=torch.long) if info.input_kind == "tokens" else torch.zeros(2, *shape)
+    outputs = [x]  # the device block's output at every cut, from one pass through the blocks
+    with torch.no_grad():
+        for block in model.blocks:
+            outputs.append(block(outputs[-1]))
+    for cut in sorted(set(model.cut_points().values())):
+        if cut >= len(model.blocks):
+            continue
+        _, server = model.split(cut)
+        a = outputs[cut]
+        with torch.no_grad():
+            prefix, layer = first_layer(server)
+            if hasattr(layer, "body"):  # a residual block with an equal-width skip: its first conv block
+                layer = first_layer(layer.body)[1]
+            original = torch.nn.Sequential(*prefix, layer).eval()(a)
+        for ratio in (0.5, 0.25):
+            aux = auxiliary_net(server, tuple(a.shape[1:]), 10, ratio).eval()
+            with torch.no_grad():
+                assert aux(a).shape == (2, 10), (name, cut)
+                replica = aux[0](a)
+            if isinstance(layer, torch.nn.LayerNorm):  # a head-only server block: nothing to scale
+                assert _out_dim(replica) == _out_dim(original)
+                continue
+            assert _out_dim(replica) == max(1, round(_out_dim(original) * ratio)), (name, cut, ratio)
+
+
+def test_unknown_first_layer_names_its_type_and_the_known_ones():
+    with pytest.raises(UnsupportedLayer, match="GRU.*knows: Conv2d, .*EncoderBlock"):
+        auxiliary_net(torch.nn.Sequential(torch.nn.GRU(4, 4)), (3, 4), 10)
+    with pytest.raises(ValueError, match="ratio"):
+        auxiliary_net(torch.nn.Sequential(torch.nn.Linear(4, 4)), (4,), 10, ratio=1.5)
+
+
+# ---- the store -----------------------------------------------------------------------------------------------------
+def _fill(path, sizes, dim=6):
+    store, start = ActivationStore(path), 0
+    for k, n in enumerate(sizes):
+        ids = np.arange(start, start + n)
+        store.append(np.repeat(ids[:, None], dim, axis=1).astype(np.float32), ids % 10, k % 3)
+        start += n
+    return store, start
+
+
+def test_store_gives_every_row_once_per_epoch_in_a_seeded_order_within_its_cache(tmp_path):
+    store, rows = _fill(tmp_path / "s", [30 + k for k in range(12)])
+    with pytest.raises(IncompleteStore, match="not sealed"):
+        ActivationStore.open(tmp_path / "s")  # a writer that stopped before sealing leaves an unreadable store
+    store.seal()
+    store = ActivationStore.open(tmp_path / "s")
+    total = sum(s["nbytes"] for s in store.shards)
+    cache = total // 4
+    loader = ShuffledLoader(store, 16, cache, seed=3)
+    orders = []
+    for e in range(2):
+        batches = list(loader.epoch(e))
+        ids = np.concatenate([x[:, 0] for x, _ in batches]).astype(int)
+        assert sorted(ids.tolist()) == list(range(rows))  # exactly once
+        assert all(len(b[1]) == 16 for b in batches[:-1])
+        assert all((y == x[:, 0].astype(int) % 10).all() for x, y in batches)  # labels stay with their rows
+        orders.append(ids)
+    assert not np.array_equal(orders[0], orders[1])
+    again = np.concatenate([x[:, 0] for x, _ in ShuffledLoader(store, 16, cache, seed=3).epoch(1)]).astype(int)
+    assert np.array_equal(again, orders[1])  # seed-determined
+    assert loader.peak_bytes <= cache < total
+
+
+def test_training_on_the_store_equals_training_on_the_activations_in_memory(tmp_path):
+    """One device, the loader's batches against the same rows taken from memory: the same server weights."""
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(200, 8)).astype(np.float32)
+    labels = rng.integers(0, 4, 200)
+    store = ActivationStore(tmp_path / "s")
+    for k in range(0, 200, 37):
+        ids = np.arange(k, min(k + 37, 200), dtype=np.float32)[:, None]
+        store.append(np.concatenate([feats[k:k + 37], ids], 1), labels[k:k + 37], 0)
+    store.seal()
+
+    def train(batches):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(8, 4)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(net(torch.as_tensor(x)), torch.as_tensor(y)).backward()
+            opt.step()
+        return net.weight.detach()
+
+    loaded = list(ShuffledLoader(store, 16, 4000, seed=1).epoch(0))
+    for x, y in loaded:  # the rows come back bit for bit, labels with them
+        ids = x[:, 8].astype(int)
+        assert np.array_equal(x[:, :8], feats[ids]) and np.array_equal(y, labels[ids])
+    from_store = train((np.ascontiguousarray(x[:, :8]), y) for x, y in loaded)
+    in_memory = train((feats[x[:, 8].astype(int)], labels[x[:, 8].astype(int)]) for x, _ in loaded)
+    assert torch.equal(from_store, in_memory)
+
+
+# ---- Ampere ---------------------------------------------------------------------------------------------------------
+def test_ampere_device_phase_sends_no_gradient_and_the_bytes_match_the_analytic_count(tmp_path, mlflow_uri,
+                                                                                      fmnist_root):
+    hist = []
+    cfg = amp_cfg(tmp_path, mlflow_uri, fmnist_root)
+    final = run_experiment(cfg, on_round=lambda r, m: hist.append(m))
+    assert [m["server_epochs"] for m in hist] == [0, 0, 1, 2]  # 2 device rounds, then 2 server epochs
+    assert all(m["bytes_down_gradients"] == 0 for m in hist)  # no gradient ever goes down
+    assert sum(m["bytes_up_activations"] for m in hist) == sum(m["bytes_up_activations"] for m in hist[1:2])
+    p = prepare(cfg)
+    model_bytes = sum(v.nbytes for v in p.inputs.client_init.values())  # device block + auxiliary net
+    rows = sum(len(i) for i in p.inputs.train_idx) + sum(len(i) for i in p.inputs.test_idx)
+    row_bytes = p.algorithm.activation_row_bytes  # 16x14x14 float32 features + an int64 label
+    assert row_bytes == 16 * 14 * 14 * 4 + 8
+    devices = 4
+    want_up = 2 * devices * model_bytes + rows * row_bytes  # two rounds of uploads, one activation set
+    want_down = 2 * devices * model_bytes + devices * model_bytes  # two rounds of downloads, the final block
+    assert sum(m["bytes_up"] for m in hist) == want_up
+    assert sum(m["bytes_down"] for m in hist) == want_down
+    assert hist[-1]["accuracy"] > 0.3 and final["cache_peak_mb"] <= 1.0 < rows * row_bytes / 2**20
+
+
+def test_ampere_stops_each_phase_on_patience(tmp_path, mlflow_uri, fmnist_root):
+    hist = []
+    cfg = amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {
+        "name": "ampere", "device_rounds": 50, "server_epochs": 50, "patience": 1, "server_batch_size": 16,
+        "store_path": str(tmp_path / "st")}, "train.rounds": 100, "train.optimizer.lr": 1e-9})
+    run_experiment(cfg, on_round=lambda r, m: hist.append(m))
+    # lr ~ 0: validation accuracy never improves after the first round of a phase, so each phase lasts 2
+    assert [m["server_epochs"] for m in hist] == [0, 0, 1, 2]
+
+
+def test_ampere_no_consolidation_ablation_trains_per_device_blocks(tmp_path, mlflow_uri, fmnist_root):
+    a = run_experiment(amp_cfg(tmp_path / "a", mlflow_uri, fmnist_root))
+    b = run_experiment(amp_cfg(tmp_path / "b", mlflow_uri, fmnist_root, **{"algorithm.consolidate": False}))
+    assert a["accuracy"] != b["accuracy"] and b["server_epochs"] == 2
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"algorithm.ratio": 0}, "algorithm.ratio"),
+    ({"algorithm.ratio": 1.5}, "algorithm.ratio"),
+    ({"algorithm.patience": 0}, "algorithm.patience"),
+    ({"data.test_fraction": 0.0}, "data.test_fraction > 0"),
+    ({"algorithm.cache_mb": 0.1}, "algorithm.cache_mb=0.1 is too small"),
+    ({"algorithm.store_path": "/proc/raysplit-store"}, "algorithm.store_path /proc/raysplit-store is not writable"),
+])
+def test_bad_ampere_input_names_the_key(tmp_path, mlflow_uri, fmnist_root, over, match):
+    with pytest.raises(ConfigError, match=match):
+        run_experiment(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **over))
+
+
+# ---- the baselines reduce to SplitFed where they must ----------------------------------------------------------------
+def _states(cfg):
+    from test_semantics import run_rounds
+
+    client, server, _, stats = run_rounds(cfg)
+    return client, server, stats
+
+
+def _base(tmp_path, mlflow_uri, root, alg):
+    return amp_cfg(tmp_path, mlflow_uri, root, **{"algorithm": alg, "train.rounds": 2, "data.num_clients": 3,
+                                                  "train.participation.count": 3})
+
+
+def test_pipar_makes_splitfeds_updates_in_less_time(tmp_path, mlflow_uri, fmnist_root):
+    c0, s0, st0 = _states(_base(tmp_path, mlflow_uri, fmnist_root, {"name": "sflv1"}))
+    c1, s1, st1 = _states(_base(tmp_path, mlflow_uri, fmnist_root, {"name": "pipar", "micro_batches": 1}))
+    c4, s4, st4 = _states(_base(tmp_path, mlflow_uri, fmnist_root, {"name": "pipar", "micro_batches": 4}))
+    for got in ((c1, s1), (c4, s4)):
+        for ref, other in zip((c0, s0), got):
+            assert all(torch.equal(ref[k], other[k]) for k in ref)  # the same updates
+    assert [s.t_end for s in st1] == pytest.approx([s.t_end for s in st0], rel=1e-12)  # m = 1: SplitFed's clock
+    assert all(a.t_end < b.t_end for a, b in zip(st4, st0))  # pipelined: less simulated time
+
+
+def test_splitgp_without_local_loss_is_splitfed(tmp_path, mlflow_uri, fmnist_root):
+    c0, s0, _ = _states(_base(tmp_path, mlflow_uri, fmnist_root, {"name": "sflv1"}))
+    c1, s1, _ = _states(_base(tmp_path, mlflow_uri, fmnist_root, {"name": "splitgp", "lambda_local": 0.0}))
+    for k in s0:
+        torch.testing.assert_close(s1[k], s0[k])
+    for k in c0:  # SplitGP's client model is (device block, local head): compare the device block
+        torch.testing.assert_close(c1[f"0.{k}"], c0[k])
+    c2, _, _ = _states(_base(tmp_path, mlflow_uri, fmnist_root, {"name": "splitgp", "lambda_local": 0.5}))
+    assert any(not torch.allclose(c2[f"0.{k}"], c0[k]) for k in c0)
+
+
+def test_scaffold_with_one_client_is_splitfed(tmp_path, mlflow_uri, fmnist_root):
+    """With one client c = c_1 after every round, so the correction g - c_1 + c vanishes; with several it does
+    not (plain SGD, as SCAFFOLD assumes)."""
+    over = {"data.num_clients": 1, "train.participation.count": 1, "train.rounds": 3, "train.optimizer.momentum": 0}
+    c0, s0, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1"}, **over}))
+    c1, s1, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1_scaffold"}, **over}))
+    for a, b in ((c0, c1), (s0, s1)):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    over["data.num_clients"] = over["train.participation.count"] = 3
+    c0, _, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1"}, **over}))
+    c1, _, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1_scaffold"}, **over}))
+    assert any(not torch.allclose(c0[k], c1[k]) for k in c0)
+
+
+@pytest.mark.parametrize("algorithm", ["ampere", "pipar", "splitgp", "sflv1_scaffold"])
+def test_ampere_family_through_ray_with_mlflow(ray_session, tmp_path, mlflow_uri, fmnist_root, algorithm):
+    alg = {"name": algorithm} if algorithm != "ampere" else None
+    over = {"runtime.backend": "ray", "tracking.experiment": "ampere-family"}
+    if alg:
+        over["algorithm"] = alg
+    final = run_experiment(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **over))
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(final["run_id"])
+    assert run.info.status == "FINISHED"
+    assert any(h.value > 0 for h in client.get_metric_history(final["run_id"], "client_flops"))
+    arts = {a.path for a in client.list_artifacts(final["run_id"])}
+    assert "client_accounting.csv" in arts
+    if algorithm == "ampere":
+        assert run.data.metrics["server_epochs"] == 2
