@@ -6,9 +6,9 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: bench bench-overhead bench-hop bench-scale bench-flower flower-venv
+.PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store flower-venv
 
-bench: bench-hop bench-overhead bench-scale bench-flower
+bench: bench-hop bench-overhead bench-scale bench-flower bench-store
 
 bench-hop:
 	$(PY) benchmarks/hop.py --repeats 5
@@ -16,6 +16,9 @@ bench-hop:
 bench-overhead:
 	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --chained --tag cnn_small
 	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --batch 8 --rounds 3 --warmup 1 --chained --tag resnet18
+
+bench-store:
+	$(PY) benchmarks/store.py --rows 12000 --repeats 3
 
 bench-scale:
 	$(PY) benchmarks/scale.py --clients 100 1000 10000 --rounds 6
