@@ -25,7 +25,7 @@ HEAVY = {"resnet101", "vgg16_bn_gas", "mobilenet_v3_large", "alexnet2"}
 
 EXPECTED_MODELS = {
     "cnn_small", "femnist_cnn", "celeba_cnn", "shakespeare_lstm", "resnet9", "alexnet_gas", "vgg16_bn_gas",
-    "semisfl_cnn", "alexnet2", "mobilenet_v1", "mobilenet_v3_large", "resnet18", "resnet101",
+    "semisfl_cnn", "alexnet2", "mobilenet_v1", "mobilenet_v3_large", "resnet18", "resnet101", "vit_small",
 }
 
 
