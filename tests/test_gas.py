@@ -106,6 +106,37 @@ def test_generation_tops_every_label_up_exactly(tmp_path, mlflow_uri):
     rt.shutdown()
 
 
+def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path, mlflow_uri):
+    """With an evaluation batch at least the test set, every reference batch is the whole test set: the
+    dissimilarity of the server gradient on the test set's own activations (through the global client model) is
+    zero, and with the labels permuted it is not. A global round logs it."""
+    cfg, p, rt, server = _gas_server(tmp_path, mlflow_uri, **{
+        "algorithm": {"name": "gas", "dissimilarity_batches": 3, "buffer_size": 1, "model_buffer_size": 1},
+        "eval.batch_size": 100_000})
+    from raysplit.data import to_tensor
+    from raysplit.runtime.events import Job
+
+    server.begin_round(0, 0.0)
+    server.on_job_start(0, Job(0, 0, 0, 0.0))
+    server.on_arrival(_activation(server, 0, list(range(10)), np.random.default_rng(0)))
+    server.flush()
+    assert server.on_model_upload(0, server.global_model(), Job(0, 0, 0, 0.0))  # model buffer of 1: a global round
+    assert server.round_metrics()["grad_dissimilarity"] > 0  # the buffer was random activations
+    client = server._eval_client
+    client.load_state_dict(transport.unpack_state(server.global_model().state))
+    with torch.no_grad():
+        x = client.eval()(to_tensor(np.asarray(server.test_x), server.spec.data_spec))
+    y = torch.as_tensor(np.asarray(server.test_y), dtype=torch.long)
+    assert server.gradient_dissimilarity(x, y) < 1e-10
+    shuffled = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))]
+    assert server.gradient_dissimilarity(x, shuffled) > 1e-6
+    rt.shutdown()
+    final = run_experiment(gas_cfg(tmp_path, mlflow_uri, **{
+        "algorithm": {"name": "gas", "dissimilarity_batches": 2}, "tracking.experiment": "gas-v"}))
+    hist = MlflowClient(mlflow_uri).get_metric_history(final["run_id"], "grad_dissimilarity")
+    assert [h.step for h in hist] == [0, 1] and all(h.value > 0 for h in hist)
+
+
 def test_logit_adjustment_is_the_clients_label_frequencies(tmp_path, mlflow_uri):
     cfg, p, rt, server = _gas_server(tmp_path, mlflow_uri, **{"algorithm": {"name": "gas", "tau": 1.0}})
     pi = p.partition_counts / p.partition_counts.sum(axis=1, keepdims=True)

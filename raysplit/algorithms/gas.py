@@ -46,6 +46,7 @@ from pydantic import Field
 
 from .base import AsyncAlgorithm, AlgorithmParams, SetupInfo, register
 from ..gaussian import LabelGaussian
+from ..data import to_tensor
 from ..runtime import transport
 from ..runtime.events import AsyncServer, EventSetup, Job
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
@@ -75,6 +76,9 @@ class GASParams(AlgorithmParams):
     tau: float = Field(default=1.0, ge=0, description="logit-adjustment temperature")
     weighting: Literal["recency", "uniform"] = Field(default="recency", description="activation weights in the "
                                                      "statistics: GAS's growing recency weights, or 1")
+    dissimilarity_batches: int = Field(default=0, ge=0, description="gradient-dissimilarity diagnostic (the "
+                                       "paper's Fig. 2a, the code's V_Test) on this many random test batches at "
+                                       "every global round; 0: off")
 
 
 class GASServer(AsyncServer):
@@ -99,11 +103,13 @@ class GASServer(AsyncServer):
         self.total_weight = 1.0
         self.server_updates = 0
         self.gen_rng = np.random.default_rng([spec.seed, 0x6A5])
+        self.last_update: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, y) of the last server update
         self._reset_gas_round()
 
     def _reset_gas_round(self):
         self.generated = 0
         self.updates_this_round = 0
+        self.dissimilarity: float | None = None
 
     def begin_round(self, rnd: int, t0: float) -> None:
         super().begin_round(rnd, t0)
@@ -170,6 +176,8 @@ class GASServer(AsyncServer):
         slot = self.models["main"]
         self.step_through(xs, ys, slot.module, [slot.optimizer], tag=Tag(-1, self.round, self.server_updates),
                           flop_key=("gas_server",), ready_at=self.clock, varying_batch=True)
+        if self.params.dissimilarity_batches:
+            self.last_update = (xs.detach(), ys)
         self.buffer = []
         self.server_updates += 1
         self.updates_this_round += 1
@@ -183,17 +191,49 @@ class GASServer(AsyncServer):
         self.set_global(self.average(self.models_in, [m.weight for m in self.models_in]))
         self.models_in = []
         self.total_weight += self.server_updates
+        if self.params.dissimilarity_batches and self.last_update is not None:
+            self.dissimilarity = self.gradient_dissimilarity(*self.last_update)
         return True
 
+    def gradient_dissimilarity(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The paper's gradient dissimilarity (Fig. 2a; the code's ``calculate_v_value``): the server model's
+        gradient on the last server update's activations (generated ones included) against its gradient on
+        ``dissimilarity_batches`` random test batches through the new global client model, as the code computes
+        it: the squared distance summed per parameter tensor, divided by the number of tensors. (The code runs
+        the test batches through whichever client's weights its shared client module last held; here it is the
+        global model, the paper's intent.) A diagnostic: it changes no model and no clock."""
+        server = self.models["main"].module
+        client = self._eval_client
+        client.load_state_dict(transport.unpack_state(self.global_model().state))
+        client.eval()
+        params = [q for q in server.parameters() if q.requires_grad]
+        rng = np.random.default_rng([self.spec.seed, 0xD15, self.version])
+        n, bs = len(self.test_y), self.spec.eval_batch_size
+        real = [torch.zeros_like(q) for q in params]
+        k = self.params.dissimilarity_batches
+        for _ in range(k):
+            idx = np.sort(rng.choice(n, size=min(bs, n), replace=False))
+            xb = to_tensor(np.asarray(self.test_x[idx]), self.spec.data_spec).to(self.device)
+            yb = torch.as_tensor(np.asarray(self.test_y)[idx], dtype=torch.long, device=self.device)
+            with torch.no_grad():
+                feats = client(xb)
+            for acc, g in zip(real, torch.autograd.grad(F.cross_entropy(server(feats), yb), params)):
+                acc += g / k
+        sampled = torch.autograd.grad(F.cross_entropy(server(x), y), params)
+        return float(sum(((g - r) ** 2).sum() for g, r in zip(sampled, real)) / len(params))
+
     def round_metrics(self) -> dict:
-        return {**super().round_metrics(), "server_updates": self.updates_this_round,
-                "generated_activations": self.generated}
+        out = {**super().round_metrics(), "server_updates": self.updates_this_round,
+               "generated_activations": self.generated}
+        if self.dissimilarity is not None:
+            out["grad_dissimilarity"] = self.dissimilarity
+        return out
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         st = super().state_dict()
         st["gas"] = {k: getattr(self, k) for k in ("stats", "buffer", "models_in", "weight_count", "total_weight",
-                                                     "server_updates", "gen_rng")}
+                                                     "server_updates", "gen_rng", "last_update")}
         return st
 
     def load_state_dict(self, st: dict) -> None:
