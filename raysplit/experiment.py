@@ -214,6 +214,8 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
                                   "driver": driver.state_dict(), "config": dump(cfg)}, ckpt_path)
 
             driver.run(start, cfg.train.rounds, after_round)
-            return reporter.finish(driver.client_totals(), ckpt_path)
+            out = reporter.finish(driver.client_totals(), ckpt_path)
+            alg.close(rt)
+            return out
         finally:
             rt.shutdown()

@@ -4,6 +4,8 @@ they must, bad input, and every new algorithm through Ray with MLflow."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -168,6 +170,18 @@ def test_ampere_stops_each_phase_on_patience(tmp_path, mlflow_uri, fmnist_root):
     run_experiment(cfg, on_round=lambda r, m: hist.append(m))
     # lr ~ 0: validation accuracy never improves after the first round of a phase, so each phase lasts 2
     assert [m["server_epochs"] for m in hist] == [0, 0, 1, 2]
+    assert (tmp_path / "st" / "train" / "manifest.json").is_file()  # a store the user named is kept
+
+
+def test_a_temporary_store_is_removed_after_the_run(tmp_path, mlflow_uri, fmnist_root, monkeypatch):
+    temp = tmp_path / "system-temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    seen = []
+    cfg = amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm.store_path": None})
+    run_experiment(cfg, on_round=lambda r, m: seen.extend(p.name for p in temp.glob("raysplit-ampere-*/train")))
+    assert seen  # the store lived in the system temp folder during the run
+    assert list(temp.iterdir()) == []  # and is gone after it
 
 
 def test_ampere_no_consolidation_ablation_trains_per_device_blocks(tmp_path, mlflow_uri, fmnist_root):

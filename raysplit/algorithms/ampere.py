@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -168,6 +169,12 @@ class AmpereServer(AuxServer):
         self.stores[split].append(feats, y, device)
         self.arrivals.append(t)
 
+    def remove_stores(self) -> None:
+        """Delete the activation store (a temporary one, once the run is over)."""
+        self.stores = {}
+        if getattr(self, "store_path", None):
+            shutil.rmtree(self.store_path, ignore_errors=True)
+
     def seal_stores(self) -> int:
         for s in self.stores.values():
             s.seal()
@@ -304,7 +311,7 @@ class Ampere(Algorithm):
             raise ConfigError(f"algorithm.cache_mb={p.cache_mb} is too small for the {shards} shards of the store "
                               f"(at least {need / 2**20:.2f} MB; or raise algorithm.chunk_rows)")
         rows = int(info.counts.sum()) / (1 - self.cfg.data.test_fraction)  # with the validation splits, about
-        self.store_path = p.store_path or tempfile.mkdtemp(prefix="raysplit-ampere-")
+        self.store_path = p.store_path or tempfile.mkdtemp(prefix="raysplit-ampere-")  # a temporary one: close()
         try:
             check_space(self.store_path, int(rows * self.activation_row_bytes), "algorithm.store_path")
         except ValueError as e:
@@ -365,6 +372,12 @@ class Ampere(Algorithm):
     def finished(self) -> bool:
         return self.done
 
+    def close(self, rt) -> None:
+        """A temporary store (no ``store_path`` given) is deleted where the server wrote it, and on the driver."""
+        if self.params.store_path is None:
+            rt.get(rt.server.remove_stores())
+            shutil.rmtree(self.store_path, ignore_errors=True)
+
     def eval_modes(self) -> tuple[str, ...]:
         return ("global",)
 
@@ -376,5 +389,8 @@ class Ampere(Algorithm):
                                               "server_epochs", "store_path")}
 
     def load_state_dict(self, state: dict) -> None:
+        made = self.store_path if self.params.store_path is None else None  # setup's fresh temporary folder
         for k, v in state.items():
             setattr(self, k, v)
+        if made and made != self.store_path:  # the checkpoint's store is the one to use
+            shutil.rmtree(made, ignore_errors=True)

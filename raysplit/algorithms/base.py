@@ -119,6 +119,10 @@ class Algorithm:
         ``train.rounds``."""
         return False
 
+    def close(self, rt) -> None:
+        """After a run that completed, before the runtime stops: release what the run held outside it (Ampere's
+        temporary activation store). Not called after a failure, so a resumed run finds what it needs."""
+
     def state_dict(self) -> dict:
         """The algorithm's own state across rounds on the driver (phases, patience counters), for checkpoints."""
         return {}
