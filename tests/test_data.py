@@ -61,7 +61,7 @@ PARAMS = {
 
 
 def test_registry_names():
-    assert set(PARTITIONERS) == {"iid", "dirichlet", "shards", "dominant_label"}
+    assert set(PARTITIONERS) == {"iid", "dirichlet", "shards", "dominant_label", "device_dirichlet"}
     assert set(DATASETS) == {
         "fashion_mnist", "digits", "cifar10", "cifar100", "svhn", "femnist", "shakespeare", "synthetic"
     }
