@@ -486,3 +486,79 @@ def test_no_ray_or_mlflow_import():
     code = "import sys, raysplit.data; print('ray' in sys.modules or 'mlflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- untrusted input files
+class _Evil:
+    """Unpickling this runs ``marker.touch()``: what a malicious "CIFAR batch" from the internet would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _write_cifar10(tmp_path, rng, edit=None):
+    d = tmp_path / "cifar10" / "cifar-10-batches-py"
+    d.mkdir(parents=True, exist_ok=True)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names:
+        b = _cifar_batch(rng, 4)
+        if edit is not None and name == "data_batch_3":
+            b = edit(b)
+        with open(d / name, "wb") as f:
+            pickle.dump(b, f)
+    return d / "data_batch_3"
+
+
+def test_a_malicious_cifar_pickle_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    bad = _write_cifar10(tmp_path, np.random.default_rng(0), lambda b: {**b, b"batch_label": _Evil(marker)})
+    with pytest.raises(ValueError, match="refused to load") as e:
+        load_dataset("cifar10", root=str(tmp_path))
+    assert str(bad) in str(e.value) and not marker.exists()
+    pickle.loads(pickle.dumps(_Evil(marker)))  # the same object through the plain unpickler does run: the test bites
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda b: {**b, b"labels": [0, 1, 2, 10]}, "labels must lie in 0..9"),
+    (lambda b: {**b, b"labels": [0, 1, 2]}, "3 labels for 4 images"),
+    (lambda b: {**b, b"data": b[b"data"][:, :3000]}, "3072"),
+    (lambda b: {b"labels": b[b"labels"]}, "no 'data'"),
+])
+def test_a_bad_cifar_batch_names_the_file_and_the_fault(tmp_path, edit, what):
+    bad = _write_cifar10(tmp_path, np.random.default_rng(0), edit)
+    with pytest.raises(ValueError, match=what) as e:
+        load_dataset("cifar10", root=str(tmp_path))
+    assert str(bad) in str(e.value)
+
+
+def test_a_truncated_cifar_batch_names_the_file(tmp_path):
+    bad = _write_cifar10(tmp_path, np.random.default_rng(0))
+    bad.write_bytes(bad.read_bytes()[:500])
+    with pytest.raises(ValueError, match="not a readable CIFAR batch") as e:
+        load_dataset("cifar10", root=str(tmp_path))
+    assert str(bad) in str(e.value)
+
+
+def test_truncated_or_mislabelled_idx_files_name_the_file(tmp_path):
+    src = Path("/usr/share/datasets/fashion-mnist")
+    if not (src / "t10k-labels-idx1-ubyte.gz").is_file():
+        pytest.skip("needs the dataset-fashion-mnist package")
+    d = tmp_path / "fashion_mnist"
+    d.mkdir()
+    for f in src.glob("*-ubyte.gz"):
+        (d / f.name).write_bytes(f.read_bytes())
+    labels = d / "t10k-labels-idx1-ubyte.gz"
+    raw = bytearray(gzip.decompress(labels.read_bytes()))
+    raw[8] = 12  # one label out of 0..9
+    labels.write_bytes(gzip.compress(bytes(raw)))
+    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.9") as e:
+        load_dataset("fashion_mnist", root=str(tmp_path), search_system=False)
+    assert str(labels) in str(e.value)
+    labels.write_bytes(gzip.compress(bytes(raw))[:200])  # a truncated download
+    with pytest.raises(ValueError, match="unreadable IDX file") as e:
+        load_dataset("fashion_mnist", root=str(tmp_path), search_system=False)
+    assert str(labels) in str(e.value)

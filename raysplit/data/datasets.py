@@ -211,8 +211,11 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     with open(path, "rb") as f:
         head = f.read(2)
     opener = gzip.open if head == b"\x1f\x8b" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:  # a truncated or corrupt .gz
+        raise ValueError(f"{path}: unreadable IDX file ({type(e).__name__}: {e})") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
         raise ValueError(f"{path}: not an IDX file (magic {data[:4]!r})")
     dtype = _IDX_DTYPES[data[2]]
@@ -266,6 +269,9 @@ def load_fashion_mnist(root: str | None = None, *, search_system: bool = True) -
     for x, y, p in ((x_train, y_train, xtr), (x_test, y_test, xte)):
         if x.ndim != 3 or x.shape[0] != y.shape[0]:
             raise ValueError(f"{p}: images {x.shape} do not match labels {y.shape}")
+    for y, p in ((y_train, ytr), (y_test, yte)):
+        if y.size and (int(y.min()) < 0 or int(y.max()) > 9):
+            raise ValueError(f"{p}: Fashion-MNIST labels must lie in 0..9, found {y.min()}..{y.max()}")
     spec = DataSpec("fashion_mnist", "image", (1, 28, 28), 10, (0.2860,), (0.3530,))
     return DatasetBundle(
         spec,
@@ -310,15 +316,52 @@ CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """An unpickler for CIFAR's batches that builds dicts, lists, strings, numbers and numpy arrays and nothing
+    else: a pickle from the internet that names any other callable (``os.system``, ...) is refused, not run."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name} (CIFAR batches hold only arrays and "
+                                         "lists; this file is not a CIFAR batch, or it was tampered with)")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as f:
-        d = pickle.load(f, encoding="bytes")
+    try:
+        with open(path, "rb") as f:
+            d = _ArraysOnly(f, encoding="bytes").load()
+    except Exception as e:  # noqa: BLE001 - truncated, tampered or not a pickle: one error naming the file
+        raise ValueError(f"{path}: not a readable CIFAR batch ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: not a CIFAR batch (a {type(d).__name__}, not a dict)")
     return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
 
 
-def _cifar_images(data) -> np.ndarray:
+def _field(batch: dict, key: str, path: Path):
+    if key not in batch:
+        raise ValueError(f"{path}: CIFAR batch has no {key!r} (keys: {sorted(batch)})")
+    return batch[key]
+
+
+def _cifar_images(data, path: Path) -> np.ndarray:
     x = np.asarray(data, dtype=np.uint8)
+    if x.ndim != 2 or x.shape[1] != 3 * 32 * 32:
+        raise ValueError(f"{path}: CIFAR data must be (N, 3072) uint8 rows, got shape {x.shape}")
     return np.ascontiguousarray(x.reshape(-1, 3, 32, 32))
+
+
+def _checked_labels(y, n: int, classes: int, path: Path) -> np.ndarray:
+    y = _as_labels(y)
+    if len(y) != n:
+        raise ValueError(f"{path}: {len(y)} labels for {n} images")
+    if len(y) and (y.min() < 0 or y.max() >= classes):
+        raise ValueError(f"{path}: labels must lie in 0..{classes - 1}, found {y.min()}..{y.max()}")
+    return y
 
 
 def _cifar_howto(what: str, archive: str, r: Path, tv_class: str) -> str:
@@ -346,10 +389,13 @@ def load_cifar10(root: str | None = None) -> DatasetBundle:
             _cifar_howto("cifar-10-python.tar.gz", "cifar-10-batches-py", r, "CIFAR10"),
         )
     _, files = hit
-    batches = [_unpickle(p) for p in files]
-    x_train = np.concatenate([_cifar_images(b["data"]) for b in batches[:5]])
-    y_train = np.concatenate([_as_labels(b["labels"]) for b in batches[:5]])
-    x_test, y_test = _cifar_images(batches[5]["data"]), _as_labels(batches[5]["labels"])
+    xs, ys = [], []
+    for p in files:
+        b = _unpickle(p)
+        xs.append(_cifar_images(_field(b, "data", p), p))
+        ys.append(_checked_labels(_field(b, "labels", p), len(xs[-1]), 10, p))
+    x_train, y_train = np.concatenate(xs[:5]), np.concatenate(ys[:5])
+    x_test, y_test = xs[5], ys[5]
     spec = DataSpec("cifar10", "image", (3, 32, 32), 10, CIFAR10_MEAN, CIFAR10_STD)
     return DatasetBundle(spec, x_train, y_train, x_test, y_test)
 
@@ -377,9 +423,10 @@ def load_cifar100(root: str | None = None, *, label: str = "fine") -> DatasetBun
     spec = DataSpec(
         "cifar100", "image", (3, 32, 32), 100 if label == "fine" else 20, CIFAR100_MEAN, CIFAR100_STD
     )
-    return DatasetBundle(
-        spec, _cifar_images(tr["data"]), _as_labels(tr[key]), _cifar_images(te["data"]), _as_labels(te[key])
-    )
+    xtr, xte = _cifar_images(_field(tr, "data", ptr), ptr), _cifar_images(_field(te, "data", pte), pte)
+    ytr = _checked_labels(_field(tr, key, ptr), len(xtr), spec.num_classes, ptr)
+    yte = _checked_labels(_field(te, key, pte), len(xte), spec.num_classes, pte)
+    return DatasetBundle(spec, xtr, ytr, xte, yte)
 
 
 # --------------------------------------------------------------------------- SVHN
