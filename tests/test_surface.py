@@ -63,6 +63,9 @@ def test_cluster_yaml_passes_rays_validator():
     types = cfg["available_node_types"]
     assert any("server" in t.get("resources", {}) for t in types.values())
     assert any("client" in t.get("resources", {}) for t in types.values())
+    starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)  # token auth on every node
+    assert any(dst.endswith(".ray/auth_token") for dst in cfg["file_mounts"])
     import jsonschema
 
     broken = dict(cfg, max_workers="many")
