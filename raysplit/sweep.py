@@ -22,6 +22,7 @@ A sweep file (every key optional except ``base``; unknown keys are errors):
                                          # callback: Tune's MLflowLoggerCallback logs on the driver instead
     max_concurrent_trials: null          # default: as many trials as the cluster's CPUs hold at once
     storage_path: outputs/tune
+    max_failures: 2                      # a trial that died (lost node, dead actor past its retries) is run again
     name: my-sweep                       # Tune experiment name and MLflow experiment (unless the base sets one)
 
 Each trial reserves its server and client actors through a placement-group factory (one bundle for the trial,
@@ -93,6 +94,9 @@ class SweepFile(BaseModel):
     mlflow: Literal["trial", "callback"] = "trial"
     max_concurrent_trials: int | None = Field(default=None, ge=1)
     storage_path: str = "outputs/tune"
+    max_failures: int = Field(default=2, ge=0, description="Tune's FailureConfig: times a failed trial is started "
+                              "again (from its first round: trials keep no Tune checkpoint; each attempt is its own "
+                              "MLflow run, the failed one marked FAILED)")
     name: str | None = None
 
 
@@ -193,7 +197,13 @@ def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str, log_i
             if metric in m and rnd + 1 < cfg.train.rounds:
                 tune.report({**numbers(m), "round": rnd + 1})
 
-        final = run_experiment(cfg, on_round=report)
+        from raysplit.runtime import NonFiniteLossError
+
+        try:
+            final = run_experiment(cfg, on_round=report)
+        except NonFiniteLossError as e:  # diverged (its MLflow run is FAILED): an outcome, not a fault to retry
+            tune.report({metric: float("nan"), "diverged": 1, "error": str(e)[:500], "round": cfg.train.rounds})
+            return
         tune.report({**numbers(final), "round": cfg.train.rounds})
 
     return trainable
@@ -251,7 +261,8 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
             ray.init(address=cfg0.runtime.address)
         else:  # a local Ray with enough logical CPUs for at least one trial
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial)), include_dashboard=False)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial)),
+                     include_dashboard=False)
     max_conc = spec.max_concurrent_trials or max(
         1, math.floor(ray.cluster_resources().get("CPU", 1) / max(per_trial, 1e-3)))
     scheduler = (ASHAScheduler(time_attr="round", max_t=cfg0.train.rounds, grace_period=spec.grace_period,
@@ -285,7 +296,8 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
                                         search_alg=search_alg, num_samples=spec.num_samples,
                                         max_concurrent_trials=max_conc),
-            run_config=tune.RunConfig(name=name, storage_path=storage, callbacks=callbacks),
+            run_config=tune.RunConfig(name=name, storage_path=storage, callbacks=callbacks,
+                                      failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
         )
     print(f"sweep {name}: {n} configuration(s) x {spec.num_samples} sample(s), up to {max_conc} at once; "
           f"MLflow experiment {experiment!r} at {uri}")
