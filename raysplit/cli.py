@@ -1,4 +1,4 @@
-"""Command line: ``raysplit run``, ``raysplit list``, ``raysplit compare``."""
+"""Command line: ``raysplit run``, ``list``, ``sweep``, ``compare``, ``replay``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,22 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
+def _cmd_replay(args) -> int:
+    from raysplit.tracking import replay
+
+    try:
+        n = replay(args.spool, args.tracking_uri)
+    except FileNotFoundError as e:
+        print(f"raysplit replay: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the store is still down: the file keeps what was not delivered
+        print(f"raysplit replay: stopped ({type(e).__name__}: {str(e)[:300]}); the calls not yet delivered stay in "
+              f"{args.spool}, run this again later", file=sys.stderr)
+        return 1
+    print(f"delivered {n} call(s) from {args.spool}; the spool file is removed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="raysplit", description="split learning on Ray")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -92,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--plot", default=None, help="write an overlay plot of the per-round metric to this PNG")
     c.add_argument("--tracking-uri", default=None)
     c.set_defaults(fn=_cmd_compare)
+    rp = sub.add_parser("replay", help="deliver a run's spooled MLflow calls (mlflow-spool.jsonl) to the store")
+    rp.add_argument("spool")
+    rp.add_argument("--tracking-uri", default=None, help="default: the store the run was logging to")
+    rp.set_defaults(fn=_cmd_replay)
     args = p.parse_args(argv)
     from raysplit.data import DatasetNotFoundError
-    from raysplit.errors import ConfigError
+    from raysplit.errors import ActorFailure, ConfigError, ResourceError
     from raysplit.runtime import NonFiniteLossError
 
     try:
@@ -105,11 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"raysplit: run stopped: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:
-        if type(e).__name__ in ("ResourceError", "ActorFailure"):
-            print(f"raysplit: {e}", file=sys.stderr)
-            return 1
-        raise
+    except (ResourceError, ActorFailure) as e:
+        print(f"raysplit: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

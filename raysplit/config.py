@@ -137,6 +137,9 @@ class RuntimeConfig(_Strict):
     max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
     direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
                                "calling client actors directly (False: the driver chains every call)")
+    max_retries: int = Field(default=3, ge=0, description="Ray: actor deaths survived per run (every actor is "
+                             "replaced, the last round boundary restored, the round redone); 0: the first death "
+                             "fails the run")
 
 
 class ClockConfig(_Strict):
@@ -161,6 +164,8 @@ class TrackingConfig(_Strict):
     output_dir: str = "outputs"
     progress: bool = True
     log_checkpoint_artifact: bool = True
+    retry_s: float = Field(default=30.0, ge=0, description="seconds between attempts to deliver spooled calls "
+                           "while the tracking store is unreachable (raysplit/tracking.py)")
 
 
 class ExperimentConfig(_Strict):

@@ -6,3 +6,13 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key at fault and what is allowed."""
+
+
+class ResourceError(RuntimeError):
+    """The requested actors cannot be placed on this cluster (Ray would wait forever); names the resource, what
+    was asked and what the cluster has."""
+
+
+class ActorFailure(RuntimeError):
+    """An actor of the run died (process killed, OOM, node lost) and the run could not go on; names the actor,
+    its node and the round."""

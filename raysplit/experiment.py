@@ -6,6 +6,7 @@ checkpoint, and finish. What is recorded and logged lives in ``reporting.py``; t
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from raysplit.clock import draw_profiles
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostSpec, Runtime, RuntimeInputs, make_backend, transport
+from raysplit.runtime.drivers import RoundGuard
 
 
 @dataclass
@@ -165,7 +167,47 @@ def _load_checkpoint(run_id: str, uri: str | None) -> dict:
     path = run.data.tags.get("raysplit.checkpoint")
     if not path or not Path(path).is_file():
         raise ConfigError(f"run {run_id} has no checkpoint to resume from (tag raysplit.checkpoint={path!r})")
-    return torch.load(path, weights_only=False)
+    return load_checkpoint_file(Path(path))
+
+
+# what a raysplit checkpoint may name besides raysplit's and torch.nn's classes: numpy arrays and generators
+_NUMPY_GLOBALS = {"numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.dtype",
+                  "numpy.ndarray", "numpy.random._pcg64.PCG64", "numpy.random._pickle.__bit_generator_ctor",
+                  "numpy.random._pickle.__generator_ctor", "numpy.random.bit_generator.SeedSequence",
+                  "numpy.random.bit_generator.__pyx_unpickle_SeedSequence"}
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    """``torch.load(weights_only=True)`` with an allowlist: tensors, containers, numpy arrays and generators, and
+    classes (never functions) of raysplit and torch.nn. A checkpoint naming anything else (a tampered file) or one
+    that cannot be read (truncated) is a :class:`ConfigError` naming the file, before any of it is unpickled."""
+    import importlib
+
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - not a zip, truncated: one error naming the file
+        raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:300]}); it is damaged "
+                          "or not a raysplit checkpoint") from None
+    allowed = [c for c in vars(np.dtypes).values() if isinstance(c, type)]  # numpy arrays' dtype classes
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        obj = None
+        if name in _NUMPY_GLOBALS or module.startswith(("raysplit.", "torch.nn.modules.")):
+            try:
+                obj = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                obj = None
+            if name not in _NUMPY_GLOBALS and not isinstance(obj, type):
+                obj = None
+        if obj is None:
+            raise ConfigError(f"checkpoint {path} names {name}, which a raysplit checkpoint never holds; refusing to "
+                              "load it (tampered with, or not a raysplit checkpoint)")
+        allowed.append(obj)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
@@ -183,9 +225,11 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         ckpt = _load_checkpoint(resume_run_id, cfg.tracking.uri)
         cfg = validate(yaml.safe_load(ckpt["config"]))
     prepared = prepare(cfg)  # every config/data/model error is raised here, before any actor exists
+    backend = make_backend(cfg.runtime)
+    backend.connect()  # Ray up and the actors' resources checked before any MLflow run or actor exists
     tcfg = cfg.tracking
     tracker = Tracker(tcfg.uri, tcfg.experiment, tcfg.run_name or cfg.name, run_id=resume_run_id,
-                      enabled=tcfg.enabled)
+                      enabled=tcfg.enabled, output_dir=tcfg.output_dir, retry_s=tcfg.retry_s)
     with tracker:
         out_dir = Path(tcfg.output_dir) / tracker.run_id
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +238,7 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         if ckpt is None:
             reporter.start()
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path})
-        rt = Runtime(make_backend(cfg.runtime), prepared.inputs, cfg.runtime.max_in_flight)
+        rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight)
         try:
             alg = prepared.algorithm
             driver = alg.driver(rt, alg, prepared.sample_stream, cfg.seed)
@@ -213,7 +257,16 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
                     _atomic_save({"round": rnd, "history": reporter.hist, "runtime": rt.state_dict(),
                                   "driver": driver.state_dict(), "config": dump(cfg)}, ckpt_path)
 
-            driver.run(start, cfg.train.rounds, after_round)
+            guard = None
+            if cfg.runtime.backend == "ray":  # with max_retries=0 it only names the round in the error
+
+                def restarted(count: int, why: str) -> None:
+                    print(f"raysplit: {why}; every actor replaced and the round redone (restart {count} of at most "
+                          f"{cfg.runtime.max_retries})", file=sys.stderr)
+                    tracker.set_tags({"raysplit.actor_restarts": count, f"raysplit.restart_{count}": why[:4000]})
+
+                guard = RoundGuard(rt, driver, cfg.runtime.max_retries, extra=reporter, on_restart=restarted)
+            driver.run(start, cfg.train.rounds, after_round, guard)
             out = reporter.finish(driver.client_totals(), ckpt_path)
             alg.close(rt)
             return out

@@ -5,6 +5,7 @@ Everything goes through a :class:`~raysplit.tracking.Tracker` (MLflow, or nothin
 
 from __future__ import annotations
 
+import copy
 import csv
 import time
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ class Reporter:
         self.positions = prepared.algorithm.positions()
         self._wall0 = time.perf_counter() - self.hist.wall
         self.progress = None
+        # rounds up to this one are already in the tracking store (a resumed run, a round redone after an actor
+        # died): they are recomputed, identical, but not logged a second time
+        self.logged_through = tracker.last_step("train_loss") if history is not None else -1
 
     def begin(self) -> None:
         """The rounds start now (the runtime is up): wall time counts from here, the progress bar appears."""
@@ -133,7 +137,9 @@ class Reporter:
             m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
         hist.add("train_loss", rnd, m["train_loss"])
         hist.last_round = rnd
-        self.tracker.log_metrics(m, step=rnd)
+        if rnd > self.logged_through:
+            self.tracker.log_metrics(m, step=rnd)
+            self.logged_through = rnd
         self.final = m
         if self.on_round is not None:
             self.on_round(rnd, m)
@@ -142,6 +148,17 @@ class Reporter:
             last_acc = hist.curves["accuracy"][-1][1] if hist.curves.get("accuracy") else float("nan")
             self.progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{m['train_loss']:.3f}", sim=f"{hist.t_sim:.1f}s")
         return m
+
+    def snapshot(self) -> dict:
+        """What ``record`` changes, to undo a round that is redone (``RoundGuard``)."""
+        return {"hist": copy.deepcopy(self.hist), "final": dict(self.final),
+                "progress": self.progress.n if self.progress is not None else 0}
+
+    def restore(self, snap: dict) -> None:
+        self.hist, self.final = copy.deepcopy(snap["hist"]), dict(snap["final"])
+        if self.progress is not None:
+            self.progress.n = snap["progress"]
+            self.progress.refresh()
 
     def _evaluation(self, rnd: int, rt, global_handle, participants) -> dict:
         hist = self.hist

@@ -1,98 +1,241 @@
-"""MLflow tracking for a run: params flattened, metrics per round (step = round), artifacts, FAILED on error.
+"""MLflow tracking for a run: params flattened, metrics per round (step = round), artifacts, FAILED on error; and
+nothing lost when the tracking store goes away mid-run.
 
 Default store: ``sqlite:///<cwd>/mlflow.db`` (MLflow 3 refuses the file store); ``tracking.uri`` or
-``MLFLOW_TRACKING_URI`` select any other.
+``MLFLOW_TRACKING_URI`` select any other. Credentials for a server behind MLflow's basic-auth app come from the
+environment (``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``, or ``MLFLOW_TRACKING_TOKEN``), never
+from a config file, and are never logged.
+
+**The spool.** Every call (a batch of metrics, params or tags, an artifact, the run's end) goes to the store in
+the order it was made. When one fails because the store cannot be reached (connection refused, timeout, a 5xx,
+a locked database), it and every later call are appended to ``<tracking.output_dir>/<run id>/mlflow-spool.jsonl``
+instead and training goes on; at most every ``retry_s`` seconds, and at the end of the run, the spool is
+replayed in order (metrics keep their original timestamps and steps) and emptied. A spool that still holds calls
+when the run ends is reported with the one command that replays it: ``raysplit replay FILE``. Errors that a retry
+cannot fix (an invalid metric name, an unknown run) are raised, not spooled.
+
+The MLflow HTTP client retries a refused connection 7 times over about four minutes by default; unless the
+environment says otherwise, a run sets ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=1``, ``..._BACKOFF_FACTOR=1`` and
+``..._TIMEOUT=20`` so an unreachable server costs seconds, not minutes, before the call is spooled.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
+import time
 import uuid
 from pathlib import Path
 
-
-class _LazyMlflow:
-    """``mlflow`` imported on first use, so runs with ``tracking.enabled: false`` need no MLflow install."""
-
-    def __getattr__(self, name):
-        import mlflow as _mlflow
-
-        return getattr(_mlflow, name)
-
-
-mlflow = _LazyMlflow()
+# errors a later retry cannot fix: the call itself is wrong
+_PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",
+              "BAD_REQUEST", "FEATURE_DISABLED"}
+_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
 def resolve_uri(uri: str | None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
 
 
+def _transient(e: Exception) -> bool:
+    """True for a failure of the store (unreachable, overloaded, locked), not of the call."""
+    code = getattr(e, "error_code", None)
+    return not (code in _PERMANENT or isinstance(e, (TypeError, ValueError)) and code is None)
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    for k, v in _HTTP_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    return MlflowClient(uri)
+
+
+def _apply(client, op: dict) -> None:
+    """One spooled call against the store."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    kind, run_id = op["op"], op["run_id"]
+    if kind == "batch":
+        metrics = [Metric(k, v, ts, step) for k, v, ts, step in op.get("metrics", [])]
+        params = [Param(k, v) for k, v in op.get("params", [])]
+        tags = [RunTag(k, v) for k, v in op.get("tags", [])]
+        for i in range(0, max(len(metrics), len(params), len(tags), 1), 100):  # the store's per-call limits
+            client.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100], tags=tags[i:i + 100])
+    elif kind == "artifact":
+        client.log_artifact(run_id, op["path"], op.get("artifact_path"))
+    elif kind == "terminate":
+        client.set_terminated(run_id, op["status"], end_time=op.get("end_time"))
+    else:
+        raise ValueError(f"unknown spooled call {kind!r}")
+
+
+def replay(spool: str | Path, uri: str | None = None) -> int:
+    """Deliver a spool file's calls in order; returns how many were delivered. The file keeps (atomically
+    rewritten) the calls not yet delivered when the store fails again, and is removed once empty."""
+    path = Path(spool)
+    if not path.is_file():
+        raise FileNotFoundError(f"no spool file {path}")
+    ops = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    client = _client(resolve_uri(uri or (ops[0].get("uri") if ops else None)))
+    done = 0
+    try:
+        for op in ops:
+            _apply(client, op)
+            done += 1
+    finally:
+        rest = ops[done:]
+        if rest:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(o) + "\n" for o in rest))
+            os.replace(tmp, path)
+        else:
+            path.unlink()
+    return done
+
+
 class Tracker:
     """One MLflow run. Use as a context manager: an exception ends the run as FAILED and is re-raised."""
 
     def __init__(self, uri: str | None, experiment: str, run_name: str | None = None, run_id: str | None = None,
-                 enabled: bool = True):
+                 enabled: bool = True, output_dir: str | Path = "outputs", retry_s: float = 30.0):
         self.uri = resolve_uri(uri)
         self.experiment = experiment
         self.run_name = run_name
         self.resume_id = run_id
         self.enabled = enabled  # False: metrics leave through another path (Tune's MLflowLoggerCallback)
-        self.run = None
+        self.output_dir = Path(output_dir)
+        self.retry_s = retry_s
+        self.client = None
+        self._run_id: str | None = None
         self._local_id = uuid.uuid4().hex
+        self.spool_path: Path | None = None
+        self._spooled = 0  # calls in the spool file now
+        self._next_retry = 0.0
+        self.undelivered = 0  # calls left in the spool when the run ended
 
+    # ---- the run ---------------------------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
         if not self.enabled:
             return self
-        mlflow.set_tracking_uri(self.uri)
-        if self.resume_id:
-            self.run = mlflow.start_run(run_id=self.resume_id)
-        else:
-            mlflow.set_experiment(self.experiment)
-            self.run = mlflow.start_run(run_name=self.run_name)
+        from mlflow.tracking.context.registry import resolve_tags
+
+        self.client = _client(self.uri)
+        try:
+            if self.resume_id:
+                self.client.get_run(self.resume_id)  # an unknown id is an error here
+                self.client.update_run(self.resume_id, status="RUNNING")
+                self._run_id = self.resume_id
+            else:
+                exp = self.client.get_experiment_by_name(self.experiment)
+                exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
+                tags = resolve_tags({"mlflow.runName": self.run_name} if self.run_name else {})
+                self._run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
+        except Exception as e:
+            raise RuntimeError(f"cannot start an MLflow run at {self.uri} (tracking.uri): {e}") from e
+        self.spool_path = self.output_dir / self._run_id / "mlflow-spool.jsonl"
+        if self.spool_path.is_file():  # left by an earlier attempt of this run: deliver it first
+            self._spooled = sum(1 for line in self.spool_path.read_text().splitlines() if line.strip())
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
             return False
         if exc_type is None:
-            mlflow.end_run(status="FINISHED")
+            status = "FINISHED"
         elif issubclass(exc_type, (SystemExit, KeyboardInterrupt)):  # stopped from outside (Tune's scheduler, ^C)
-            mlflow.set_tag("raysplit.stopped", f"{exc_type.__name__}: stopped before the last round")
-            mlflow.end_run(status="KILLED")
+            self.set_tags({"raysplit.stopped": f"{exc_type.__name__}: stopped before the last round"})
+            status = "KILLED"
         else:
-            mlflow.set_tag("raysplit.error", f"{exc_type.__name__}: {exc}"[:5000])
-            mlflow.end_run(status="FAILED")
+            self.set_tags({"raysplit.error": f"{exc_type.__name__}: {exc}"[:5000]})
+            status = "FAILED"
+        self._call({"op": "terminate", "run_id": self.run_id, "status": status,
+                    "end_time": int(time.time() * 1000)}, force_retry=True)
+        if self._spooled:
+            self.undelivered = self._spooled
+            print(f"raysplit: the tracking store {self.uri} could not take {self._spooled} call(s) of run "
+                  f"{self.run_id}; they are kept in order in {self.spool_path}. Deliver them with:\n"
+                  f"    raysplit replay {self.spool_path} --tracking-uri {self.uri}", file=sys.stderr)
         return False
 
     @property
     def run_id(self) -> str:
-        return self.run.info.run_id if self.run is not None else self._local_id
+        return self._run_id or self._local_id
+
+    # ---- calls -------------------------------------------------------------------------------------------------
+    def _call(self, op: dict, force_retry: bool = False) -> None:
+        """Deliver ``op`` after everything spooled before it, or spool it."""
+        op = {**op, "uri": self.uri}
+        if self._spooled and (force_retry or time.monotonic() >= self._next_retry):
+            self._flush()
+        if not self._spooled:
+            try:
+                _apply(self.client, op)
+                return
+            except Exception as e:  # noqa: BLE001 - sorted below: transient ones are spooled
+                if not _transient(e):
+                    raise
+                print(f"raysplit: tracking store {self.uri} unreachable ({type(e).__name__}: {str(e)[:200]}); "
+                      f"spooling to {self.spool_path}, retrying every {self.retry_s:g} s", file=sys.stderr)
+                self._next_retry = time.monotonic() + self.retry_s
+        self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spool_path, "a") as f:
+            f.write(json.dumps(op) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._spooled += 1
+
+    def _flush(self) -> None:
+        try:
+            replay(self.spool_path, self.uri)
+            self._spooled = 0
+            print(f"raysplit: tracking store {self.uri} reachable again; the spool is delivered", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - still down: keep what is left, try again later
+            if not _transient(e):
+                raise
+            self._spooled = (sum(1 for ln in self.spool_path.read_text().splitlines() if ln.strip())
+                             if self.spool_path.is_file() else 0)
+            self._next_retry = time.monotonic() + self.retry_s
 
     def log_params(self, params: dict) -> None:
         if not self.enabled:
             return
-        clean = {k: (str(v)[:6000] if v is not None else "None") for k, v in params.items()}
-        items = list(clean.items())
-        for i in range(0, len(items), 100):
-            mlflow.log_params(dict(items[i:i + 100]))
+        clean = [[k, str(v)[:6000] if v is not None else "None"] for k, v in params.items()]
+        self._call({"op": "batch", "run_id": self.run_id, "params": clean})
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        ok = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        ts = int(time.time() * 1000)
+        ok = [[k, float(v), ts, int(step)] for k, v in metrics.items()
+              if isinstance(v, (int, float)) and math.isfinite(float(v))]
         if ok:
-            mlflow.log_metrics(ok, step=step)
+            self._call({"op": "batch", "run_id": self.run_id, "metrics": ok})
 
     def set_tags(self, tags: dict) -> None:
         if not self.enabled:
             return
-        mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        self._call({"op": "batch", "run_id": self.run_id, "tags": [[k, str(v)] for k, v in tags.items()]})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if not self.enabled:
             return
-        mlflow.log_artifact(str(path), artifact_path)
+        self._call({"op": "artifact", "run_id": self.run_id, "path": str(Path(path).resolve()),
+                    "artifact_path": artifact_path})
+
+    def last_step(self, key: str) -> int:
+        """The last step at which ``key`` reached the store (-1: none), spooled calls included."""
+        if not self.enabled or self._run_id is None:
+            return -1
+        steps = [m.step for m in self.client.get_metric_history(self._run_id, key)]
+        if self._spooled:
+            for line in self.spool_path.read_text().splitlines():
+                op = json.loads(line) if line.strip() else {}
+                steps += [m[3] for m in op.get("metrics", []) if m[0] == key]
+        return max(steps, default=-1)
 
 
 def get_run(run_id: str, uri: str | None = None):

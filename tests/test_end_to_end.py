@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import mlflow
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import make_config
@@ -78,7 +80,9 @@ def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
     for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up"):
         assert resumed[k] == pytest.approx(full[k], rel=1e-6), k
     hist = client.get_metric_history(crashed.info.run_id, "accuracy")
-    assert sorted({h.step for h in hist}) == [0, 1, 2, 3]
+    assert sorted(h.step for h in hist) == [0, 1, 2, 3]  # round index 2, logged before the crash, once
+    for key in ("train_loss", "sim_time"):
+        assert sorted(h.step for h in client.get_metric_history(crashed.info.run_id, key)) == [0, 1, 2, 3], key
     final = [h.value for h in hist if h.step == 3]
     assert final == [pytest.approx(full["accuracy"])]
 
@@ -90,8 +94,8 @@ def test_nonfinite_loss_stops_naming_round_and_client_and_marks_failed(ray_sessi
 
     with pytest.raises(NonFiniteLossError, match=r"round \d+, client \d+"):
         run_experiment(cfg)
-    runs = MlflowClient(mlflow_uri).search_runs(
-        [mlflow.get_experiment_by_name("nan").experiment_id])
+    client = MlflowClient(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("nan").experiment_id])
     assert runs[0].info.status == "FAILED"
     assert "NonFiniteLossError" in runs[0].data.tags["raysplit.error"]
 
@@ -123,6 +127,7 @@ def test_missing_resources_fail_at_once_naming_them(ray_session, tmp_path, mlflo
     with pytest.raises(ResourceError) as e:
         run_experiment(cfg)
     assert "GPU" in str(e.value) and "server" in str(e.value)
+    assert MlflowClient(mlflow_uri).get_experiment_by_name("res") is None  # refused before any MLflow run
 
 
 def test_same_seed_same_metrics(ray_session, tmp_path, mlflow_uri):
@@ -149,3 +154,34 @@ def test_sflv1_with_plain_sgd_equals_fedavg(tmp_path, mlflow_uri):
     a = run_experiment(make_config(tmp_path / "a", mlflow_uri, **{**over, "algorithm.name": "sflv1"}))
     b = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{**over, "algorithm.name": "fedavg"}))
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
+
+
+class _Touch:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("alg", ["sflv2", "gas"])
+def test_checkpoints_load_weights_only_and_a_tampered_or_truncated_one_names_the_file(tmp_path, mlflow_uri, alg):
+    from raysplit.experiment import load_checkpoint_file
+
+    cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.name": alg, "train.rounds": 2, "runtime.backend": "local",
+                                               "tracking.checkpoint_every": 1, "tracking.experiment": "ckpt"})
+    out = run_experiment(cfg)
+    path = Path(MlflowClient(mlflow_uri).get_run(out["run_id"]).data.tags["raysplit.checkpoint"])
+    ck = load_checkpoint_file(path)  # a genuine checkpoint (GAS's holds modules and numpy generators) loads
+    assert ck["round"] == 1 and "runtime" in ck
+    marker = tmp_path / "ran"
+    tampered = tmp_path / "tampered.pt"
+    torch.save({**ck, "extra": _Touch(marker)}, tampered)
+    with pytest.raises(ConfigError, match="refusing to load") as e:
+        load_checkpoint_file(tampered)
+    assert str(tampered) in str(e.value) and not marker.exists()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="unreadable") as e:
+        load_checkpoint_file(truncated)
+    assert str(truncated) in str(e.value)

@@ -263,6 +263,12 @@ class Runtime:
             out.update(part)
         return out
 
+    def restart(self) -> None:
+        """Fresh hosts for the whole run (after an actor died); the caller restores their state
+        (``load_state_dict``) from the last round boundary."""
+        self.backend.restart(self.inputs)
+        self._inflight = []
+
     def state_dict(self) -> dict:
         states = self.backend.get([self.server.state_dict()] + self.workers.state_dict())
         return {"server": states[0], "workers": states[1:]}
@@ -310,6 +316,9 @@ class LocalBackend:
         self.workers: list = []
         self.server = None
 
+    def connect(self) -> None:
+        pass
+
     def start(self, inputs: RuntimeInputs) -> None:
         self.server = inputs.server_host(inputs.spec, inputs.server_init, inputs.client_init, inputs.test_data,
                                          inputs.labeled_data)
@@ -340,6 +349,9 @@ class LocalBackend:
 
     def wait(self, handles, num_ready):
         return []
+
+    def restart(self, inputs: RuntimeInputs) -> None:
+        self.start(inputs)
 
     def shutdown(self) -> None:
         self.workers, self.server = [], None

@@ -16,6 +16,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
+from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.messages import StateMsg
 
 
@@ -32,13 +33,24 @@ class Driver:
         self.t_sim = 0.0
         self.global_handle = rt.put(StateMsg(rt.inputs.client_init))
 
-    def run(self, start: int, rounds: int, on_round: Callable[[int, object], None]) -> None:
+    def run(self, start: int, rounds: int, on_round: Callable[[int, object], None], guard=None) -> None:
         """Run global rounds ``start .. rounds-1``, or until the algorithm says it has finished (early stopping);
-        ``on_round(rnd, RoundStats)`` after each."""
-        for rnd in range(start, rounds):
-            on_round(rnd, self.round(rnd))
+        ``on_round(rnd, RoundStats)`` after each. With a ``guard`` (:class:`RoundGuard`), a round (with its
+        ``on_round``) during which an actor died is redone from the state the guard took before it."""
+        rnd = start
+        while rnd < rounds:
+            try:
+                if guard is not None:
+                    guard.snapshot(rnd)
+                on_round(rnd, self.round(rnd))
+            except ActorFailure as e:
+                if guard is None:
+                    raise
+                rnd = guard.recover(e, rnd)  # the round to redo; raises when the retry budget is spent
+                continue
             if self.algorithm.finished():
                 break
+            rnd += 1
 
     def round(self, rnd: int):
         raise NotImplementedError
@@ -56,6 +68,47 @@ class Driver:
         self.t_sim = st["t_sim"]
         self.global_handle = self.rt.put(st["global"]) if st["global"] is not None else None
         self.algorithm.load_state_dict(st.get("algorithm", {}))
+
+
+class RoundGuard:
+    """Survives actor deaths (``runtime.max_retries``): before every round it keeps the state of the runtime's hosts,
+    of the driver (algorithm included) and of whatever ``extra`` snapshots (the reporter); after an actor died it
+    replaces every actor, restores that state and lets the driver redo the round, so the run's metrics equal an
+    uninterrupted run's. ``on_restart(count, error)`` is told of each restart (the experiment logs it)."""
+
+    def __init__(self, rt, driver, max_retries: int, extra=None, on_restart=None):
+        self.rt, self.driver, self.max_retries = rt, driver, max_retries
+        self.extra, self.on_restart = extra, on_restart
+        self.restarts = 0
+        self.last: tuple[int, dict] | None = None
+
+    def snapshot(self, rnd: int) -> None:
+        """The state before round ``rnd`` (kept only once it is complete; not taken when no restart is allowed)."""
+        if self.max_retries <= self.restarts:
+            return
+        self.last = (rnd, {"runtime": self.rt.state_dict(), "driver": self.driver.state_dict(),
+                           "extra": self.extra.snapshot() if self.extra is not None else None})
+
+    def recover(self, error: ActorFailure, rnd: int) -> int:
+        """Replace the actors and restore the last snapshot; returns the round to redo (the snapshot's)."""
+        if self.last is None or self.restarts >= self.max_retries:
+            raise ActorFailure(f"{error} in round {rnd}; not restarted: the retry budget (runtime.max_retries="
+                               f"{self.max_retries}) is spent") from None
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart(self.restarts, f"{error} in round {rnd}")
+        redo, snap = self.last
+        try:
+            self.rt.restart()
+            self.rt.load_state_dict(snap["runtime"])
+        except ResourceError as e:
+            raise ActorFailure(f"{error} in round {rnd}; the cluster can no longer host the run: {e}") from None
+        except ActorFailure as again:  # a replacement died too: another restart, if the budget allows
+            return self.recover(again, rnd)
+        self.driver.load_state_dict(snap["driver"])
+        if self.extra is not None:
+            self.extra.restore(snap["extra"])
+        return redo
 
 
 class RoundDriver(Driver):

@@ -12,16 +12,13 @@ from collections import defaultdict
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime import stepping
 from raysplit.runtime.api import RuntimeInputs, host_inputs, worker_index
 
-
-class ResourceError(RuntimeError):
-    """The requested actors cannot be placed on this cluster (Ray would wait forever)."""
+__all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
 
-class ActorFailure(RuntimeError):
-    """An actor died (node lost, OOM, crash) during a run."""
 
 
 @ray.remote
@@ -83,18 +80,21 @@ class RayPort:
 
 
 def init_ray(rcfg) -> bool:
-    """Connect to (``address`` set) or start a local Ray. Returns True if this call started/connected Ray."""
+    """Join the cluster at ``runtime.address`` (``auto``: the one running on this machine or named by
+    RAY_ADDRESS), taking its resources as they are; or, with no address, start a private local Ray for this run
+    (``address="local"``: never attach to a cluster that happens to run on this machine, whose resources were not
+    sized for this run). Returns True if this call started/connected Ray."""
     if ray.is_initialized():
         return False
     if rcfg.address:
         ray.init(address=rcfg.address, log_to_driver=True)
         return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local single-user cluster (stack.md §6)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-user Ray on this machine (stack.md §6)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     need = rcfg.server.num_cpus + rcfg.num_workers * rcfg.client.num_cpus
     num_cpus = rcfg.num_cpus or max(os.cpu_count() or 1, math.ceil(need))
-    ray.init(num_cpus=num_cpus, object_store_memory=rcfg.object_store_memory, include_dashboard=False,
-             log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=rcfg.object_store_memory,
+             include_dashboard=False, log_to_driver=True)
     return True
 
 
@@ -140,19 +140,29 @@ class RayBackend:
         self._worker_ids: set = set()
         self._last: dict = {}  # client actor id -> ObjectRef of the driver's latest call on it
         self._barrier = None  # ObjectRef of a driven step sequence that later client-actor calls must follow
+        self._connected = False
+        self._refs: dict = {}  # the run's inputs in the object store, put once (they outlive restarted actors)
+
+    def connect(self) -> None:
+        """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
+        actor exists, so an impossible request costs nothing but its error."""
+        if not self._connected:
+            self.started_ray = init_ray(self.rcfg)
+            self._connected = True
+        check_resources(self.rcfg)
 
     def start(self, inputs: RuntimeInputs) -> None:
-        self.started_ray = init_ray(self.rcfg)
-        check_resources(self.rcfg)
+        self.connect()
         r = self.rcfg
-        train_ref = ray.put(inputs.train_data)  # the dataset goes into the object store once, shared
-        test_ref = ray.put(inputs.test_data)
-        client_init = ray.put(inputs.client_init)
+        if not self._refs:  # the dataset goes into the object store once, shared by every actor
+            self._refs = {k: ray.put(v) for k, v in (("train", inputs.train_data), ("test", inputs.test_data),
+                                                      ("client_init", inputs.client_init),
+                                                      ("labeled", inputs.labeled_data))}
+        train_ref, test_ref, client_init = self._refs["train"], self._refs["test"], self._refs["client_init"]
         self.server = HostActor.options(
             num_cpus=r.server.num_cpus, num_gpus=r.server.num_gpus, resources=r.server.resources or None,
             memory=r.server.memory, name=None,
-        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref,
-                 ray.put(inputs.labeled_data))
+        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref, self._refs["labeled"])
         opts = dict(num_cpus=r.client.num_cpus, num_gpus=r.client.num_gpus, resources=r.client.resources or None,
                     memory=r.client.memory)
         if r.spread_clients:
@@ -167,7 +177,18 @@ class RayBackend:
         self.roles.update({w._actor_id.hex(): f"client actor {i} (hosting clients {i}, {i + n}, {i + 2 * n}, ...)"
                            for i, w in enumerate(self.workers)})
         # Constructors raise here (bad data, model errors) rather than at the first round.
-        self.get([a.node_id.remote() for a in [self.server, *self.workers]])
+        nodes = self.get([a.node_id.remote() for a in [self.server, *self.workers]])
+        for a, node in zip([self.server, *self.workers], nodes):
+            self.roles[a._actor_id.hex()] += f" on node {node}"
+
+    def restart(self, inputs: RuntimeInputs) -> None:
+        """Replace every actor of the run (the dead one and the survivors) with fresh ones, wherever the cluster
+        has room now; the caller then restores their state. A cluster that can no longer host them is a
+        ResourceError naming what is missing."""
+        self._kill_actors()
+        self._barrier = None
+        self._last.clear()
+        self.start(inputs)
 
     def call(self, actor, method, *args, **kwargs):
         if actor._actor_id not in self._worker_ids:
@@ -205,14 +226,20 @@ class RayBackend:
             cause = e
             while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
                 cause = cause.cause  # a driven step sequence nests the client actor's error in the server's
+            if isinstance(cause, RayActorError):  # a client actor died under the server's driven loop
+                raise self._actor_failure(cause) from None
             raise cause from None
         except RayActorError as e:
-            role = self.roles.get(getattr(e, "actor_id", None) or "", "an actor of this run")
-            why = str(e).strip().splitlines()
-            detail = "; ".join(ln.strip() for ln in why if "died because" in ln or "node" in ln.lower())[:500]
-            raise ActorFailure(f"{role} died ({type(e).__name__}): {detail or why[0]}") from None
+            raise self._actor_failure(e) from None
         except GetTimeoutError:
             raise TimeoutError(f"no result from the actors within {timeout or self.get_timeout} s") from None
+
+    def _actor_failure(self, e: RayActorError) -> ActorFailure:
+        role = self.roles.get(getattr(e, "actor_id", None) or "", "an actor of this run")
+        why = str(e).strip().splitlines()
+        detail = "; ".join(ln.strip() for ln in why if "died because" in ln or "node" in ln.lower()
+                           or "killed" in ln)[:500]
+        return ActorFailure(f"{role} died ({type(e).__name__}): {detail or why[0]}")
 
     def wait(self, handles: list, num_ready: int) -> list:
         """Block until ``num_ready`` of ``handles`` are done; return the ones still pending."""
@@ -223,7 +250,7 @@ class RayBackend:
         return {"server": self.get([self.server.node_id.remote()]),
                 "workers": self.get([w.node_id.remote() for w in self.workers])}
 
-    def shutdown(self) -> None:
+    def _kill_actors(self) -> None:
         for a in [self.server, *self.workers]:
             if a is not None:
                 try:
@@ -231,5 +258,9 @@ class RayBackend:
                 except Exception:  # noqa: BLE001 - already dead
                     pass
         self.workers, self.server = [], None
+
+    def shutdown(self) -> None:
+        self._kill_actors()
+        self._refs = {}
         if self.started_ray and not self.rcfg.address:
             ray.shutdown()
