@@ -5,6 +5,7 @@ they must, bad input, and every new algorithm through Ray with MLflow."""
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,28 @@ def test_ampere_family_through_ray_with_mlflow(ray_session, tmp_path, mlflow_uri
     assert "client_accounting.csv" in arts
     if algorithm == "ampere":
         assert run.data.metrics["server_epochs"] == 2
+
+
+def test_the_server_phase_ends_with_its_best_validated_block(tmp_path, mlflow_uri, fmnist_root):
+    """restore_best: the last round's test accuracy is the one of the server epoch with the best validation
+    accuracy, as logged by the same run without the restore (identical up to that point)."""
+    if not Path("/usr/share/datasets/fashion-mnist").is_dir():
+        pytest.skip("needs the dataset-fashion-mnist package")
+    over = {"algorithm": {"name": "ampere", "device_rounds": 2, "server_epochs": 5, "patience": 5,
+                          "server_batch_size": 16, "chunk_rows": 64, "cache_mb": 4.0}, "train.rounds": 7,
+            "data.root": None, "data.options": {}, "data.max_train_samples": 800, "train.optimizer.lr": 0.3}
+    runs = {}
+    for restore in (False, True):
+        cfg = amp_cfg(tmp_path / str(restore), mlflow_uri, fmnist_root, **over,
+                      **{"algorithm.restore_best": restore, "algorithm.store_path": str(tmp_path / f"s{restore}")})
+        hist = []
+        run_experiment(cfg, on_round=lambda r, m: hist.append(m))
+        runs[restore] = hist
+    last, best = runs[False], runs[True]
+    assert len(last) == len(best) == 7
+    server = [m for m in last if m.get("server_epochs", 0) > 0 and "server_val_accuracy" in m]
+    assert len(server) == 5
+    top = max(server, key=lambda m: m["server_val_accuracy"])  # the first epoch reaching the best
+    assert top is not server[-1]  # this setting's best epoch is not its last: the restore shows
+    assert best[-1]["accuracy"] == pytest.approx(top["accuracy"])
+    assert [m["accuracy"] for m in best[:-1]] == pytest.approx([m["accuracy"] for m in last[:-1]])

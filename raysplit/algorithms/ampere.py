@@ -15,6 +15,9 @@ code exists (seed-code.md §5): this module is our reading of the paper.
    a shuffled, memory-bounded loader (``cache_mb``), until validation accuracy (the validation activations) has
    not improved for ``patience`` epochs, or after ``server_epochs``. ``consolidate: false`` is the paper's ablation
    (§5.2.4): a server block per device trained on that device's activations only, averaged after every epoch.
+   When the phase stops, the server block of its best validation epoch is restored (``restore_best``, default
+   true: early stopping as the paper cites it [40], which keeps the best-validated weights; false keeps the last
+   epoch's block, which with patience P is P epochs past the best).
 
 Evaluation on the global test set: the device block with the auxiliary net during the device phase, with the
 server block during the server phase. A round is a device round or a server epoch; the run stops when the server
@@ -150,6 +153,7 @@ class AmpereServer(AuxServer):
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         self.server_init = copy.deepcopy(self.models["main"].module.state_dict())
+        self.best_val, self.best_state, self.last_val = -1.0, None, float("nan")
         self.stores: dict[str, ActivationStore] = {}
         self.arrivals: list[float] = []
         self.epochs_done = 0
@@ -229,7 +233,14 @@ class AmpereServer(AuxServer):
             correct += int((pred == y).sum())
             total += len(y)
         module.train()
-        return correct / max(total, 1)
+        acc = self.last_val = correct / max(total, 1)
+        if acc > self.best_val:  # the block to restore when the phase stops (Ampere.restore_best)
+            self.best_val, self.best_state = acc, copy.deepcopy(module.state_dict())
+        return acc
+
+    def restore_best(self) -> None:
+        if self.best_state is not None:
+            self.models["main"].module.load_state_dict(self.best_state)
 
     @torch.no_grad()
     def evaluate_phase(self, client_state: StateMsg, phase: str) -> tuple[np.ndarray, np.ndarray, float]:
@@ -242,18 +253,25 @@ class AmpereServer(AuxServer):
         return self.predict(model)
 
     def round_metrics(self) -> dict:
-        return {"server_epochs": self.epochs_done, "cache_peak_mb": getattr(self, "peak_cache", 0) / 2**20}
+        out = {"server_epochs": self.epochs_done, "cache_peak_mb": getattr(self, "peak_cache", 0) / 2**20}
+        if self.epochs_done:
+            out["server_val_accuracy"] = self.last_val  # the epoch's validation accuracy (restore_best picks on it)
+        return out
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "ampere": {"epochs_done": self.epochs_done, "arrivals": self.arrivals,
                                                    "server_init": self.server_init,
-                                                   "store_path": getattr(self, "store_path", None)}}
+                                                   "store_path": getattr(self, "store_path", None),
+                                                   "best_val": self.best_val, "best_state": self.best_state,
+                                                   "last_val": self.last_val}}
 
     def load_state_dict(self, st: dict) -> None:
         super().load_state_dict(st)
         a = st["ampere"]
         self.epochs_done, self.arrivals, self.server_init = a["epochs_done"], a["arrivals"], a["server_init"]
         self.store_path = a["store_path"]
+        self.best_val, self.best_state = a.get("best_val", -1.0), a.get("best_state")
+        self.last_val = a.get("last_val", float("nan"))
         self.stores = {}
 
 
@@ -271,6 +289,8 @@ class AmpereParams(AlgorithmParams):
                                    "the system temp directory)")
     consolidate: bool = Field(default=True, description="false: the ablation with a server block per device, "
                               "averaged every epoch")
+    restore_best: bool = Field(default=True, description="when the server phase stops, restore its best-validated "
+                               "server block (false: keep the last epoch's)")
 
 
 @register
@@ -305,6 +325,7 @@ class Ampere(Algorithm):
     def setup(self, info: SetupInfo) -> None:
         p = self.params
         self.phase, self.best, self.bad, self.done, self.device_rounds, self.server_epochs = "device", -1.0, 0, False, 0, 0
+        self.round_phase = self.phase  # state_dict is taken before the first round too (runtime.max_retries)
         shards = sum(math.ceil(n / p.chunk_rows) for n in info.counts.sum(axis=1))
         need = 2 * shards * self.activation_row_bytes  # the loader holds two groups, each a row of every shard
         if p.cache_mb * 2**20 < need:
@@ -348,6 +369,8 @@ class Ampere(Algorithm):
         self.val_accuracy = rt.get(rt.server.validate_server())
         if not self._improved(self.val_accuracy) or self.server_epochs >= p.server_epochs:
             self.done = True
+            if p.restore_best:
+                rt.get(rt.server.restore_best())  # before this round's evaluation
         return None
 
     def _transfer(self, rt, agg) -> None:
