@@ -26,14 +26,20 @@ def run_cached(code: str, out: Path, what: str) -> dict:
 
 def run_config(config: Path, overrides: dict, label: str, out: Path, keys: tuple[str, ...] = ()) -> dict:
     """One ``run_experiment`` of ``config`` with ``overrides`` (cached in ``out``): the final metrics, the evaluated
-    rounds as ``curve`` = [(round, sim_time, accuracy)], and ``history`` = the per-round values of ``keys``."""
+    rounds as ``curve`` = [(round, sim_time, accuracy)], and ``history`` = the per-round values of ``keys``. A run
+    that diverged (non-finite loss) is a result too: accuracy NaN and ``diverged`` = the error naming round and
+    client."""
     code = f"""
 import json
 from raysplit.config import load_config
 from raysplit.experiment import run_experiment
 cfg = load_config({str(config)!r}, {{**{overrides!r}, "tracking.progress": False, "tracking.run_name": {label!r}}})
+from raysplit.runtime import NonFiniteLossError
 hist = []
-res = run_experiment(cfg, on_round=lambda r, m: hist.append((r, m)))
+try:
+    res = run_experiment(cfg, on_round=lambda r, m: hist.append((r, m)))
+except NonFiniteLossError as e:  # a diverged run is a result: kept, shown as diverged, never averaged
+    res = {{"accuracy": float("nan"), "diverged": str(e), "sim_time": hist[-1][1].get("sim_time", 0.0) if hist else 0.0}}
 out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
 out["curve"] = [(r + 1, m["sim_time"], m["accuracy"]) for r, m in hist if "accuracy" in m]
 out["history"] = [{{"round": r + 1, **{{k: m[k] for k in {list(keys)!r} if k in m}}}} for r, m in hist]

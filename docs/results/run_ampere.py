@@ -41,12 +41,22 @@ def one(method, alg, alpha, seed, extra=()):
     over.update(dict(extra))
     out = OUT / (label.replace(" ", "_").replace("=", "") + ".json")
     res = run_config(ROOT / "configs/ampere/fmnist.yaml", over, label, out, keys=KEYS)
-    print(f"{label:40s} accuracy {res['accuracy']:.4f}", flush=True)
+    print(f"{label:40s} accuracy {res['accuracy']:.4f} {res.get('diverged', '')}", flush=True)
     return res
 
 
 def per_device(res: dict, key: str) -> float:
     return sum(h.get(key, 0.0) for h in res["history"]) / DEVICES
+
+
+def _acc(rs: list) -> str:
+    """Final accuracy mean ± std over the seeds that finished, and the mean best evaluated accuracy; diverged seeds
+    are counted, never averaged."""
+    ok = np.array([r["accuracy"] for r in rs if "diverged" not in r]) * 100
+    best = np.array([r["best_accuracy"] for r in rs if "diverged" not in r]) * 100
+    bad = len(rs) - len(ok)
+    cell = f"{ok.mean():.2f} ± {ok.std():.2f} (best {best.mean():.2f})" if len(ok) else ""
+    return cell + (f" (diverged: {bad}/{len(rs)} seeds)" if bad else "")
 
 
 def table(results, alphas) -> str:
@@ -57,8 +67,7 @@ def table(results, alphas) -> str:
     for method, _ in METHODS:
         accs = []
         for a in alphas:
-            v = np.array([r["accuracy"] for r in results[(method, a)]]) * 100
-            accs.append(f"{v.mean():.2f} ± {v.std():.2f}")
+            accs.append(_acc(results[(method, a)]))
         rs = results[(method, mid)]
         model = np.median([per_device(r, "bytes_up_model") + per_device(r, "bytes_down_model") for r in rs]) / 1e6
         data = np.median([per_device(r, "bytes_up_activations") + per_device(r, "bytes_down_gradients")
@@ -79,7 +88,8 @@ def figure(results, alphas) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, _ in METHODS:
-        acc = [np.array([r["accuracy"] for r in results[(method, a)]]) * 100 for a in alphas]
+        acc = [np.array([r["accuracy"] for r in results[(method, a)] if "diverged" not in r] or [np.nan]) * 100
+               for a in alphas]
         ax.errorbar([str(a) for a in alphas], [a.mean() for a in acc], yerr=[a.std() for a in acc], marker="o",
                     capsize=3, label=method)
     ax.set_xlabel("alpha (Ampere's Dirichlet scheme; 1 is about IID)"), ax.set_ylabel("test accuracy (%)")
@@ -108,8 +118,7 @@ def main() -> int:
         results.setdefault((job[0], job[2]), []).append(res)
     print(table(results, args.alphas))
     if args.ablations:
-        v = np.array([r["accuracy"] for r in results[("Ampere without consolidation", 0.33)]]) * 100
-        print(f"\nAmpere without consolidation, alpha=0.33: {v.mean():.2f} ± {v.std():.2f}")
+        print(f"\nAmpere without consolidation, alpha=0.33: {_acc(results[('Ampere without consolidation', 0.33)])}")
     figure(results, args.alphas)
     (OUT / "summary.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
     return 0
