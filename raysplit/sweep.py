@@ -165,13 +165,17 @@ def tune_space(space: dict[str, dict]) -> dict:
 
 
 def trial_bundles(cfg) -> list[dict]:
-    """Placement-group bundles: the trial driver, the server actor, then one per client actor."""
+    """Placement-group bundles: the trial driver, the server actor, then one per client actor. On the local
+    backend the trial's own process hosts everything: one bundle, the server's resources (so two trials of one
+    CPU each fit a 2-CPU machine, which a token driver bundle beside them would prevent)."""
     r = cfg.runtime
 
     def bundle(res):
         b = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
         return {k: float(v) for k, v in b.items() if v} or {"CPU": 0.001}
 
+    if r.backend == "local":
+        return [bundle(r.server)]
     return [{"CPU": 0.001}, bundle(r.server)] + [bundle(r.client) for _ in range(r.num_workers)]
 
 

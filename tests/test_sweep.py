@@ -109,3 +109,15 @@ def test_ks_schedules_preset_sweeps_the_semisfl_rules(tmp_path):
     space = space_spec(spec, cfg0)
     assert space == {"algorithm.ks": {"grid": ["fixed", "milestones", "ratio"]}}
     assert validate_trials(raw, space) == 3
+
+
+def test_local_backend_trials_reserve_one_bundle_so_two_fit_two_cpus(tmp_path):
+    from raysplit.config import load_config
+    from raysplit.sweep import trial_bundles
+
+    local = load_config(None, {"runtime.backend": "local", "runtime.server.num_cpus": 1})
+    assert trial_bundles(local) == [{"CPU": 1.0}]
+    assert 2 * sum(b.get("CPU", 0) for b in trial_bundles(local)) <= 2
+    ray_cfg = load_config(None, {"runtime.backend": "ray", "runtime.server.num_cpus": 1, "runtime.num_workers": 2,
+                                 "runtime.client.num_cpus": 0.5})
+    assert trial_bundles(ray_cfg) == [{"CPU": 0.001}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
