@@ -5,7 +5,6 @@ Everything goes through a :class:`~raysplit.tracking.Tracker` (MLflow, or nothin
 
 from __future__ import annotations
 
-import copy
 import csv
 import time
 from dataclasses import dataclass, field
@@ -149,13 +148,26 @@ class Reporter:
             self.progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{m['train_loss']:.3f}", sim=f"{hist.t_sim:.1f}s")
         return m
 
+    _LISTS = ("rounds", "label_acc", "grad_norms", "client_rows")  # History's append-only lists
+    _SCALARS = ("best_accuracy", "rounds_to_target", "t_sim", "wall", "last_round")
+
     def snapshot(self) -> dict:
-        """What ``record`` changes, to undo a round that is redone (``RoundGuard``)."""
-        return {"hist": copy.deepcopy(self.hist), "final": dict(self.final),
+        """What ``record`` changes, to undo a round that is redone (``RoundGuard``). The History only grows, so
+        its lengths and scalars are enough: taken before every round, this must not copy the whole run."""
+        h = self.hist
+        return {"lists": {k: len(getattr(h, k)) for k in self._LISTS},
+                "curves": {k: len(v) for k, v in h.curves.items()},
+                "scalars": {k: getattr(h, k) for k in self._SCALARS}, "final": dict(self.final),
                 "progress": self.progress.n if self.progress is not None else 0}
 
     def restore(self, snap: dict) -> None:
-        self.hist, self.final = copy.deepcopy(snap["hist"]), dict(snap["final"])
+        h = self.hist
+        for k, n in snap["lists"].items():
+            del getattr(h, k)[n:]
+        h.curves = {k: v[:snap["curves"][k]] for k, v in h.curves.items() if k in snap["curves"]}
+        for k, v in snap["scalars"].items():
+            setattr(h, k, v)
+        self.final = dict(snap["final"])
         if self.progress is not None:
             self.progress.n = snap["progress"]
             self.progress.refresh()
