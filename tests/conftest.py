@@ -83,3 +83,16 @@ def fmnist_root(tmp_path_factory):
             with gzip.open(folder / f"{prefix}-{kind}-ubyte.gz", "wb") as f:
                 f.write(header + arr.tobytes())
     return root
+
+
+class Touch:
+    """Unpickling this runs ``marker.touch()``: what a malicious pickle (a "CIFAR batch", a "checkpoint") from the
+    internet would do. Tests check it is refused and ``marker`` never appears."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (self.marker,))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import Touch
 from raysplit.data import (
     DATASETS,
     LEAF_ALL_LETTERS,
@@ -489,16 +490,6 @@ def test_no_ray_or_mlflow_import():
 
 
 # ----------------------------------------------------------------------------- untrusted input files
-class _Evil:
-    """Unpickling this runs ``marker.touch()``: what a malicious "CIFAR batch" from the internet would do."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
 def _write_cifar10(tmp_path, rng, edit=None):
     d = tmp_path / "cifar10" / "cifar-10-batches-py"
     d.mkdir(parents=True, exist_ok=True)
@@ -514,11 +505,11 @@ def _write_cifar10(tmp_path, rng, edit=None):
 
 def test_a_malicious_cifar_pickle_is_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "pwned"
-    bad = _write_cifar10(tmp_path, np.random.default_rng(0), lambda b: {**b, b"batch_label": _Evil(marker)})
+    bad = _write_cifar10(tmp_path, np.random.default_rng(0), lambda b: {**b, b"batch_label": Touch(marker)})
     with pytest.raises(ValueError, match="refused to load") as e:
         load_dataset("cifar10", root=str(tmp_path))
     assert str(bad) in str(e.value) and not marker.exists()
-    pickle.loads(pickle.dumps(_Evil(marker)))  # the same object through the plain unpickler does run: the test bites
+    pickle.loads(pickle.dumps(Touch(marker)))  # the same object through the plain unpickler does run: the test bites
     assert marker.exists()
 
 

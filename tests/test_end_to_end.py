@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import Touch, make_config
 from raysplit.algorithms import ALGORITHMS
 from raysplit.config import ConfigError
 from raysplit.experiment import run_experiment
@@ -156,14 +156,6 @@ def test_sflv1_with_plain_sgd_equals_fedavg(tmp_path, mlflow_uri):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
 
 
-class _Touch:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
 @pytest.mark.parametrize("alg", ["sflv2", "gas"])
 def test_checkpoints_load_weights_only_and_a_tampered_or_truncated_one_names_the_file(tmp_path, mlflow_uri, alg):
     from raysplit.experiment import load_checkpoint_file
@@ -176,7 +168,7 @@ def test_checkpoints_load_weights_only_and_a_tampered_or_truncated_one_names_the
     assert ck["round"] == 1 and "runtime" in ck
     marker = tmp_path / "ran"
     tampered = tmp_path / "tampered.pt"
-    torch.save({**ck, "extra": _Touch(marker)}, tampered)
+    torch.save({**ck, "extra": Touch(marker)}, tampered)
     with pytest.raises(ConfigError, match="refusing to load") as e:
         load_checkpoint_file(tampered)
     assert str(tampered) in str(e.value) and not marker.exists()
