@@ -4,12 +4,19 @@ the retry budget the run fails naming the actor, its node and the round, and is 
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 from mlflow.tracking import MlflowClient
+from ray.util.placement_group import placement_group, remove_placement_group
 
 import raysplit.experiment as experiment
 from conftest import make_config
@@ -100,3 +107,78 @@ def test_past_the_retry_budget_the_run_fails_naming_actor_node_and_round(ray_ses
     client = MlflowClient(mlflow_uri)
     run = client.search_runs([client.get_experiment_by_name("faults-budget").experiment_id])[0]
     assert run.info.status == "FAILED" and "ActorFailure" in run.data.tags["raysplit.error"]
+
+
+def test_replacements_no_node_has_room_for_fail_within_the_bound(ray_session, tmp_path, mlflow_uri, backends):
+    """The cluster still offers the actors' resources in total, but another job holds the room when they are
+    replaced: the restart gives up after ``restart_timeout`` (not pending for ever) naming the unplaced actor."""
+    cfg = make_config(tmp_path, mlflow_uri, **{"train.rounds": 3, "tracking.experiment": "faults-no-room"})
+    held = []
+
+    def crowd(rnd, m):
+        if rnd == 1 and not held:
+            b = backends[-1]
+            b.restart_timeout = 10.0
+            b.rcfg.client.num_cpus = 1.5  # replacements: 0.5 + 2 x 1.5 of the 4 CPUs, 1 of them held below
+            held.append(placement_group([{"CPU": 1}]))  # the other job
+            assert held[0].wait(60)
+            ray.kill(b.workers[0])
+            held.append(time.time())
+
+    try:
+        with pytest.raises(ActorFailure) as e:
+            run_experiment(cfg, on_round=crowd)
+        waited = time.time() - held[1]
+    finally:
+        if held:
+            remove_placement_group(held[0])
+    msg = str(e.value)
+    assert "client actor 0" in msg and "on node" in msg and "in round" in msg, msg
+    assert re.search(r"not placed within 10 s: no live node had room for [^(]*client actor \d \{'CPU': 1.5\}", msg), msg
+    assert waited < 30, waited
+    client = MlflowClient(mlflow_uri)
+    run = client.search_runs([client.get_experiment_by_name("faults-no-room").experiment_id])[0]
+    assert run.info.status == "FAILED"
+
+
+@pytest.fixture(scope="module", params=["sigterm", "crash"])
+def node_loss(request, tmp_path_factory):
+    """tests/node_loss_script.py in its own process (its own ray.cluster_utils.Cluster); ``crash``: nodes are
+    SIGKILLed (Ray learns of it from health checks), ``sigterm``: shut down gracefully."""
+    here = Path(__file__).resolve().parent
+    work = tmp_path_factory.mktemp(f"node-loss-{request.param}")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(here.parent))
+    args = [sys.executable, str(here / "node_loss_script.py"), str(work)] + (["crash"] if request.param == "crash"
+                                                                              else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"no result; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert "watchdog" not in out, f"the script ran past its watchdog: {out}\n{proc.stderr[-3000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_node_removed_with_room_elsewhere_the_run_equals_an_uninterrupted_one(node_loss):
+    """The node hosting the client actors is removed mid-run while a spare node has room: the actors are replaced
+    on the spare node, the round redone, and the run's per-round metrics equal the uninterrupted run's."""
+    ref, hit = node_loss["reference"], node_loss["spare"]
+    assert hit["nodes_before"] == [node_loss["node_a"]] and hit["nodes_after"] == [hit["node_b"]], hit
+    assert hit["status"] == "FINISHED" and hit["tags"]["raysplit.actor_restarts"] == "1", hit["tags"]
+    assert node_loss["node_a"] in hit["tags"]["raysplit.restart_1"], hit["tags"]
+    assert hit["curves"] == ref["curves"]
+    assert [s for s, _ in hit["curves"]["train_loss"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_node_removed_with_no_room_fails_within_60s_naming_actor_node_and_round(node_loss):
+    """The node hosting the client actors is removed and no node offers their resource: an ActorFailure naming
+    the actor, the lost node, the round and the missing resource, within 60 s, and a FAILED MLflow run."""
+    got = node_loss["noroom"]
+    err, lost = got["error"] or "", got["nodes_before"][0]
+    assert err.startswith("ActorFailure: "), got
+    # the script calls the client actors from round 1's on_round until one fails, so it is round 1's
+    assert re.search(r"client actor \d", err) and lost in err and " in round 1; " in err, err
+    assert "no node offers a client actor's resources" in err and "'client': 1.0" in err, err
+    assert got["seconds_removal_to_error"] < 60, got
+    assert got["status"] == "FAILED" and got["tags"]["raysplit.error"].startswith("ActorFailure"), got

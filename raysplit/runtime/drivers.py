@@ -36,21 +36,31 @@ class Driver:
     def run(self, start: int, rounds: int, on_round: Callable[[int, object], None], guard=None) -> None:
         """Run global rounds ``start .. rounds-1``, or until the algorithm says it has finished (early stopping);
         ``on_round(rnd, RoundStats)`` after each. With a ``guard`` (:class:`RoundGuard`), a round (with its
-        ``on_round``) during which an actor died is redone from the state the guard took before it."""
-        rnd = start
-        while rnd < rounds:
+        ``on_round``) during which an actor died is redone from the state the guard took before it; so are the
+        run's last actor calls, :meth:`client_totals` (fetched here, then kept): an actor that dies after the last
+        round (a lost node's workers can answer for a few seconds before Ray declares the node dead) redoes that
+        round instead of failing the finished run."""
+        self.__dict__.pop("client_totals", None)
+        rnd, last, done = start, start - 1, start >= rounds
+        while True:
             try:
+                if done:
+                    if guard is not None:
+                        totals = self.client_totals()
+                        self.client_totals = lambda: totals  # an instance attribute: a subclass's method too
+                    return
                 if guard is not None:
                     guard.snapshot(rnd)
                 on_round(rnd, self.round(rnd))
             except ActorFailure as e:
                 if guard is None:
                     raise
-                rnd = guard.recover(e, rnd)  # the round to redo; raises when the retry budget is spent
+                rnd = guard.recover(e, last if done else rnd)  # the round to redo; raises past the retry budget
+                done = False
                 continue
-            if self.algorithm.finished():
-                break
+            last = rnd
             rnd += 1
+            done = rnd >= rounds or self.algorithm.finished()
 
     def round(self, rnd: int):
         raise NotImplementedError

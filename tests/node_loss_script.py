@@ -1,0 +1,190 @@
+"""Run by tests/test_faults.py in its own process (the test session has its own Ray): full experiments
+(``raysplit.experiment.run_experiment``, the path users take, with its RoundGuard) on a ray.cluster_utils.Cluster
+whose node hosting the client actors is removed mid-run.
+
+Nodes: a head with no CPUs (the driver's), a ``server`` node, and client node A (``client`` resource). The client
+actors need ``client``, so they land on A, the only node offering it. Then, in this order:
+
+1. ``reference``: the uninterrupted run.
+2. ``spare``: the same config; after round 1 (from ``on_round``) a spare client node B joins, then A is removed ->
+   the run should complete, one restart tagged, with the reference's per-round metrics.
+3. ``noroom``: the same config, its client actors now on B; after round 1 B is removed and no node offers
+   ``client`` -> the run should fail with an ActorFailure naming actor, node and round, its MLflow run FAILED.
+
+Usage: node_loss_script.py WORKDIR [crash]. ``crash``: nodes are removed without a graceful shutdown (their
+processes SIGKILLed, as in a machine failure; Ray then learns of the loss from its health checks) instead of the
+default SIGTERM. Prints one ``RESULT {json}`` line."""
+
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import raysplit.experiment as experiment  # noqa: E402
+from raysplit.config import load_config  # noqa: E402
+from raysplit.runtime import drivers  # noqa: E402
+
+KEYS = ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up", "bytes_down")
+CLIENT_NODE = {"num_cpus": 1, "resources": {"client": 4}}
+
+work = sys.argv[1]
+graceful = sys.argv[2:] != ["crash"]
+uri = f"sqlite:///{os.path.join(work, 'mlflow.db')}"
+WATCHDOG_S = 240  # the whole script; past it the cluster is shut down (no Ray processes left behind) and it exits
+out = {}
+
+
+def watchdog():
+    print("RESULT " + json.dumps({**out, "watchdog": WATCHDOG_S}), flush=True)
+    try:
+        cluster.shutdown()
+    finally:
+        os._exit(3)
+
+
+timer = threading.Timer(WATCHDOG_S, watchdog)
+timer.daemon = True
+timer.start()
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+server_node = cluster.add_node(num_cpus=1, resources={"server": 1})
+node_a = cluster.add_node(**CLIENT_NODE)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, log_to_driver=False)
+
+backends = []
+_make = experiment.make_backend
+
+
+def capture(rcfg):
+    backends.append(_make(rcfg))
+    return backends[-1]
+
+
+experiment.make_backend = capture
+recoveries = []  # when RoundGuard.recover was called (an actor failure seen by the run)
+_recover = drivers.RoundGuard.recover
+
+
+def recover(self, error, rnd):
+    recoveries.append(time.time())
+    return _recover(self, error, rnd)
+
+
+drivers.RoundGuard.recover = recover
+out.update({"node_a": node_a.node_id, "server_node": server_node.node_id, "graceful": graceful})
+
+
+def config(name):
+    return load_config(None, {
+        "name": name, "seed": 0, "algorithm.name": "sflv2", "data.dataset": "digits", "data.num_clients": 4,
+        "data.partition.name": "iid", "model.name": "cnn_small", "model.cut": "conv1", "train.rounds": 4,
+        "train.batch_size": 16, "train.local_steps": 2, "eval.every": 1,
+        "tracking.uri": uri, "tracking.experiment": "node-loss", "tracking.progress": False,
+        "tracking.output_dir": os.path.join(work, "outputs"),
+        "runtime.address": cluster.address, "runtime.num_workers": 2,
+        "runtime.server": {"num_cpus": 0.5, "resources": {"server": 1}},
+        "runtime.client": {"num_cpus": 0.25, "resources": {"client": 1}},
+    })
+
+
+def curves(run_id):
+    client = MlflowClient(uri)
+    return {k: [(h.step, h.value) for h in sorted(client.get_metric_history(run_id, k), key=lambda h: h.step)]
+            for k in KEYS}
+
+
+def run_info(run_id):
+    run = MlflowClient(uri).get_run(run_id)
+    return {"status": run.info.status, "tags": {k: v for k, v in run.data.tags.items() if k.startswith("raysplit.")}}
+
+
+def workers_nodes():
+    return sorted(set(backends[-1].node_ids()["workers"]))
+
+
+def until_noticed():
+    """Call the client actors until they fail (an ActorFailure out of ``on_round``: the run's guard takes over).
+    A crashed node's workers can go on answering for a few seconds, so without this the run could finish (with
+    right results) before it notices; bounded, as is everything here."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        workers_nodes()
+        time.sleep(0.2)
+
+
+# 1. reference
+t = time.time()
+ref = experiment.run_experiment(config("reference"))
+out["reference"] = {"seconds": time.time() - t, "curves": curves(ref["run_id"])}
+
+# 2. node A removed while the spare node B has room
+spare = {}
+
+
+def remove_a(rnd, m):
+    if rnd == 1 and "removed_at" not in spare:
+        spare["nodes_before"] = workers_nodes()
+        t0 = time.time()
+        node_b = cluster.add_node(**CLIENT_NODE)
+        cluster.wait_for_nodes()
+        spare["node_b"] = node_b.node_id
+        spare["add_seconds"] = time.time() - t0
+        t0 = time.time()
+        cluster.remove_node(node_a, allow_graceful=graceful)
+        spare["remove_seconds"] = time.time() - t0
+        spare["removed_at"] = time.time()
+        recoveries.clear()
+        until_noticed()
+    elif "removed_at" in spare:  # after the removal: where the client actors are now (the last call counts)
+        spare["nodes_after"] = workers_nodes()
+
+
+t = time.time()
+hit = experiment.run_experiment(config("spare"), on_round=remove_a)
+spare["seconds"] = time.time() - t
+spare["seconds_removal_to_restarts"] = [r - spare["removed_at"] for r in recoveries]
+spare["seconds_removal_to_end"] = time.time() - spare.pop("removed_at")
+spare["curves"] = curves(hit["run_id"])
+spare.update(run_info(hit["run_id"]))
+out["spare"] = spare
+
+# 3. node B removed and no node offers the client actors' resource
+noroom = {}
+
+
+def remove_b(rnd, m):
+    if rnd == 1 and "removed_at" not in noroom:
+        noroom["nodes_before"] = workers_nodes()
+        node_b = next(n for n in cluster.worker_nodes if n.node_id == spare["node_b"])
+        cluster.remove_node(node_b, allow_graceful=graceful)
+        noroom["removed_at"] = time.time()
+        recoveries.clear()
+        until_noticed()
+
+
+try:
+    experiment.run_experiment(config("noroom"), on_round=remove_b)
+    noroom["error"] = None
+except Exception as e:  # noqa: BLE001 - report what the user would see
+    noroom["error"] = f"{type(e).__name__}: {e}"
+removed = noroom.pop("removed_at", time.time())
+noroom["seconds_removal_to_error"] = time.time() - removed
+noroom["seconds_removal_to_restarts"] = [r - removed for r in recoveries]
+client = MlflowClient(uri)
+runs = client.search_runs([client.get_experiment_by_name("node-loss").experiment_id],
+                          filter_string="attributes.run_name = 'noroom'")
+noroom.update(run_info(runs[0].info.run_id) if runs else {"status": None})
+out["noroom"] = noroom
+
+timer.cancel()
+print("RESULT " + json.dumps(out), flush=True)
+ray.shutdown()
+cluster.shutdown()
