@@ -12,7 +12,9 @@ a locked database), it and every later call are appended to ``<tracking.output_d
 instead and training goes on; at most every ``retry_s`` seconds, and at the end of the run, the spool is
 replayed in order (metrics keep their original timestamps and steps) and emptied. A spool that still holds calls
 when the run ends is reported with the one command that replays it: ``raysplit replay FILE``. Errors that a retry
-cannot fix (an invalid metric name, an unknown run) are raised, not spooled.
+cannot fix (an invalid metric name, an unknown run) are raised, not spooled; so is a server refusing the
+credentials (401) or the user's permission (403): a ``TrackingAuthError`` naming the URI, at the first call if the
+credentials are wrong or missing, so the run stops before training starts.
 
 The MLflow HTTP client retries a refused connection 7 times over about four minutes by default; unless the
 environment says otherwise, a run sets ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=1``, ``..._BACKOFF_FACTOR=1`` and
@@ -32,6 +34,8 @@ from pathlib import Path
 # errors a later retry cannot fix: the call itself is wrong
 _PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",
               "BAD_REQUEST", "FEATURE_DISABLED"}
+# the server refused who we are (401: no or wrong credentials) or what we may do (403): not an outage, never spooled
+_AUTH = {"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"}
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
@@ -40,9 +44,35 @@ def resolve_uri(uri: str | None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
 
 
-def _transient(e: Exception) -> bool:
-    """True for a failure of the store (unreachable, overloaded, locked), not of the call."""
+class TrackingAuthError(RuntimeError):
+    """The tracking server refused the credentials (401) or the user's permission (403). Raised at once, never
+    spooled or retried: waiting does not fix a password."""
+
+
+def _auth_error(uri: str, e: Exception) -> TrackingAuthError | None:
+    """The ``TrackingAuthError`` for ``e`` when it is a 401/403 from the server, else None."""
+    if isinstance(e, TrackingAuthError):
+        return e
     code = getattr(e, "error_code", None)
+    if code not in _AUTH:
+        return None
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    who = (f"as user {user!r}" if user else "without credentials" if not os.environ.get("MLFLOW_TRACKING_TOKEN")
+           else "with the token in MLFLOW_TRACKING_TOKEN")
+    if code == "PERMISSION_DENIED":
+        what = (f"access denied: 403 Forbidden, permission denied {who} (signed in, but the user may not write to "
+                "this experiment or run; a server admin grants it)")
+    else:
+        what = (f"authentication failed: 401 Unauthorized {who} (set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD in the run's environment, e.g. the job's runtime env; never in the config)")
+    return TrackingAuthError(f"MLflow tracking server {uri} (tracking.uri) refused the run: {what}")
+
+
+def _transient(e: Exception) -> bool:
+    """True for a failure of the store (unreachable, overloaded, locked), not of the call or of the credentials."""
+    code = getattr(e, "error_code", None)
+    if isinstance(e, TrackingAuthError) or code in _AUTH:
+        return False
     return not (code in _PERMANENT or isinstance(e, (TypeError, ValueError)) and code is None)
 
 
@@ -84,7 +114,13 @@ def replay(spool: str | Path, uri: str | None = None) -> int:
     done = 0
     try:
         for op in ops:
-            _apply(client, op)
+            try:
+                _apply(client, op)
+            except Exception as e:  # noqa: BLE001 - a 401/403 is named as such; anything else as it is
+                auth = _auth_error(client.tracking_uri, e)
+                if auth is None:
+                    raise
+                raise auth from e
             done += 1
     finally:
         rest = ops[done:]
@@ -135,6 +171,9 @@ class Tracker:
                 tags = resolve_tags({"mlflow.runName": self.run_name} if self.run_name else {})
                 self._run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
         except Exception as e:
+            auth = _auth_error(self.uri, e)
+            if auth is not None:
+                raise auth from e
             raise RuntimeError(f"cannot start an MLflow run at {self.uri} (tracking.uri): {e}") from e
         self.spool_path = self.output_dir / self._run_id / "mlflow-spool.jsonl"
         if self.spool_path.is_file():  # left by an earlier attempt of this run: deliver it first
@@ -143,6 +182,10 @@ class Tracker:
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
+            return False
+        if exc_type is not None and issubclass(exc_type, TrackingAuthError):  # the store takes nothing more from us
+            print(f"raysplit: run {self.run_id} stays RUNNING in {self.uri}: the server refuses this run's calls, so "
+                  f"it cannot be marked FAILED ({exc})", file=sys.stderr)
             return False
         if exc_type is None:
             status = "FINISHED"
@@ -176,6 +219,9 @@ class Tracker:
                 _apply(self.client, op)
                 return
             except Exception as e:  # noqa: BLE001 - sorted below: transient ones are spooled
+                auth = _auth_error(self.uri, e)
+                if auth is not None:
+                    raise auth from e
                 if not _transient(e):
                     raise
                 print(f"raysplit: tracking store {self.uri} unreachable ({type(e).__name__}: {str(e)[:200]}); "

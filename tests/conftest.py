@@ -27,6 +27,62 @@ def mlflow_uri(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
+class MlflowServer:
+    """``mlflow server`` on a free port over one sqlite file in ``tmp``; start() and stop() as often as needed.
+    ``admin_password``: run MLflow's basic-auth app (``--app-name basic-auth``, needs ``mlflow[auth]``) with its
+    user database in ``tmp`` and an admin user ``admin`` created with that password at first start."""
+
+    def __init__(self, tmp, admin_password: str | None = None):
+        import socket
+
+        self.db = f"sqlite:///{tmp / 'server.db'}"
+        self.art = tmp / "artifacts"
+        self.env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.args = []
+        if admin_password is not None:
+            ini = tmp / "basic_auth.ini"  # server side only; the admin password goes through the environment
+            ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{tmp / 'auth.db'}\n"
+                           "admin_username = admin\n"
+                           "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+            self.env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
+                            MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())
+            self.args = ["--app-name", "basic-auth"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.db, "--artifacts-destination",
+             str(self.art), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1", *self.args],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2)  # unprotected under basic auth too
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("mlflow server exited at start")
+                time.sleep(0.5)
+        raise RuntimeError("mlflow server did not come up in 120 s")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, as a crash would
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
 def make_config(tmp_path, mlflow_uri, **overrides):
     """A small digits experiment (fast on 2 cores) with dotted-key overrides."""
     from raysplit.config import load_config

@@ -4,64 +4,21 @@ started under a running experiment."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import MlflowServer, make_config
 from raysplit.cli import main as cli_main
 from raysplit.experiment import run_experiment
 
 ROUNDS = 5
 
 
-class Server:
-    """``mlflow server`` on a free port over one sqlite file; start() and stop() as often as needed."""
-
-    def __init__(self, tmp: Path):
-        self.db = f"sqlite:///{tmp / 'server.db'}"
-        self.art = tmp / "artifacts"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.db, "--artifacts-destination",
-             str(self.art), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.uri}/health", timeout=2)
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("mlflow server exited at start")
-                time.sleep(0.5)
-        raise RuntimeError("mlflow server did not come up in 120 s")
-
-    def stop(self) -> None:
-        import os
-        import signal
-
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, as a crash would
-            self.proc.wait(timeout=30)
-        self.proc = None
-
-
 @pytest.fixture
 def server(tmp_path):
-    s = Server(tmp_path)
+    s = MlflowServer(tmp_path)
     s.start()
     yield s
     s.stop()
