@@ -1,0 +1,181 @@
+"""The figures docs/quickstart.md shows, produced by running its command, and a check that they are still true.
+
+    python scripts/doc_figures.py           # run the quickstart, rewrite the page's generated block (make doc-figures)
+    python scripts/doc_figures.py --check   # run it, compare with the page; exit 1 naming each figure that differs
+                                            # (make check-docs, the release check: ~3 minutes on 2 cores)
+
+It runs ``configs/quickstart.yaml`` as ``raysplit run`` does (the same config, seed and Ray backend; only the MLflow
+store and the output folder go to a temporary directory) and renders the deterministic figures (final accuracy,
+macro-F1, MCC and test loss, the accuracy at every evaluation, the first evaluation at or above 85 %, the simulated
+time) as a table between ``<!-- figures:begin ... -->`` and ``<!-- figures:end -->``. Everything outside the
+markers (the prose, the wall-clock timings, which differ from run to run) is left as it is. A run is reproducible
+(same config and seed, same metrics), so a documented figure is compared with the produced one as written, digit
+for digit, at the precision the page shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "quickstart.md"
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+TARGET = 0.85  # "first evaluation at or above 85 %"
+
+BEGIN = "<!-- figures:begin: written by `make doc-figures` (scripts/doc_figures.py), checked by `make check-docs` -->"
+END = "<!-- figures:end -->"
+_BLOCK = re.compile(r"<!-- figures:begin\b.*?-->\n?(.*?)<!-- figures:end -->", re.S)
+
+# (key, the row's label on the page), in the page's order
+FIGURES: list[tuple[str, str]] = [
+    ("seed", "seed"),
+    ("rounds", "rounds"),
+    ("accuracy", "test accuracy after the last round"),
+    ("f1_macro", "macro-F1 after the last round"),
+    ("mcc", "MCC after the last round"),
+    ("loss", "test loss after the last round"),
+    ("eval_rounds", "evaluated after rounds"),
+    ("curve", "accuracy at those evaluations"),
+    ("first_target", "first evaluation at or above 85 %"),
+    ("sim_time", "simulated time of the whole run"),
+]
+_LABEL_TO_KEY = {label: key for key, label in FIGURES}
+_LABEL = dict(FIGURES)
+
+
+def _frac(x: float) -> str:
+    """0.693 -> '.693' (the curve's compact form)."""
+    s = f"{x:.3f}"
+    return s[1:] if s.startswith("0") else s
+
+
+def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str) -> dict[str, str]:
+    """The page's figures, as the page writes them, from a run's evaluations (``(round, metrics)``, round 0-based,
+    in order) and its final metrics. ``clock``: how the simulated time is defined, written next to it."""
+    first = next(((r, m) for r, m in evals if m["accuracy"] >= TARGET), None)
+    return {
+        "seed": str(seed),
+        "rounds": str(evals[-1][0] + 1) if evals else "0",
+        "accuracy": f"{100 * final['accuracy']:.2f} %",
+        "f1_macro": f"{final['f1_macro']:.4f}",
+        "mcc": f"{final['mcc']:.4f}",
+        "loss": f"{final['loss']:.3f}",
+        "eval_rounds": " ".join(str(r + 1) for r, _ in evals),
+        "curve": " ".join(_frac(m["accuracy"]) for _, m in evals),
+        "first_target": (f"round {first[0] + 1}, at {first[1]['sim_time']:.0f} s of simulated time" if first
+                         else "none"),
+        "sim_time": f"{final['sim_time']:.0f} s ({clock})",
+    }
+
+
+def render(figs: dict[str, str]) -> str:
+    """The generated block, markers included."""
+    rows = [f"| {_LABEL.get(k, k)} | {v} |" for k, v in figs.items()]
+    return "\n".join([BEGIN, "", "| figure (checked) | value |", "|---|---|", *rows, "", END])
+
+
+def parse(doc: str) -> dict[str, str]:
+    """The figures in ``doc``'s generated block (key -> value as written; a row whose label is no known figure is
+    kept under its label). Raises ValueError when there is not exactly one block."""
+    blocks = _BLOCK.findall(doc)
+    if len(blocks) != 1:
+        raise ValueError(f"expected exactly one '<!-- figures:begin ... -->' ... '{END}' block, found {len(blocks)}")
+    out: dict[str, str] = {}
+    for line in blocks[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not line.strip().startswith("|") or set(cells[0]) <= set("-: ") \
+                or cells[0].startswith("figure"):
+            continue
+        out[_LABEL_TO_KEY.get(cells[0], cells[0])] = cells[1].replace("**", "")
+    return out
+
+
+def differences(documented: dict[str, str], produced: dict[str, str]) -> list[str]:
+    """One line per figure that differs (documented vs produced), per produced figure missing from the page and per
+    row of the page that is no produced figure; empty when the page is true."""
+    out = []
+    for key, value in produced.items():
+        label = _LABEL.get(key, key)
+        if key not in documented:
+            out.append(f"{label}: not on the page (produced: {value})")
+        elif documented[key] != value:
+            out.append(f"{label}: documented {documented[key]!r}, produced {value!r}")
+    out += [f"{_LABEL.get(k, k)}: on the page ({v!r}) but not produced" for k, v in documented.items()
+            if k not in produced]
+    return out
+
+
+def replace_block(doc: str, figs: dict[str, str]) -> str:
+    """``doc`` with its generated block rewritten from ``figs`` (the rest untouched)."""
+    parse(doc)  # exactly one block
+    return _BLOCK.sub(lambda _: render(figs), doc)
+
+
+def produce(config: Path = CONFIG) -> dict[str, str]:
+    """Run the quickstart (config as is, MLflow and outputs in a temporary directory) and return its figures."""
+    from raysplit.config import load_config
+    from raysplit.experiment import run_experiment
+
+    tmp = Path(tempfile.mkdtemp(prefix="doc-figures-"))
+    cfg = load_config(str(config), [f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'out'}",
+                                    "tracking.progress=false"])
+    evals: list[tuple[int, dict]] = []
+    t0 = time.perf_counter()
+
+    def on_round(rnd: int, m: dict) -> None:
+        if "accuracy" in m:
+            evals.append((rnd, dict(m)))
+            print(f"  round {rnd + 1}: accuracy {m['accuracy']:.4f}, simulated {m['sim_time']:.0f} s, "
+                  f"wall {m['wall_time']:.0f} s of rounds", flush=True)
+
+    try:
+        final = run_experiment(cfg, on_round=on_round)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    c = cfg.clock
+    clock = (f"{c.client_flops:.0e}".replace("e+", "e") + f" FLOP/s per client, {c.up_bandwidth / 1e6:g} MB/s up and "
+             f"{c.down_bandwidth / 1e6:g} MB/s down per client") if c.profile == "homogeneous" else c.profile
+    print(f"wall clock (not checked, not written to the page): {time.perf_counter() - t0:.0f} s in all, the rounds "
+          f"{final.get('wall_time', float('nan')):.0f} s", flush=True)
+    return figures(cfg.seed, evals, final, clock)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare with the page instead of rewriting it")
+    ap.add_argument("--doc", type=Path, default=DOC)
+    ap.add_argument("--config", type=Path, default=CONFIG)
+    args = ap.parse_args(argv)
+    doc = args.doc.read_text()
+    try:
+        documented = parse(doc)
+    except ValueError as e:
+        print(f"{args.doc}: {e}", file=sys.stderr)
+        return 2
+    produced = produce(args.config)
+    diff = differences(documented, produced)
+    if args.check:
+        if diff:
+            print(f"{args.doc}: {len(diff)} figure(s) no longer match what {args.config.name} produces "
+                  f"(run `make doc-figures`):", file=sys.stderr)
+            for line in diff:
+                print(f"  {line}", file=sys.stderr)
+            return 1
+        print(f"{args.doc}: all {len(produced)} figures match what {args.config.name} produces")
+        return 0
+    args.doc.write_text(replace_block(doc, produced))
+    print(f"{args.doc}: generated block rewritten" + (f"; {len(diff)} figure(s) changed:" if diff else
+                                                      ", nothing changed"))
+    for line in diff:
+        print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""scripts/doc_figures.py, the check that docs/quickstart.md's figures are what its command produces: it passes when
+they agree, fails naming the figure that differs, round-trips its block; and the page carries a block that parses.
+The quickstart itself (~3 minutes on 2 cores) is not run here: `make check-docs` is the release check."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("doc_figures", ROOT / "scripts" / "doc_figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+df = _load()
+
+CLOCK = "1e10 FLOP/s per client, 10 MB/s up and 10 MB/s down per client"
+
+
+def _produced(final_acc: float = 0.869) -> dict[str, str]:
+    accs = [0.70, 0.84, 0.851, final_acc]
+    evals = [(4 + 5 * i, {"accuracy": a, "sim_time": 65.4 * (i + 1)}) for i, a in enumerate(accs)]
+    final = {"accuracy": final_acc, "f1_macro": 0.86543, "mcc": 0.85411, "loss": 0.36149, "sim_time": 262.2}
+    return df.figures(0, evals, final, CLOCK)
+
+
+def _doc(figs: dict[str, str]) -> str:
+    return f"# Page\n\nProse before.\n\n{df.render(figs)}\n\nWall clock: 5 min 40 s (measured once).\n"
+
+
+def test_figures_are_written_as_the_page_shows_them():
+    f = _produced()
+    assert f["accuracy"] == "86.90 %" and f["f1_macro"] == "0.8654" and f["mcc"] == "0.8541" and f["loss"] == "0.361"
+    assert f["rounds"] == "20" and f["eval_rounds"] == "5 10 15 20" and f["curve"] == ".700 .840 .851 .869"
+    assert f["first_target"] == "round 15, at 196 s of simulated time"
+    assert f["sim_time"] == f"262 s ({CLOCK})"
+
+
+def test_render_then_parse_gives_the_same_figures():
+    figs = _produced()
+    assert df.parse(_doc(figs)) == figs
+    assert df.parse(df.render(figs)) == figs
+
+
+def test_check_passes_when_the_page_agrees():
+    figs = _produced()
+    assert df.differences(df.parse(_doc(figs)), figs) == []
+
+
+def test_check_fails_naming_the_figure_that_differs():
+    doc = _doc(_produced(0.8628))
+    diff = df.differences(df.parse(doc), _produced(0.8690))
+    assert len(diff) == 2, diff  # the final accuracy and the curve's last point
+    assert any(d.startswith("test accuracy after the last round:") and "'86.28 %'" in d and "'86.90 %'" in d
+               for d in diff)
+    assert any(d.startswith("accuracy at those evaluations:") for d in diff)
+
+
+def test_check_fails_on_a_missing_or_unknown_row():
+    figs = _produced()
+    doc = _doc(figs).replace(f"| MCC after the last round | {figs['mcc']} |\n", "")
+    doc = doc.replace("| seed | 0 |", "| seed | 0 |\n| best accuracy | 87.00 % |")
+    diff = df.differences(df.parse(doc), figs)
+    assert any(d.startswith("MCC after the last round: not on the page") for d in diff), diff
+    assert any(d.startswith("best accuracy: on the page") for d in diff), diff
+
+
+def test_main_check_exits_nonzero_naming_the_figure(tmp_path, monkeypatch, capsys):
+    page = tmp_path / "page.md"
+    page.write_text(_doc(_produced(0.8628)))
+    monkeypatch.setattr(df, "produce", lambda config: _produced(0.8690))
+    assert df.main(["--check", "--doc", str(page)]) == 1
+    assert "test accuracy after the last round: documented '86.28 %', produced '86.90 %'" in capsys.readouterr().err
+    assert df.main(["--doc", str(page)]) == 0  # regenerate: prose and wall clock stay, the block is rewritten
+    text = page.read_text()
+    assert "Prose before." in text and "Wall clock: 5 min 40 s (measured once)." in text
+    assert df.main(["--check", "--doc", str(page)]) == 0
+
+
+def test_a_page_without_exactly_one_block_is_refused():
+    with pytest.raises(ValueError, match="exactly one"):
+        df.parse("# no block here\n")
+    with pytest.raises(ValueError, match="exactly one"):
+        df.parse(_doc(_produced()) + _doc(_produced()))
+
+
+def test_quickstart_page_carries_the_generated_block():
+    doc = (ROOT / "docs" / "quickstart.md").read_text()
+    assert doc.count("<!-- figures:begin") == 1 and doc.count(df.END) == 1
+    figs = df.parse(doc)
+    assert list(figs) == [k for k, _ in df.FIGURES], figs  # every figure, no stray row
+    assert figs["seed"] == "0" and figs["rounds"] == "60"
+    assert float(figs["accuracy"].removesuffix(" %")) > 80
+    evals = figs["eval_rounds"].split()
+    assert evals == [str(r) for r in range(5, 61, 5)] and len(figs["curve"].split()) == len(evals)
+    assert figs["first_target"] == "none" or figs["first_target"].startswith("round ")
+    # the wall-clock timings stay outside the checked block
+    block = doc[doc.index("<!-- figures:begin"):doc.index(df.END)]
+    assert "min" not in block
