@@ -98,9 +98,9 @@ class Reporter:
         self.positions = prepared.algorithm.positions()
         self._wall0 = time.perf_counter() - self.hist.wall
         self.progress = None
-        # rounds up to this one are already in the tracking store (a resumed run, a round redone after an actor
-        # died): they are recomputed, identical, but not logged a second time
-        self.logged_through = tracker.last_step("train_loss") if history is not None else -1
+        # per metric key, the last step already in the tracking store (a resumed run, a round redone after an
+        # actor died): those rounds are recomputed, identical, but a key is never logged twice for one step
+        self.logged: dict[str, int] = tracker.last_steps() if history is not None else {}
 
     def begin(self) -> None:
         """The rounds start now (the runtime is up): wall time counts from here, the progress bar appears."""
@@ -149,11 +149,12 @@ class Reporter:
         dropped = dropped_clients(stats) if cfg.runtime.on_bad_client == "drop" else None
         if dropped is not None:
             m["dropped_clients"] = len(dropped)
-        if rnd > self.logged_through:
-            self.tracker.log_metrics(m, step=rnd)
-            if dropped:
+        todo = {k: v for k, v in m.items() if self.logged.get(k, -1) < rnd}
+        if todo:
+            self.tracker.log_metrics(todo, step=rnd)
+            if dropped and "dropped_clients" in todo:
                 self.tracker.set_tags({f"raysplit.dropped.round_{rnd}": "; ".join(dropped.values())[:4000]})
-            self.logged_through = rnd
+            self.logged.update(dict.fromkeys(todo, rnd))
         self.final = m
         if self.on_round is not None:
             self.on_round(rnd, m)

@@ -272,16 +272,20 @@ class Tracker:
         self._call({"op": "artifact", "run_id": self.run_id, "path": str(Path(path).resolve()),
                     "artifact_path": artifact_path})
 
-    def last_step(self, key: str) -> int:
-        """The last step at which ``key`` reached the store (-1: none), spooled calls included."""
+    def last_steps(self) -> dict[str, int]:
+        """Per metric key, the last step at which it reached the store, spooled calls included (empty for a new
+        run). Per key, not per round: a driver killed between two batches of one round's metrics leaves some of
+        that round's keys logged and others not, and a resumed run logs exactly the missing ones."""
         if not self.enabled or self._run_id is None:
-            return -1
-        steps = [m.step for m in self.client.get_metric_history(self._run_id, key)]
+            return {}
+        keys = self.client.get_run(self._run_id).data.metrics
+        out = {k: max((m.step for m in self.client.get_metric_history(self._run_id, k)), default=-1) for k in keys}
         if self._spooled:
             for line in self.spool_path.read_text().splitlines():
                 op = json.loads(line) if line.strip() else {}
-                steps += [m[3] for m in op.get("metrics", []) if m[0] == key]
-        return max(steps, default=-1)
+                for k, _, _, step in op.get("metrics", []):
+                    out[k] = max(out.get(k, -1), step)
+        return out
 
 
 def get_run(run_id: str, uri: str | None = None):

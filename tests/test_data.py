@@ -553,3 +553,48 @@ def test_truncated_or_mislabelled_idx_files_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="unreadable IDX file") as e:
         load_dataset("fashion_mnist", root=str(tmp_path), search_system=False)
     assert str(labels) in str(e.value)
+
+
+def _good_femnist(tmp_path, rng, edit=None):
+    """A fake FEMNIST tree whose first train file goes through ``edit(blob) -> blob | bytes``; returns that file."""
+    def samples(n):
+        return {"x": (rng.integers(0, 256, (n, 784)) / 255.0).tolist(), "y": rng.integers(0, 62, n).tolist()}
+
+    _write_leaf(tmp_path, "femnist", "train", [{"f1": samples(2), "f2": samples(2)}])
+    _write_leaf(tmp_path, "femnist", "test", [{"f1": samples(1)}])
+    bad = tmp_path / "femnist" / "data" / "train" / "all_data_0_niid_train.json"
+    if edit is not None:
+        out = edit(json.loads(bad.read_text()))
+        bad.write_bytes(out if isinstance(out, bytes) else json.dumps(out).encode())
+    return bad
+
+
+def _user(blob, **fields):
+    return {**blob, "user_data": {**blob["user_data"], "f2": {**blob["user_data"]["f2"], **fields}}}
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda b: json.dumps(b).encode()[:300], "not a readable LEAF JSON file"),
+    (lambda b: {"users": b["users"]}, "'user_data' object"),
+    (lambda b: _user(b, y=[1]), "2 x but 1 y"),
+    (lambda b: _user(b, y=[1, 62]), "sample 1: label 62 is not an integer in 0..61"),
+    (lambda b: _user(b, y=[1, -1]), "sample 1: label -1"),
+    (lambda b: _user(b, x=[[0.5] * 784, [0.5] * 783]), "sample 1: x must be a list of 784 pixel values"),
+    (lambda b: _user(b, x=[[0.5] * 784, [2.0] * 784]), r"pixel values must lie in \[0, 1\]"),
+    (lambda b: _user(b, x=[[0.5] * 784, ["a"] * 784]), "pixel values are not numbers"),
+])
+def test_a_bad_leaf_file_names_the_file_and_the_fault(tmp_path, edit, what):
+    bad = _good_femnist(tmp_path, np.random.default_rng(0), edit)
+    with pytest.raises(ValueError, match=what) as e:
+        load_dataset("femnist", root=str(tmp_path))
+    assert str(bad) in str(e.value)
+    assert ("LEAF user 'f2'" in str(e.value)) == ("sample" in what or "pixel" in what or " y" in what)
+
+
+def test_a_bad_shakespeare_sample_names_the_file_user_and_sample(tmp_path):
+    blob = {"ROMEO": {"x": ["a" * 80, 7], "y": ["b", "c"]}}
+    _write_leaf(tmp_path, "shakespeare", "train", [blob])
+    _write_leaf(tmp_path, "shakespeare", "test", [{"ROMEO": {"x": ["a" * 80], "y": ["bc"]}}])
+    with pytest.raises(ValueError, match="user 'ROMEO', sample 1: x must be a string") as e:
+        load_dataset("shakespeare", root=str(tmp_path))
+    assert "all_data_0_niid_train.json" in str(e.value)

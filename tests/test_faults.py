@@ -182,3 +182,48 @@ def test_node_removed_with_no_room_fails_within_60s_naming_actor_node_and_round(
     assert "no node offers a client actor's resources" in err and "'client': 1.0" in err, err
     assert got["seconds_removal_to_error"] < 60, got
     assert got["status"] == "FAILED" and got["tags"]["raysplit.error"].startswith("ActorFailure"), got
+
+
+def test_a_killed_driver_resumes_with_every_round_of_every_metric_logged_once(tmp_path):
+    """`raysplit run` is SIGKILLed mid-run (no handler runs: its MLflow run stays RUNNING), then `raysplit run
+    --resume RUN_ID` continues from the last checkpoint: every metric of every round is in the store exactly once,
+    and the values equal an uninterrupted run's."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = ["configs/digits.yaml", "runtime.backend=local", "train.rounds=30", "tracking.checkpoint_every=1",
+            f"tracking.uri={uri}", f"tracking.output_dir={tmp_path / 'out'}", "tracking.progress=false"]
+    root = Path(__file__).resolve().parent.parent
+    raysplit = [sys.executable, "-m", "raysplit.cli", "run"]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.Popen(raysplit + args + ["tracking.experiment=killed"], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    client = MlflowClient(uri)
+    deadline, run, logged = time.monotonic() + 240, None, 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        exp = client.get_experiment_by_name("killed") if Path(uri[10:]).is_file() else None
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        if runs:
+            run = runs[0].info.run_id
+            logged = len(client.get_metric_history(run, "train_loss"))
+            if logged >= 4:
+                break
+        time.sleep(0.1)
+    os.killpg(proc.pid, 9)
+    proc.wait(timeout=30)
+    assert run is not None and 4 <= logged < 30, (logged, proc.stderr.read().decode()[-2000:])
+    assert client.get_run(run).info.status == "RUNNING"  # killed: nothing marked it
+
+    done = subprocess.run(raysplit + args + ["--resume", run], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert client.get_run(run).info.status == "FINISHED"
+    full = subprocess.run(raysplit + args + ["tracking.experiment=uninterrupted"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    ref = client.search_runs([client.get_experiment_by_name("uninterrupted").experiment_id])[0].info.run_id
+    keys = set(client.get_run(ref).data.metrics)
+    assert keys == set(client.get_run(run).data.metrics) and {"accuracy", "train_loss", "sim_time"} <= keys
+    for k in {k for k in keys if not k.startswith("wall") and k != "server_busy_s"}:  # wall clock differs
+        got = [(m.step, m.value) for m in client.get_metric_history(run, k)]
+        want = [(m.step, m.value) for m in client.get_metric_history(ref, k)]
+        assert sorted(s for s, _ in got) == sorted(s for s, _ in want), k  # every step once, none missing
+        assert [v for _, v in sorted(got)] == pytest.approx([v for _, v in sorted(want)], rel=1e-9), k

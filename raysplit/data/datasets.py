@@ -486,16 +486,28 @@ def _leaf_candidates(r: Path, name: str) -> list[Path]:
     )
 
 
-def _leaf_read_split(d: Path) -> list[tuple[str, list, list]]:
-    """All (user, xs, ys) from ``d/*.json`` in sorted file order and each file's user order."""
-    out: list[tuple[str, list, list]] = []
+def _leaf_read_split(d: Path) -> list[tuple[str, list, list, Path]]:
+    """All (user, xs, ys, file) from ``d/*.json`` in sorted file order and each file's user order. A file that is
+    not LEAF's JSON (unreadable, truncated, no ``user_data``, a user without equally long ``x`` and ``y`` lists) is
+    a ValueError naming the file and what is wrong."""
+    out: list[tuple[str, list, list, Path]] = []
     for p in sorted(d.glob("*.json")):
-        with open(p) as f:
-            blob = json.load(f)
+        try:
+            with open(p, "rb") as f:
+                blob = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{p}: not a readable LEAF JSON file (truncated or corrupt?): {e}") from None
+        if not isinstance(blob, dict) or not isinstance(blob.get("user_data"), dict):
+            raise ValueError(f"{p}: a LEAF file is an object with a 'user_data' object, got "
+                             f"{sorted(blob) if isinstance(blob, dict) else type(blob).__name__}")
         users = blob.get("users") or list(blob["user_data"].keys())
         for u in users:
-            ud = blob["user_data"][u]
-            out.append((str(u), ud["x"], ud["y"]))
+            ud = blob["user_data"].get(u)
+            if not isinstance(ud, dict) or not isinstance(ud.get("x"), list) or not isinstance(ud.get("y"), list):
+                raise ValueError(f"{p}: LEAF user {u!r} has no 'x' and 'y' lists in 'user_data'")
+            if len(ud["x"]) != len(ud["y"]):
+                raise ValueError(f"{p}: LEAF user {u!r}: {len(ud['x'])} x but {len(ud['y'])} y")
+            out.append((str(u), ud["x"], ud["y"], p))
     return out
 
 
@@ -514,22 +526,25 @@ def _leaf_assemble(train, test, convert_x, convert_y):
     """Concatenate per-user samples; return arrays and aligned per-user index lists.
 
     Users are ordered by first appearance in the train files, then users that only
-    appear in the test files.  A user repeated across files is merged.
+    appear in the test files.  A user repeated across files is merged. A sample that
+    ``convert_x`` / ``convert_y`` refuses (ValueError) names its file, user and index.
     """
     order: list[str] = []
     pos: dict[str, int] = {}
-    for u, _, _ in list(train) + list(test):
+    for u, _, _, _ in list(train) + list(test):
         if u not in pos:
             pos[u] = len(order)
             order.append(u)
 
     def build(records):
         xs, ys, owner = [], [], []
-        for u, x, y in records:
-            if len(x) != len(y):
-                raise ValueError(f"LEAF user {u!r}: {len(x)} x but {len(y)} y")
-            xs.extend(convert_x(v) for v in x)
-            ys.extend(convert_y(v) for v in y)
+        for u, x, y, path in records:
+            for i, (a, b) in enumerate(zip(x, y)):
+                try:
+                    xs.append(convert_x(a))
+                    ys.append(convert_y(b))
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{path}: LEAF user {u!r}, sample {i}: {e}") from None
             owner.extend([pos[u]] * len(x))
         owner = np.asarray(owner, dtype=np.int64)
         return xs, np.asarray(ys, dtype=np.int64), _group(owner, len(order))
@@ -566,7 +581,25 @@ def load_femnist(root: str | None = None) -> DatasetBundle:
         "femnist",
         _LEAF_HOWTO.format(name="femnist", args="-s niid --sf 0.05 -k 0 -t sample --tf 0.9", dest=r / "femnist"),
     )
-    users, (xtr, ytr, ptr), (xte, yte, pte) = _leaf_assemble(train, test, lambda v: v, int)
+    for u, xs, _, path in train + test:  # one array per user: cheap next to the per-sample conversion
+        for i, v in enumerate(xs):
+            if not isinstance(v, list) or len(v) != 784:
+                raise ValueError(f"{path}: LEAF user {u!r}, sample {i}: x must be a list of 784 pixel values, got "
+                                 f"{type(v).__name__} of length {len(v) if hasattr(v, '__len__') else '?'}")
+        try:
+            a = np.asarray(xs, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: LEAF user {u!r}: pixel values are not numbers ({e})") from None
+        if a.size and not (np.isfinite(a).all() and a.min() >= 0.0 and a.max() <= 1.0):
+            raise ValueError(f"{path}: LEAF user {u!r}: pixel values must lie in [0, 1], found "
+                             f"{np.nanmin(a):g}..{np.nanmax(a):g}")
+
+    def label(v):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 62:
+            raise ValueError(f"label {v!r} is not an integer in 0..61")
+        return v
+
+    users, (xtr, ytr, ptr), (xte, yte, pte) = _leaf_assemble(train, test, lambda v: v, label)
 
     def to_img(xs):
         a = np.asarray(xs, dtype=np.float32).reshape(-1, 784) if len(xs) else np.zeros((0, 784), np.float32)
@@ -603,10 +636,12 @@ def load_shakespeare(root: str | None = None) -> DatasetBundle:
         return i
 
     def conv_x(s: str) -> list[int]:
+        if not isinstance(s, str):
+            raise ValueError(f"x must be a string, got {type(s).__name__}")
         return [enc(c) for c in s]
 
     def conv_y(s: str) -> int:
-        if len(s) != 1:
+        if not isinstance(s, str) or len(s) != 1:
             raise ValueError(f"shakespeare: label {s!r} is not a single character")
         return enc(s)
 
