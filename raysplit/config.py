@@ -135,6 +135,18 @@ class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     spread_clients: bool = Field(default=False, description="SPREAD client actors over nodes")
     max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
+    window: int | None = Field(default=4, ge=1, description="forwards submitted ahead per client actor in a round's "
+                               "split steps: peak memory O(actors x window), not O(clients per round); null: every "
+                               "client's first forward at once")
+    placement: Literal["balanced", "home"] = Field(
+        default="balanced", description="balanced: each round's clients spread evenly over the client actors "
+        "(each gets its share +-1; a client's state moves with it); home: client c always on actor c mod "
+        "num_workers")
+    client_state_mb: float | None = Field(default=None, gt=0, description="per client actor, MB of per-client "
+                                          "model and optimizer state kept in memory; the least recently used "
+                                          "beyond it spill to disk (null: all in memory)")
+    spill_dir: str | None = Field(default=None, description="where spilled client state goes (null: the system's "
+                                  "temporary directory, on the actor's node)")
     direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
                                "calling client actors directly (False: the driver chains every call)")
     max_retries: int = Field(default=3, ge=0, description="Ray: actor deaths survived per run (every actor is "

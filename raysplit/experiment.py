@@ -136,6 +136,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),
         clip_grad_norm=cfg.train.clip_grad_norm, asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
         on_bad_client=cfg.runtime.on_bad_client,
+        client_state_bytes=(int(cfg.runtime.client_state_mb * 2**20) if cfg.runtime.client_state_mb else None),
+        spill_dir=cfg.runtime.spill_dir,
     )
     inputs = RuntimeInputs(
         spec=spec, client_host=alg.client_host, server_host=alg.server_host,
@@ -246,7 +248,8 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         if ckpt is None:
             reporter.start()
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path})
-        rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight)
+        rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight, cfg.runtime.window,
+                     cfg.runtime.placement)
         try:
             alg = prepared.algorithm
             driver = alg.driver(rt, alg, prepared.sample_stream, cfg.seed)

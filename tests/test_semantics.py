@@ -18,7 +18,8 @@ from raysplit.runtime import Runtime, make_backend, transport
 def run_rounds(cfg, rounds=None):
     """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
     p = prepare(cfg)
-    rt = Runtime(make_backend(cfg.runtime), p.inputs)
+    r = cfg.runtime
+    rt = Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
     try:
         stats = []
         driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)  # rounds or events

@@ -125,8 +125,6 @@ class SemiClient(ClientHost):
     """A client with unlabelled data: the student stream encodes a strong view of its next batch, the teacher
     stream a weak view of the same batch with the teacher encoder (no graph); no labels leave the client."""
 
-    seeded_randomness = True  # augmentation draws from a generator per (client, step, stream)
-
     def __init__(self, spec, *args):
         super().__init__(spec, *args)
         self.augment = Augmenter(spec.data_spec)

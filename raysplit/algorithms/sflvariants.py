@@ -125,6 +125,8 @@ class SplitGP(SFLV1):
 class ScaffoldClient(ClientHost):
     """Control variates of the device block: the global ``c`` and every client's own ``c_i``."""
 
+    client_fields = ClientHost.client_fields + ("c_own",)  # a client's c_i moves with it
+
     def __init__(self, spec, *args):
         super().__init__(spec, *args)
         self.c_global: list[torch.Tensor] | None = None
@@ -176,12 +178,12 @@ class ScaffoldClient(ClientHost):
             return None
         return StateMsg(transport.pack_state(total), t_sent=t)
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "scaffold": (self.c_global, self.c_own)}
+    def state_dict(self, clients=None) -> dict:
+        return {**super().state_dict(clients), "scaffold": self.c_global}
 
     def load_state_dict(self, st: dict) -> None:
         super().load_state_dict(st)
-        self.c_global, self.c_own = st["scaffold"]
+        self.c_global = st["scaffold"]
 
 
 class ScaffoldServer(ServerHost):

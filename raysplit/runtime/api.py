@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raysplit.runtime import stepping
+from raysplit.runtime import placement, stepping
 from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost
 from raysplit.runtime.messages import Tag
 
@@ -56,16 +56,11 @@ class RuntimeInputs:
     server_init: dict = field(default_factory=dict)  # packed server-part state
 
 
-def worker_index(cid: int, num_workers: int) -> int:
-    """Placement: client ``cid`` lives on worker ``cid % W``."""
-    return int(cid) % num_workers
-
-
 def host_inputs(inputs: RuntimeInputs, num_workers: int):
-    """Split per-client inputs by hosting worker (:func:`worker_index`)."""
+    """Split per-client inputs by home worker (:func:`placement.home`): where every client starts."""
     per = []
     for w in range(num_workers):
-        cids = [c for c in range(len(inputs.train_idx)) if worker_index(c, num_workers) == w]
+        cids = range(w, len(inputs.train_idx), num_workers)
         per.append(({c: inputs.train_idx[c] for c in cids}, {c: inputs.test_idx[c] for c in cids},
                     {c: inputs.profiles[c] for c in cids}))
     return per
@@ -111,9 +106,12 @@ class HostCalls:
 class Runtime:
     """Algorithm-facing API over a backend (``LocalBackend`` or ``RayBackend``)."""
 
-    def __init__(self, backend, inputs: RuntimeInputs, max_in_flight: int = 256):
+    def __init__(self, backend, inputs: RuntimeInputs, max_in_flight: int = 256, window: int | None = 4,
+                 placement: str = "balanced"):
         self.backend = backend
         self.max_in_flight = max_in_flight
+        self.window = window  # forwards submitted ahead per client worker (stepping.schedule); None: all at once
+        self.placement = placement  # "balanced": spread each round's clients evenly (placement.assign); "home"
         self._inflight: list = []
         self.inputs = inputs
         self.num_clients = len(inputs.train_idx)
@@ -123,6 +121,8 @@ class Runtime:
         self._wall0 = 0.0
         self._clients: list[int] = []
         backend.start(inputs)
+        # the worker holding each client's state; every client starts at home (placement.home)
+        self.holders = np.arange(self.num_clients, dtype=np.int64) % len(backend.workers)
         self.server = HostCalls(backend, inputs.server_host, "server", lambda: backend.server)
         self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True)
 
@@ -133,13 +133,34 @@ class Runtime:
 
     # ---- placement -------------------------------------------------------------------------------------------
     def worker_of(self, cid: int):
-        return self.backend.workers[worker_index(cid, len(self.backend.workers))]
+        return self.backend.workers[self.holders[int(cid)]]
+
+    def route(self, clients: list[int]) -> dict[int, int]:
+        """The worker index of each of ``clients`` (what a loop driven by the server needs to reach them)."""
+        return {int(c): int(self.holders[int(c)]) for c in clients}
+
+    def _place(self, clients: list[int]) -> None:
+        """Spread the round's clients over the workers (``placement.assign``) and move the state of those that
+        change worker from their old holder to the new one (handles chained: nothing passes through here)."""
+        target = placement.assign(clients, len(self.backend.workers), self.holders)
+        moves: dict[int, dict[int, list[int]]] = {}
+        for c, w in target.items():
+            if self.holders[c] != w:
+                moves.setdefault(w, {}).setdefault(int(self.holders[c]), []).append(c)
+        workers = self.backend.workers
+        for dst, srcs in sorted(moves.items()):
+            bundles = [self.backend.call(workers[src], "export_clients", cids) for src, cids in sorted(srcs.items())]
+            self.backend.call(workers[dst], "import_clients", *bundles)
+            for cids in srcs.values():
+                self.holders[cids] = dst
 
     # ---- round structure -----------------------------------------------------------------------------------
     def begin_round(self, rnd: int, clients: list[int], t0: float) -> None:
         self.round, self._t0, self._clients = rnd, t0, [int(c) for c in clients]
         self._inflight = []
         self._wall0 = time.perf_counter()
+        if self.placement == "balanced":
+            self._place(self._clients)
         self.server.begin_round(rnd, t0)
         self.workers.begin_round(rnd, self._clients, t0)
 
@@ -185,19 +206,20 @@ class Runtime:
         results are bit-identical (tests/test_direct_steps.py)."""
         getattr(self.server, method)  # an unknown server method fails here, on the driver
         plan = stepping.plan_steps(seq, self.round, keys or {})
+        route = self.route([s.client for s in plan])
         if self.backend.direct_steps:
-            self.backend.drive("steps", plan, method, batch_size)
+            self.backend.drive("steps", route, plan, method, batch_size, self.window)
             return
-        pending = {}
-        for s in plan:
-            if (s.client, s.tag.stream) not in pending:
-                pending[(s.client, s.tag.stream)] = self.backend.call(self.worker_of(s.client), "forward", s.tag,
-                                                                      batch_size)
-        for s in plan:
+        b, pending = self.backend, {}
+        for action in stepping.schedule(plan, route.__getitem__, self.window):
+            s = plan[action[1]]
             k = (s.client, s.tag.stream)
-            self.backward(s.client, self.backend.call(self.backend.server, "serve", method, pending.pop(k), s.key))
-            if s.next is not None:
-                pending[k] = self.backend.call(self.worker_of(s.client), "forward", s.next, batch_size)
+            if action[0] == "fwd":
+                pending[k] = b.call(self.worker_of(s.client), "forward", s.tag, batch_size)
+                continue
+            self.backward(s.client, b.call(b.server, "serve", method, pending.pop(k), s.key))
+            if action[2]:  # the server-driven loop sends these two calls as one message
+                pending[k] = b.call(self.worker_of(s.client), "forward", s.next, batch_size)
 
     def pooled_steps(self, clients: list[int], steps: int, method: str, streams: tuple[str, ...] = ("main",),
                      batch_sizes: dict | None = None) -> None:
@@ -210,7 +232,8 @@ class Runtime:
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
         if self.backend.direct_steps:
-            self.backend.drive("pooled", clients, tuple(streams), steps, self.round, method, sizes)
+            self.backend.drive("pooled", self.route(clients), clients, tuple(streams), steps, self.round, method,
+                               sizes)
             return
         for k in range(steps):
             acts = [self.forward(c, k, s, sizes[c]) for c in clients for s in streams]
@@ -222,7 +245,7 @@ class Runtime:
         """One global round of an asynchronous algorithm: the server host's event loop
         (``AsyncServer.run_events``) runs where the server lives, driving the client hosts itself, until the next
         global model exists. One blocking call per global round."""
-        out = self.backend.get(self.backend.drive("events", rnd))
+        out = self.backend.get(self.backend.drive("events", None, rnd))  # no client moves under events
         self.backend.round_done()
         self.round = rnd
         return RoundStats(rnd, out["t_start"], out["t_end"], out["wall"], out["clients"], out["server"],
@@ -272,15 +295,26 @@ class Runtime:
         self.backend.restart(self.inputs)
         self._inflight = []
 
-    def state_dict(self) -> dict:
-        states = self.backend.get([self.server.state_dict()] + self.workers.state_dict())
-        return {"server": states[0], "workers": states[1:]}
+    def state_dict(self, changed_only: bool = False) -> dict:
+        """Every host's state (``changed_only``: the client hosts report only the clients changed since the last
+        such call, for :class:`~raysplit.runtime.drivers.RoundGuard`'s incremental snapshots)."""
+        b = self.backend
+        if changed_only:
+            workers = [b.call(w, "state_dict", ch) for w, ch in zip(b.workers, self.workers.changed_clients())]
+        else:
+            workers = self.workers.state_dict()
+        states = b.get([self.server.state_dict()] + workers)
+        return {"server": states[0], "workers": states[1:], "holders": self.holders.copy()}
 
     def load_state_dict(self, st: dict) -> None:
         b = self.backend
         if len(st["workers"]) != len(b.workers):
             raise ValueError(f"checkpoint has {len(st['workers'])} workers, runtime has {len(b.workers)}; resume "
                              "with the same runtime.num_workers")
+        if "holders" not in st or any("held" not in w for w in st["workers"]):
+            raise ValueError("checkpoint from an older raysplit (its client hosts' state has no 'held' clients): "
+                             "resume it with the version that wrote it")
+        self.holders = np.asarray(st["holders"], dtype=np.int64).copy()
         refs = [self.server.load_state_dict(st["server"])]
         refs += [b.call(w, "load_state_dict", s) for w, s in zip(b.workers, st["workers"])]
         b.get(refs)
@@ -290,13 +324,17 @@ class Runtime:
 
 
 class LocalPort:
-    """:class:`stepping.ClientPort` over in-process client hosts: calls run at once, handles are values."""
+    """:class:`stepping.ClientPort` over in-process client hosts: calls run at once, handles are values.
+    ``route``: the worker of each client of the loop (None: every client at home)."""
 
-    def __init__(self, workers: list):
-        self.workers = workers
+    def __init__(self, workers: list, route: dict | None = None):
+        self.workers, self.route = workers, route
+
+    def worker(self, cid: int) -> int:
+        return self.route[cid] if self.route is not None else placement.home(cid, len(self.workers))
 
     def submit(self, cid: int, calls: list[tuple[str, tuple]]):
-        host = self.workers[worker_index(cid, len(self.workers))]
+        host = self.workers[self.worker(cid)]
         out = None
         for method, args in calls:
             out = getattr(host, method)(*args)
@@ -337,9 +375,9 @@ class LocalBackend:
             raise RuntimeError(f"{type(host).__name__}.{method} returned {len(out)} results, expected {n}")
         return out
 
-    def drive(self, loop: str, *args):
+    def drive(self, loop: str, route: dict | None, *args):
         """Run one of ``stepping.LOOPS`` in process, as the server actor does with Ray."""
-        return stepping.LOOPS[loop](self.server, *args, LocalPort(self.workers))
+        return stepping.LOOPS[loop](self.server, *args, LocalPort(self.workers, route))
 
     def round_done(self) -> None:
         pass

@@ -84,20 +84,35 @@ class RoundGuard:
     """Survives actor deaths (``runtime.max_retries``): before every round it keeps the state of the runtime's hosts,
     of the driver (algorithm included) and of whatever ``extra`` snapshots (the reporter); after an actor died it
     replaces every actor, restores that state and lets the driver redo the round, so the run's metrics equal an
-    uninterrupted run's. ``on_restart(count, error)`` is told of each restart (the experiment logs it)."""
+    uninterrupted run's. ``on_restart(count, error)`` is told of each restart (the experiment logs it).
+
+    The snapshots are incremental in the virtual clients: the first holds every client's state, each later one
+    only the clients changed since (a round's participants, clients that received a model or moved), merged into
+    the copy kept here. A snapshot therefore costs the server's state plus the changed clients', not the whole
+    population's, each round."""
 
     def __init__(self, rt, driver, max_retries: int, extra=None, on_restart=None):
         self.rt, self.driver, self.max_retries = rt, driver, max_retries
         self.extra, self.on_restart = extra, on_restart
         self.restarts = 0
         self.last: tuple[int, dict] | None = None
+        self.clients: dict[int, dict] = {}  # every client's state as of the last snapshot
 
     def snapshot(self, rnd: int) -> None:
         """The state before round ``rnd`` (kept only once it is complete; not taken when no restart is allowed)."""
         if self.max_retries <= self.restarts:
             return
-        self.last = (rnd, {"runtime": self.rt.state_dict(), "driver": self.driver.state_dict(),
+        st = self.rt.state_dict(changed_only=self.last is not None)  # the first one: every client
+        clients = dict(self.clients)
+        for w in st["workers"]:
+            clients.update(w.pop("clients"))
+        self.clients = clients
+        self.last = (rnd, {"runtime": st, "driver": self.driver.state_dict(),
                            "extra": self.extra.snapshot() if self.extra is not None else None})
+
+    def _runtime_state(self, st: dict) -> dict:
+        """The last snapshot with every worker's held clients filled in from the merged copy."""
+        return {**st, "workers": [{**w, "clients": {c: self.clients[c] for c in w["held"]}} for w in st["workers"]]}
 
     def recover(self, error: ActorFailure, rnd: int) -> int:
         """Replace the actors and restore the last snapshot; returns the round to redo (the snapshot's)."""
@@ -110,7 +125,7 @@ class RoundGuard:
         redo, snap = self.last
         try:
             self.rt.restart()
-            self.rt.load_state_dict(snap["runtime"])
+            self.rt.load_state_dict(self._runtime_state(snap["runtime"]))
         except ResourceError as e:
             raise ActorFailure(f"{error} in round {rnd}; the cluster can no longer host the run: {e}") from None
         except ActorFailure as again:  # a replacement died too: another restart, if the budget allows

@@ -5,10 +5,14 @@ server or client behaviour subclass them (``Algorithm.server_host`` / ``client_h
 runtime reaches through ``rt.server.<method>(...)``, ``rt.client(cid).<method>(...)`` and
 ``rt.workers.<method>(...)`` (names checked against the host class on the driver, at the call).
 
-Client host state, per virtual client it hosts: its own model weights when the algorithm keeps un-aggregated client
+Client host state, per virtual client it holds: its own model weights when the algorithm keeps un-aggregated client
 models (``persist_client_models``), its optimizer state (persists across rounds, as in CycleSL's code), its data
 cursor (epoch and position in a permutation drawn from (seed, client, epoch)), its simulated clock and its
-byte/FLOP counters. A client being trained in the current round holds a module instance of its own (a
+byte/FLOP counters. Model weights and optimizer states live in a :class:`~raysplit.runtime.spill.SpillStore`
+(``runtime.client_state_mb``: beyond that budget the least recently used go to disk). A client's state moves
+between hosts when the runtime places it elsewhere for a round (``export_clients`` / ``import_clients``,
+``runtime/placement.py``); its randomness (dropout, augmentation) is drawn per (client, round, step), so where it
+runs changes nothing. A client being trained in the current round holds a module instance of its own (a
 :class:`ModelSlot`), so a forward's autograd graph stays alive in the host until the gradient with the same tag
 arrives; slots are released at the end of the round.
 
@@ -40,6 +44,7 @@ from raysplit.runtime import transport
 from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average, weighted_sum
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
+from raysplit.runtime.spill import SpillStore, StoreView
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,6 +87,8 @@ class HostSpec:
     asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
     charge_server: bool = True  # server compute and downloads cost simulated time (False: GAS's code)
     on_bad_client: str = "fail"  # runtime.on_bad_client: a rejected activation/gradient fails the run or drops
+    client_state_bytes: int | None = None  # runtime.client_state_mb: per client host, the rest spills to disk
+    spill_dir: str | None = None  # runtime.spill_dir: where (None: the system's temporary directory)
 
 
 @dataclass
@@ -211,9 +218,12 @@ class _Counters:
 
 
 class ClientHost:
-    """Hosts a set of virtual clients on one worker."""
+    """Hosts a set of virtual clients on one worker; ``train_idx``'s keys are the clients it holds now."""
 
-    seeded_randomness: bool = False  # seed every forward's randomness per (client, step, stream), as under events
+    # per-client mappings that move with a client to another host (``export_clients``); a subclass that keeps
+    # per-client state of its own adds its attribute names (the attribute must be a dict keyed by client id)
+    client_fields: tuple[str, ...] = ("train_idx", "test_idx", "profiles", "own", "opt_state", "cursor", "clock",
+                                      "totals", "last_active", "job_round", "job_loss")
 
     def __init__(self, spec: HostSpec, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
                  test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
@@ -228,8 +238,9 @@ class ClientHost:
         self.test_idx = {int(c): np.asarray(v) for c, v in test_idx.items()}
         self.profiles = {int(c): p for c, p in profiles.items()}
         self.global_state = transport.unpack_state(init_state)
-        self.own: dict[int, dict] = {}
-        self.opt_state: dict[int, dict] = {}
+        self.store = SpillStore(spec.client_state_bytes, spec.spill_dir)
+        self.own = self.store.view("own")
+        self.opt_state = self.store.view("opt")
         self.cursor: dict[int, tuple[int, int]] = {c: (0, 0) for c in self.train_idx}
         self._perm: dict[int, tuple[int, np.ndarray]] = {}
         self.clock: dict[int, float] = {c: 0.0 for c in self.train_idx}
@@ -245,6 +256,7 @@ class ClientHost:
         self.job_loss: dict[int, float] = {}  # event driver: mean loss of a local job, sent with the model
         self.last_active: dict[int, float] = {}  # clock at the end of the client's last round
         self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
+        self._dirty: set[int] = set(self.train_idx)  # clients changed since the last changed_clients()
 
     # ---- virtual-client bookkeeping -------------------------------------------------------------------------
     def _new_module(self) -> torch.nn.Module:
@@ -274,6 +286,7 @@ class ClientHost:
         slot = self.slots.pop(cid, None)
         if slot is None:
             return
+        self._dirty.add(cid)
         if cid not in self.dropped:  # a dropped client keeps its model and optimizer state from before the round
             if keep_weights if keep_weights is not None else self.spec.persist_client_models:
                 self.own[cid] = _clone_state(slot.module)
@@ -292,6 +305,7 @@ class ClientHost:
             cached = (epoch, rng.permutation(idx_all))
             self._perm[cid] = cached
         self.cursor[cid] = (epoch, stop)
+        self._dirty.add(cid)
         return cached[1][start:stop]
 
     def batch(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,11 +318,8 @@ class ClientHost:
 
     @contextlib.contextmanager
     def _rng(self, cid: int, *salt: int):
-        """Under the event driver, client computations draw from a generator seeded per (client, salt), so their
-        randomness (dropout, augmentation) does not depend on which worker hosts the client or what ran before."""
-        if not (self.spec.asynchronous or self.seeded_randomness):
-            yield
-            return
+        """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,
+        augmentation) does not depend on which worker hosts the client or what ran before on it."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(np.random.default_rng([self.spec.seed, 0xC11, cid, *salt]).integers(2**62)))
             yield
@@ -320,17 +331,20 @@ class ClientHost:
         for c in cids:
             if c in self.clock:
                 self.clock[c] = t0
+                self._dirty.add(int(c))
 
     def _clip(self, module: torch.nn.Module) -> None:
         if self.spec.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
 
     def _charge_compute(self, cid: int, flops: float) -> None:
+        self._dirty.add(cid)
         self.clock[cid] += flops / self.profiles[cid].flops
         self.round_stats[cid].add(flops=flops)
 
     def _charge_upload(self, cid: int, nbytes: int, kind: str) -> float:
         """Client ``cid`` sends ``nbytes`` of ``kind`` (activations, model, labels): counted in total and by kind."""
+        self._dirty.add(cid)
         self.clock[cid] += nbytes / self.profiles[cid].up
         self.round_stats[cid].add(bytes_up=nbytes, **{f"bytes_up_{kind}": nbytes})
         return self.clock[cid]
@@ -339,6 +353,7 @@ class ClientHost:
         """A message of ``nbytes`` of ``kind`` (gradients, model) sent at ``t_sent`` reaches client ``cid`` (which
         may still be busy); with ``charge_server`` off (GAS's code) the transfer takes no time."""
         cost = nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
+        self._dirty.add(cid)
         self.clock[cid] = max(self.clock[cid], t_sent) + cost
         self.round_stats[cid].add(bytes_down=nbytes, **{f"bytes_down_{kind}": nbytes})
         return self.clock[cid]
@@ -482,11 +497,13 @@ class ClientHost:
         if only is None:
             self.global_state = state
             if not self.spec.persist_client_models:
+                self._dirty.update(self.own)
                 self.own.clear()
         else:
             for c in only:
                 if int(c) in self.train_idx:
                     self.own[int(c)] = state
+                    self._dirty.add(int(c))
         for c in receivers or []:
             c = int(c)
             if c in self.train_idx:
@@ -504,6 +521,7 @@ class ClientHost:
         """Receive a model (hand-over in sequential split learning) as this client's own."""
         state = transport.unpack_state(msg.state)
         self.own[cid] = state
+        self._dirty.add(cid)
         if cid in self.slots:
             self.slots[cid].module.load_state_dict(state)
         self._charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
@@ -518,6 +536,7 @@ class ClientHost:
         state = transport.unpack_state(msg.state)
         self.clock[cid] = t0
         self.job_round[cid] = rnd
+        self._dirty.add(cid)
         self.dropped.pop(cid, None)
         self.activate(cid, state=state, rnd=rnd)
         return self._charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
@@ -547,6 +566,7 @@ class ClientHost:
         for c in list(self.slots):
             self.release(c)
         out = {}
+        self._dirty.update(self.round_stats)
         for c, cnt in self.round_stats.items():
             out[c] = dict(cnt.v, t_end=self.clock[c])
             self.totals[c].add(**cnt.v, rounds=1)
@@ -573,29 +593,74 @@ class ClientHost:
                             lambda x: server(client(x)), tally)
         return tally.result()
 
+    # ---- clients moving between hosts ---------------------------------------------------------------------------
+    def _fields_of(self, cid: int, take: bool) -> dict:
+        """Client ``cid``'s entry of every ``client_fields`` mapping that has one (removed from here if ``take``)."""
+        out = {}
+        for name in self.client_fields:
+            book = getattr(self, name)
+            if cid in book:
+                value = book.pop(cid) if take else book.peek(cid) if isinstance(book, StoreView) else book[cid]
+                out[name] = dict(value.v) if isinstance(value, _Counters) else value
+        if take:
+            self._perm.pop(cid, None)
+            self._dirty.discard(cid)
+        return out
+
+    def export_clients(self, cids: list[int]) -> dict[int, dict]:
+        """Hand clients ``cids`` over to another host (the runtime placed them there): their state leaves this
+        host. Only between rounds: a client with a slot (trained now) cannot move."""
+        busy = [int(c) for c in cids if int(c) in self.slots]
+        if busy:
+            raise RuntimeError(f"worker {self.worker_index}: clients {busy[:5]} are being trained; they cannot move")
+        return {int(c): self._fields_of(int(c), take=True) for c in cids if int(c) in self.train_idx}
+
+    def import_clients(self, *bundles: dict[int, dict]) -> None:
+        """Take clients over from other hosts (``export_clients``' results)."""
+        for bundle in bundles:
+            for c, fields in bundle.items():
+                for name, value in fields.items():
+                    if name == "totals":
+                        self.totals[c] = _Counters()
+                        self.totals[c].add(**value)
+                    else:
+                        getattr(self, name)[c] = value
+                self._dirty.add(int(c))
+
+    def changed_clients(self) -> list[int]:
+        """Clients whose state may have changed since the last call (they took part in a round or job, received a
+        model, or arrived here); the incremental snapshots of ``RoundGuard`` copy only these."""
+        out, self._dirty = sorted(self._dirty), set()
+        return out
+
     # ---- checkpoint ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything that persists across rounds. Synchronous rounds end with no slot; under the event driver,
-        active clients' slots (weights, optimizer) and their forwards awaiting a gradient are kept as what it
-        takes to redo them (batch indices, the module's buffers before the forward)."""
+    def state_dict(self, clients: list[int] | None = None) -> dict:
+        """Everything that persists across rounds: the host's own state and every held client's (``clients``: of
+        those only, for an incremental snapshot; ``held`` always lists them all). Synchronous rounds end with no
+        slot; under the event driver, active clients' slots (weights, optimizer) and their forwards awaiting a
+        gradient are kept as what it takes to redo them (batch indices, the module's buffers before the
+        forward)."""
         if self.pending and set(self.pending) != set(self._replay):
             raise RuntimeError(f"worker {self.worker_index}: checkpoint with activations awaiting a gradient "
                                f"({sorted(self.pending)[:5]}) outside the event driver")
         slots = {c: (_clone_state(sl.module), copy.deepcopy(sl.optimizer.state_dict())) for c, sl in self.slots.items()}
-        return {"global": self.global_state, "own": self.own, "opt": self.opt_state, "cursor": self.cursor,
-                "clock": self.clock, "totals": {c: dict(v.v) for c, v in self.totals.items()},
+        held = sorted(self.train_idx)
+        which = held if clients is None else [int(c) for c in clients if int(c) in self.train_idx]
+        return {"global": self.global_state, "held": held,
+                "clients": {c: self._fields_of(c, take=False) for c in which},
                 "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(self._replay),
-                "job_round": dict(self.job_round), "last_active": dict(self.last_active), "dropped": dict(self.dropped)}
+                "dropped": dict(self.dropped)}
 
     def load_state_dict(self, st: dict) -> None:
-        self.global_state, self.own, self.opt_state = st["global"], st["own"], st["opt"]
-        self.cursor, self.clock = dict(st["cursor"]), dict(st["clock"])
-        self.totals = defaultdict(_Counters)
-        for c, v in st["totals"].items():
-            self.totals[c].add(**v)
+        """Restore :meth:`state_dict`'s result (with every held client's state)."""
+        if set(st["clients"]) != set(st["held"]):
+            raise ValueError(f"worker {self.worker_index}: state of clients {sorted(st['clients'])[:5]}... does "
+                             f"not match the held clients {st['held'][:5]}...")
+        self.global_state = st["global"]
+        for name in self.client_fields:
+            getattr(self, name).clear()
         self._perm.clear()
-        self.job_round = dict(st.get("job_round", {}))
-        self.last_active = dict(st.get("last_active", {}))
+        self.import_clients(st["clients"])
         self.dropped = dict(st.get("dropped", {}))
         for c, (weights, opt) in st.get("slots", {}).items():
             module = self._new_module()
@@ -614,6 +679,7 @@ class ClientHost:
             module.load_state_dict(after, strict=False)
             self._replay[tag] = (idx, buffers)
         torch.set_rng_state(st["torch_rng"])
+        self._dirty = set()
 
     def client_totals(self) -> dict[int, dict]:
         """Per hosted client: counters summed over the rounds, and ``t_last``, its clock at the end of the last

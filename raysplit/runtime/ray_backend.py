@@ -13,8 +13,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raysplit.errors import ActorFailure, ResourceError
-from raysplit.runtime import stepping
-from raysplit.runtime.api import RuntimeInputs, host_inputs, worker_index
+from raysplit.runtime import placement, stepping
+from raysplit.runtime.api import RuntimeInputs, host_inputs
 
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
@@ -51,23 +51,27 @@ class HostActor:
             out = getattr(self.host, method)(*args)
         return out
 
-    def drive(self, loop: str, args: tuple, workers: list, before: list):
+    def drive(self, loop: str, args: tuple, workers: list, before: list, route: dict | None):
         """Run one of ``stepping.LOOPS`` (split steps, pooled steps, a round of events) with this (server) actor in
-        charge, calling the client actors directly. ``before`` (nested, so not fetched) holds the driver's last
-        call on each client actor: those must have run before ours do."""
+        charge, calling the client actors directly (``route``: each client's worker; None: at home). ``before``
+        (nested, so not fetched) holds the driver's last call on each client actor: those must have run before
+        ours do."""
         if before:
             ray.wait(before, num_returns=len(before), fetch_local=False)
-        return stepping.LOOPS[loop](self.host, *args, RayPort(workers))
+        return stepping.LOOPS[loop](self.host, *args, RayPort(workers, route))
 
 
 class RayPort:
     """:class:`stepping.ClientPort` over client actors: one ``call_seq`` message per submission."""
 
-    def __init__(self, workers: list):
-        self.workers = workers
+    def __init__(self, workers: list, route: dict | None = None):
+        self.workers, self.route = workers, route
+
+    def worker(self, cid: int) -> int:
+        return self.route[cid] if self.route is not None else placement.home(cid, len(self.workers))
 
     def submit(self, cid: int, calls: list[tuple[str, tuple]]):
-        w = self.workers[worker_index(cid, len(self.workers))]
+        w = self.workers[self.worker(cid)]
         if len(calls) == 1:
             return w.call.remote(calls[0][0], *calls[0][1])
         return w.call_seq.remote(calls)
@@ -197,17 +201,17 @@ class RayBackend:
         self._worker_ids = {w._actor_id for w in self.workers}
         self.roles = {self.server._actor_id.hex(): "the server actor"}
         n = r.num_workers
-        self.roles.update({w._actor_id.hex(): f"client actor {i} (hosting clients {i}, {i + n}, {i + 2 * n}, ...)"
+        self.roles.update({w._actor_id.hex(): f"client actor {i} (home of clients {i}, {i + n}, {i + 2 * n}, ...)"
                            for i, w in enumerate(self.workers)})
         # Constructors raise here (bad data, model errors) rather than at the first round.
         actors = [self.server, *self.workers]
         refs = [a.node_id.remote() for a in actors]
         if ready_timeout is not None:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ready_timeout, fetch_local=False)
-            if len(ready) < len(refs):
-                done = set(ready)
-                raise ResourceError(self._unplaced([a for a, r in zip(actors, refs) if r not in done],
-                                                   ready_timeout))
+            pending = [a for a, r in zip(actors, refs) if r not in set(ready)]
+            if any(_placed(a) is None for a in pending):  # no node took them: the cluster has no room
+                raise ResourceError(self._unplaced(pending, ready_timeout))
+            # every one placed, some still constructing (a loaded node): get() below waits up to get_timeout
         nodes = self.get(refs)
         for a, node in zip(actors, nodes):
             self.roles[a._actor_id.hex()] += f" on node {node}"
@@ -257,11 +261,11 @@ class RayBackend:
         self._last[actor._actor_id] = ref
         return ref
 
-    def drive(self, loop: str, *args):
+    def drive(self, loop: str, route: dict | None, *args):
         """Hand a loop (``stepping.LOOPS``) to the server actor (``HostActor.drive``); the driver submits one call
         and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
-        self._barrier = self.server.drive.remote(loop, args, self.workers, before)
+        self._barrier = self.server.drive.remote(loop, args, self.workers, before, route)
         return self._barrier
 
     def round_done(self) -> None:

@@ -9,8 +9,10 @@ with the local backend), talking to the client hosts through a :class:`ClientPor
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from raysplit.runtime.messages import Tag
 
@@ -45,8 +47,62 @@ def plan_steps(seq: list, rnd: int, keys: dict) -> list[Step]:
     return plan
 
 
+def schedule(plan: list[Step], worker: Callable[[int], int], window: int | None) -> list[tuple]:
+    """When each forward of a plan is submitted, as a list of actions: ``("fwd", j)`` submits step ``j``'s forward on
+    its own; ``("serve", i, bundled)`` serves step ``i`` and sends its gradient back, together with the same
+    (client, stream)'s next forward when ``bundled``. At most ``window`` forwards per client worker (``worker(c)``)
+    are submitted and not yet served (one more when the step due next had to wait for its forward), taken in
+    serving order, so a worker holds O(window) activation graphs however many clients the round has; ``None``:
+    every (client, stream)'s first forward at once. The actions are a pure function of the plan, the placement and
+    the window, so the server-driven loop and the driver-chained one submit the same calls in the same order."""
+    nxt: dict[int, int] = {}
+    last: dict[tuple, int] = {}
+    heaps: dict[int, list] = defaultdict(list)
+    for j, s in enumerate(plan):
+        k = (s.client, s.tag.stream)
+        if k in last:
+            nxt[last[k]] = j
+        else:
+            heapq.heappush(heaps[worker(s.client)], j)
+        last[k] = j
+    inflight: Counter = Counter()
+    submitted: set[int] = set()
+    actions: list[tuple] = []
+
+    def fill(w: int) -> list[int]:
+        out = []
+        while heaps[w] and (window is None or inflight[w] < window):
+            j = heapq.heappop(heaps[w])
+            inflight[w] += 1
+            submitted.add(j)
+            out.append(j)
+        return out
+
+    for w in sorted(heaps):
+        actions += [("fwd", j) for j in fill(w)]
+    for i, s in enumerate(plan):
+        w = worker(s.client)
+        if i not in submitted:  # the window was full of later steps when this one became ready
+            heaps[w].remove(i)
+            heapq.heapify(heaps[w])
+            inflight[w] += 1
+            submitted.add(i)
+            actions.append(("fwd", i))
+        inflight[w] -= 1
+        if i in nxt:
+            heapq.heappush(heaps[w], nxt[i])
+        more = fill(w)
+        bundled = i in nxt and nxt[i] in more
+        actions.append(("serve", i, bundled))
+        actions += [("fwd", j) for j in more if not (bundled and j == nxt[i])]
+    return actions
+
+
 class ClientPort(Protocol):
     """How the host driving a loop reaches the client hosts."""
+
+    def worker(self, cid: int) -> int:
+        """The index of the client host that holds client ``cid``."""
 
     def submit(self, cid: int, calls: list[tuple[str, tuple]]):
         """Run host methods for client ``cid``'s host, in order, as one message; a handle to the last result."""
@@ -58,27 +114,25 @@ class ClientPort(Protocol):
         """Block until every handle is computed."""
 
 
-def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | None, port: ClientPort) -> None:
-    """Run a plan with the server in charge: every (client, stream)'s first forward is submitted up front (so the
-    clients compute in parallel), then per step the server method ``method(activation, key)`` runs here and its
-    gradient goes back together with that client's next forward (one message). Each client host receives the
-    same calls in the same order as the driver-chained loop in ``Runtime.split_steps``, so both paths give the
-    same results bit for bit. Activations reach ``method`` through ``ServerHost.serve`` (screened)."""
+def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | None, window: int | None,
+                port: ClientPort) -> None:
+    """Run a plan with the server in charge, following :func:`schedule`: forwards are submitted ahead (up to
+    ``window`` per client worker, so the clients compute in parallel), per step the server method
+    ``method(activation, key)`` runs here and its gradient goes back, with that client's next forward in the same
+    message where the schedule bundles them. Each client host receives the same calls in the same order as the
+    driver-chained loop in ``Runtime.split_steps``, so both paths give the same results bit for bit. Activations
+    reach ``method`` through ``ServerHost.serve`` (screened)."""
     getattr(server_host, method)
-
-    def serve(*args):
-        return server_host.serve(method, *args)
-
     pending = {}
-    for s in plan:
-        k = (s.client, s.tag.stream)
-        if k not in pending:
-            pending[k] = port.submit(s.client, [("forward", (s.tag, batch_size))])
     last = []
-    for s in plan:
+    for action in schedule(plan, port.worker, window):
+        s = plan[action[1]]
         k = (s.client, s.tag.stream)
-        grad = serve(port.fetch(pending.pop(k)), s.key)
-        if s.next is not None:
+        if action[0] == "fwd":
+            pending[k] = port.submit(s.client, [("forward", (s.tag, batch_size))])
+            continue
+        grad = server_host.serve(method, port.fetch(pending.pop(k)), s.key)
+        if action[2]:
             pending[k] = port.submit(s.client, [("backward", (grad,)), ("forward", (s.next, batch_size))])
         else:
             last.append(port.submit(s.client, [("backward", (grad,))]))
