@@ -135,7 +135,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         persist_client_models=not alg.keeps_global_client_model(), stop_on_nonfinite=cfg.train.stop_on_nonfinite,
         rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),
         clip_grad_norm=cfg.train.clip_grad_norm, asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
-        on_bad_client=cfg.runtime.on_bad_client,
+        on_bad_client=cfg.runtime.on_bad_client, batched_copies=cfg.runtime.batched_copies,
     )
     inputs = RuntimeInputs(
         spec=spec, client_host=alg.client_host, server_host=alg.server_host,
