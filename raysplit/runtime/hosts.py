@@ -870,6 +870,9 @@ class ServerHost:
 
     # ---- per-client copies ------------------------------------------------------------------------------------
     def fork(self, keys: list) -> None:
+        """A copy of the main model and its optimizer per key. ``load_state_dict`` keeps the state tensors it is
+        given, so the copies share the main optimizer's momentum buffers / Adam moments and step counts (not
+        copied) and update them in place, one copy's step after another."""
         main = self.models["main"]
         for k in keys:
             module = copy.deepcopy(main.module)
