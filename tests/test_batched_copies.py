@@ -82,6 +82,10 @@ CASES = {
     "sglr": {"algorithm": {"name": "sglr", "variant": "cyclesl"}},
     # unequal step counts per client (one epoch of dirichlet shares) and short last batches: per-copy fallbacks
     "psl-epochs": {"algorithm.name": "psl", "train.local_epochs": 1, "data.partition.name": "dirichlet"},
+    # optimizer state carried into the copies from the second round on, several steps per client: each copy's
+    # own state, so the interleaved order gives the same models
+    "sflv1-momentum": {"algorithm.name": "sflv1", "train.optimizer.momentum": 0.9, "train.rounds": 3},
+    "psl-adam": {"algorithm.name": "psl", "train.optimizer": {"name": "adam", "lr": 0.001}, "train.rounds": 3},
 }
 
 
@@ -287,3 +291,25 @@ def test_switch_is_validated_documented_and_reaches_the_server_host(tmp_path, ml
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.batched_copies": True, "algorithm.name": "psl"})
     assert prepare(cfg).inputs.spec.batched_copies is True
     assert prepare(make_config(tmp_path, mlflow_uri)).inputs.spec.batched_copies is False
+
+
+@pytest.mark.parametrize("opt", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.001}],
+                         ids=["momentum", "adam"])
+def test_forked_copies_own_their_optimizer_state(tmp_path, mlflow_uri, opt):
+    """A copy's step leaves the server model's and the other copies' optimizer state (momentum buffers, Adam's
+    moments and step count) as they were: merging then averages states that each copy built alone."""
+    host = host_pair(tmp_path, mlflow_uri, **{"train.optimizer": opt})[0]
+    host.begin_round(3, 0.0)
+    host.fork([9])
+    host.serve("train_copies", *activations(host, [9], 0, np.random.default_rng(0)))
+    host.merge({9: 1.0})  # the server optimizer now holds state
+    host.fork([0, 1])
+    before = copy.deepcopy(host.models[1].optimizer.state_dict()["state"])
+    host.serve("train_copies", *activations(host, [0], 1, np.random.default_rng(1)))
+    for key in ("main", 1):
+        now = host.models[key].optimizer.state_dict()["state"]
+        for i, st in before.items():
+            for name, v in st.items():
+                assert torch.equal(now[i][name], v), (key, i, name)
+    moved = host.models[0].optimizer.state_dict()["state"]
+    assert any(not torch.equal(moved[i][name], v) for i, st in before.items() for name, v in st.items())

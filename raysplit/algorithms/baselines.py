@@ -77,10 +77,7 @@ class PSL(Algorithm):
         The models come out the same either way: a client's steps touch only its own client model and its own
         server copy, so the order in which different clients are served does not matter (up to the rounding of
         vmap's batched kernels, tests/test_batched_copies.py), as long as the model draws no random numbers
-        (dropout: the masks follow the order in which the host's generator is drawn) and the copies' optimizer
-        states are their own. They are not yet: ``ServerHost.fork`` hands every copy the server optimizer's state
-        tensors themselves, which the copies update in place in turn, so with momentum or Adam state (from the
-        second round on) and several steps per client the two orders give different models. The simulated time does
+        (dropout: the masks follow the order in which the host's generator is drawn). The simulated time does
         change: served interleaved, the server no longer waits for one client's gradient to travel back and its
         next batch to come up while the other clients' batches are waiting, so rounds of several steps per client
         end earlier; it is the clock the per-copy steps give in that order (the server charges each copy's

@@ -870,14 +870,13 @@ class ServerHost:
 
     # ---- per-client copies ------------------------------------------------------------------------------------
     def fork(self, keys: list) -> None:
-        """A copy of the main model and its optimizer per key. ``load_state_dict`` keeps the state tensors it is
-        given, so the copies share the main optimizer's momentum buffers / Adam moments and step counts (not
-        copied) and update them in place, one copy's step after another."""
+        """A copy of the main model and its optimizer per key, each with its own optimizer state (a copy:
+        ``load_state_dict`` keeps the tensors it is given, which the copies would then update in place in turn)."""
         main = self.models["main"]
         for k in keys:
             module = copy.deepcopy(main.module)
             opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
-            opt.load_state_dict(main.optimizer.state_dict())  # carries the round's lr too
+            opt.load_state_dict(copy.deepcopy(main.optimizer.state_dict()))  # carries the round's lr too
             self.models[k] = ModelSlot(module, opt)
 
     def merge(self, weights: dict) -> None:
