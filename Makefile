@@ -1,14 +1,15 @@
 # Benchmarks (issue 6). Not tests: they print tables, write benchmarks/out/*.json and log to the MLflow experiment
-# `benchmarks` (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI is set). `make bench` runs all of them (~30 min on
+# `benchmarks` (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI is set). `make bench` runs all of them (~45 min on
 # the 2-core machine); results and how to read them: benchmarks/RESULTS.md.
 PY ?= .venv/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store flower-venv doc-figures check-docs
+.PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched flower-venv doc-figures \
+	check-docs
 
-bench: bench-hop bench-overhead bench-scale bench-flower bench-store
+bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched
 
 bench-hop:
 	$(PY) benchmarks/hop.py --repeats 5
@@ -16,6 +17,10 @@ bench-hop:
 bench-overhead:
 	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --chained --tag cnn_small
 	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --batch 8 --rounds 3 --warmup 1 --chained --tag resnet18
+
+# Batched per-client server copies (runtime.batched_copies), server side in process and a local-backend round.
+bench-batched:
+	$(PY) benchmarks/batched_copies.py --model cnn_small resnet18 --clients 10 50 --reps 5 --e2e-reps 3
 
 bench-store:
 	$(PY) benchmarks/store.py --rows 12000 --repeats 3

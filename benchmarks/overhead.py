@@ -105,7 +105,7 @@ class Reference:
             for c in clients:
                 m = copy.deepcopy(self.server)
                 o = torch.optim.SGD(m.parameters(), **self.opt_args)
-                o.load_state_dict(self.server_opt.state_dict())
+                o.load_state_dict(copy.deepcopy(self.server_opt.state_dict()))  # its own state, as ServerHost.fork
                 copies[c] = (m, o)
         for c in clients:
             model = self.client

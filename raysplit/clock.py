@@ -70,17 +70,28 @@ class FlopCache:
         if batch is not None:
             key = (key, "per_sample")
             if key not in self._cache:
-                with FlopCounterMode(display=False) as counter:
-                    out = fn()
-                self._cache[key] = counter.get_total_flops() / batch
+                out, fl = _counted(fn)
+                self._cache[key] = fl / batch
                 return out, int(round(self._cache[key] * batch))
             return fn(), int(round(self._cache[key] * batch))
         if key in self._cache:
             return fn(), self._cache[key]
-        with FlopCounterMode(display=False) as counter:
-            out = fn()
-        self._cache[key] = int(counter.get_total_flops())
+        out, fl = _counted(fn)
+        self._cache[key] = int(fl)
         return out, self._cache[key]
+
+    def count(self, key: tuple, fn) -> int:
+        """The FLOPs cached for ``key``, counted by running ``fn()`` once if there are none yet: for a computation
+        charged as what it stands for (a batched step of server copies, as the per-copy steps it replaces)."""
+        if key not in self._cache:
+            self._cache[key] = int(_counted(fn)[1])
+        return self._cache[key]
+
+
+def _counted(fn) -> tuple:
+    with FlopCounterMode(display=False) as counter:
+        out = fn()
+    return out, counter.get_total_flops()
 
 
 def nbytes(t) -> int:

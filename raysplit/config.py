@@ -149,6 +149,11 @@ class RuntimeConfig(_Strict):
                                   "temporary directory, on the actor's node)")
     direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
                                "calling client actors directly (False: the driver chains every call)")
+    batched_copies: bool = Field(
+        default=False, description="PSL, SFLV1, SGLR (variant cyclesl): step the per-client server copies of a "
+        "pooled step in one batched computation (torch.func vmap; the same updates up to float rounding). PSL and "
+        "SFLV1 then serve the clients' steps interleaved (step 0 of every client, then step 1, ...), which changes "
+        "the simulated time, not the models (unless they draw random numbers: dropout); other algorithms ignore it")
     max_retries: int = Field(default=3, ge=0, description="Ray: actor deaths survived per run (every actor is "
                              "replaced, the last round boundary restored, the round redone); 0: the first death "
                              "fails the run")

@@ -135,7 +135,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         persist_client_models=not alg.keeps_global_client_model(), stop_on_nonfinite=cfg.train.stop_on_nonfinite,
         rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),
         clip_grad_norm=cfg.train.clip_grad_norm, asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
-        on_bad_client=cfg.runtime.on_bad_client,
+        on_bad_client=cfg.runtime.on_bad_client, batched_copies=cfg.runtime.batched_copies,
         client_state_bytes=(int(cfg.runtime.client_state_mb * 2**20) if cfg.runtime.client_state_mb else None),
         spill_dir=cfg.runtime.spill_dir,
     )

@@ -64,9 +64,28 @@ class PSL(Algorithm):
 
     def run_round(self, rt, rnd, clients, rng):
         rt.server.fork(clients)
-        self.each_client_in_turn(rt, clients, own_server_copy=True)
+        self.train_copies(rt, clients)
         rt.server.merge(rt.weights(clients, self.agg.weights))
         return None
+
+    def train_copies(self, rt, clients: list[int]) -> None:
+        """Every client trains against its own server copy: one client's steps after another, or with
+        ``runtime.batched_copies`` interleaved (pooled steps: step 0 of every client, then step 1, ...; a client
+        takes part in as many steps as ``steps_for`` gives it), so that the server gets every client's k-th
+        activation at once and steps their copies in one batched computation (``ServerHost.train_copies``).
+
+        The models come out the same either way: a client's steps touch only its own client model and its own
+        server copy, so the order in which different clients are served does not matter (up to the rounding of
+        vmap's batched kernels, tests/test_batched_copies.py), as long as the model draws no random numbers
+        (dropout: the masks follow the order in which the host's generator is drawn). The simulated time does
+        change: served interleaved, the server no longer waits for one client's gradient to travel back and its
+        next batch to come up while the other clients' batches are waiting, so rounds of several steps per client
+        end earlier; it is the clock the per-copy steps give in that order (the server charges each copy's
+        FLOPs, one after another, from its activation's arrival on)."""
+        if self.cfg.runtime.batched_copies:
+            rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, "train_copies")
+        else:
+            self.each_client_in_turn(rt, clients, own_server_copy=True)
 
 
 @register

@@ -127,7 +127,7 @@ class CycleServer(ServerHost):
         """SGLR, ``variant`` cyclesl or original (module docstring)."""
         p = self.params
         if p.variant == "cyclesl":
-            grads = [self.train_step(a, key=a.tag.client) for a in acts]  # copies forked by the driver
+            grads = self.train_copies(*acts)  # copies forked by the driver; batched with runtime.batched_copies
             active = int(p.active_fraction * len(acts))
             return self.share_gradients(grads, [a.weight for a in acts], active)
         slot = self.models["main"]

@@ -221,13 +221,14 @@ class Runtime:
             if action[2]:  # the server-driven loop sends these two calls as one message
                 pending[k] = b.call(self.worker_of(s.client), "forward", s.next, batch_size)
 
-    def pooled_steps(self, clients: list[int], steps: int, method: str, streams: tuple[str, ...] = ("main",),
-                     batch_sizes: dict | None = None) -> None:
-        """``steps`` pooled steps of the round's ``clients``: per step each client forwards one batch per stream,
-        the server method receives all activations at once (clients in order, streams in order within a client)
-        and returns one gradient per activation (CycleSL-style pooling, Semi-SFL's two streams). Server-driven
-        (``stepping.drive_pooled``) where the backend offers it, otherwise chained through the driver with each
-        client host receiving the same calls in the same order."""
+    def pooled_steps(self, clients: list[int], steps: int | dict[int, int], method: str,
+                     streams: tuple[str, ...] = ("main",), batch_sizes: dict | None = None) -> None:
+        """Pooled steps of the round's ``clients`` (``steps``: a count for all, or per client; client ``c`` takes
+        part in steps ``0 .. steps[c] - 1``): per step each client forwards one batch per stream, the server
+        method receives all activations at once (clients in order, streams in order within a client) and returns
+        one gradient per activation (CycleSL-style pooling, Semi-SFL's two streams, batched server copies).
+        Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise chained through the
+        driver with each client host receiving the same calls in the same order."""
         getattr(self.server.returning(1), method)  # an unknown server method fails here, on the driver
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
@@ -235,11 +236,13 @@ class Runtime:
             self.backend.drive("pooled", self.route(clients), clients, tuple(streams), steps, self.round, method,
                                sizes)
             return
-        for k in range(steps):
-            acts = [self.forward(c, k, s, sizes[c]) for c in clients for s in streams]
+        count = stepping.step_counts(clients, steps)
+        for k in range(max(count.values(), default=0)):
+            here = [c for c in clients if count[c] > k]
+            acts = [self.forward(c, k, s, sizes[c]) for c in here for s in streams]
             grads = getattr(self.server.returning(len(acts)), method)(*acts)
             for i, g in enumerate(grads):
-                self.backward(clients[i // len(streams)], g)
+                self.backward(here[i // len(streams)], g)
 
     def run_events(self, rnd: int) -> RoundStats:
         """One global round of an asynchronous algorithm: the server host's event loop

@@ -18,7 +18,10 @@ arrives; slots are released at the end of the round.
 
 Every server-side training computation goes through :meth:`ServerHost.step_through` (one forward, loss, backward,
 finite check, optimizer steps, FLOPs on the clock, busy time), whatever the family: split steps, CycleSL's pooled
-resampling and frozen-server gradients, SGLR's concatenated step, Hydra's heads.
+resampling and frozen-server gradients, SGLR's concatenated step, Hydra's heads. The one exception is
+:meth:`ServerHost.train_copies` under ``runtime.batched_copies``: the forward and backward of several per-client
+copies run as one batched computation (:mod:`raysplit.runtime.batched`), and each copy's step is then completed
+by the same code (:meth:`ServerHost.settle_step`).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import copy
 import inspect
 import math
 import time
+import warnings
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,7 +44,7 @@ import torch.nn.functional as F
 from raysplit.clock import ClientProfile, FlopCache
 from raysplit.errors import BadClientInput
 from raysplit.data import DataSpec, to_tensor
-from raysplit.runtime import transport
+from raysplit.runtime import batched, transport
 from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average, weighted_sum
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
@@ -89,6 +93,7 @@ class HostSpec:
     on_bad_client: str = "fail"  # runtime.on_bad_client: a rejected activation/gradient fails the run or drops
     client_state_bytes: int | None = None  # runtime.client_state_mb: per client host, the rest spills to disk
     spill_dir: str | None = None  # runtime.spill_dir: where (None: the system's temporary directory)
+    batched_copies: bool = False  # runtime.batched_copies: per-client server copies step in one batched computation
 
 
 @dataclass
@@ -713,6 +718,7 @@ class ServerHost:
         self.dropped: dict[int, str] = {}  # clients whose activations are withheld this round (on_bad_client: drop)
         self._act_form: tuple | None = None  # (per-sample shape, dtype) of a valid activation
         self._varargs: dict[str, bool] = {}
+        self._unbatched: str | None = None  # why vmap refused the server model (batched_copies falls back)
         self._reset_round()
 
     def _reset_round(self):
@@ -824,17 +830,24 @@ class ServerHost:
             return loss
 
         loss, fl = self.flops.run(flop_key, step, batch=len(y) if varying_batch else None)
-        lv = float(loss.item())
+        lv = self.settle_step(float(loss.item()), fl, module, optimizers, tag=tag, ready_at=ready_at, record=record,
+                              where=where)
+        self.busy_wall += time.perf_counter() - t_wall
+        return lv
+
+    def settle_step(self, lv: float, flops: int, module, optimizers: list, *, tag: Tag, ready_at: float = 0.0,
+                    record: bool = True, where: str | None = None) -> float:
+        """The rest of a training step once its gradients are in ``module``'s parameters: the finite check,
+        clipping (``train.clip_grad_norm``), the optimizer steps, ``flops`` on the server clock, the loss logged."""
         if record:
             self._check(lv, tag, where)
         if optimizers and self.spec.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
         for opt in optimizers:
             opt.step()
-        self.charge(fl, ready_at)
+        self.charge(flops, ready_at)
         if record:
             self.losses.append(lv)
-        self.busy_wall += time.perf_counter() - t_wall
         return lv
 
     def step_activation(self, act: Activation, module, optimizers: list, flop_key="main") -> Gradient:
@@ -843,7 +856,10 @@ class ServerHost:
         y = torch.tensor(act.y, device=self.device)
         lv = self.step_through(x, y, module, optimizers, tag=act.tag, flop_key=("train", flop_key, tuple(x.shape)),
                                ready_at=act.t_sent)
-        g = x.grad
+        return self._answer(act, x.grad, lv)
+
+    def _answer(self, act: Activation, g: torch.Tensor, lv: float) -> Gradient:
+        """The client's gradient for ``act``, sent at the server's clock (its norm logged)."""
         self.grad_norms.append(float(g.norm()))
         return Gradient(act.tag, transport.pack(g), self.clock, lv)
 
@@ -851,6 +867,65 @@ class ServerHost:
         """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
         slot = self.models[key]
         return self.step_activation(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
+
+    def train_copies(self, *acts: Activation) -> list[Gradient]:
+        """One step of each activation's client's copy (``models[client]``, forked by ``fork``); one gradient per
+        activation, as ``train_step`` on each in the given order gives: same gradients, losses, gradient norms,
+        finite checks and clock (each copy's FLOPs charged in that order from its activation's arrival on).
+
+        With ``runtime.batched_copies`` the copies whose activations have equal shapes run their forward and
+        backward as one batched computation (:func:`batched.copies_backward`), and each copy's own optimizer steps
+        on its own gradients (:meth:`settle_step`). A shape only one client sent (a short last batch) takes the
+        per-copy path, and so does everything once vmap has refused the model (dropout in training mode, ...), or
+        a copy that more than one activation of the call steps (its steps depend on each other)."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        if self.spec.batched_copies and self._unbatched is None:
+            uses = Counter(a.tag.client for a in acts)
+            for i, a in enumerate(acts):
+                if uses[a.tag.client] == 1:
+                    groups[(a.x.shape, a.x.dtype.str, np.shape(a.y))].append(i)
+        done: dict[int, tuple] = {}
+        for idx in (g for g in groups.values() if len(g) > 1):
+            steps = self._batched_copies([acts[i] for i in idx])
+            if steps is None:
+                break
+            done.update(zip(idx, steps))
+        out = []
+        for i, a in enumerate(acts):
+            if i not in done:
+                out.append(self.train_step(a, key=a.tag.client))
+                continue
+            t_wall = time.perf_counter()
+            lv, g, fl = done[i]
+            slot = self.models[a.tag.client]
+            self.settle_step(lv, fl, slot.module, [slot.optimizer], tag=a.tag, ready_at=a.t_sent)
+            out.append(self._answer(a, g, lv))
+            self.busy_wall += time.perf_counter() - t_wall
+        return out
+
+    def _batched_copies(self, acts: list[Activation]) -> list[tuple[float, torch.Tensor, int]] | None:
+        """Forward and backward of the copies of ``acts`` (equal shapes) in one computation: per activation its
+        loss, its gradient and the FLOPs its own step is charged (counted once per shape on a throwaway copy, as
+        ``train_step`` counts them). None when vmap refuses the model: remembered, warned once."""
+        t_wall = time.perf_counter()
+        modules = [self.models[a.tag.client].module for a in acts]
+        x = torch.from_numpy(np.stack([a.x for a in acts])).to(self.device)
+        y = torch.from_numpy(np.stack([np.asarray(a.y) for a in acts])).to(self.device)
+        try:
+            losses, gx = batched.copies_backward(modules, x, y)
+        except RuntimeError as e:
+            self._unbatched = f"{type(e).__name__}: {e}"
+            warnings.warn(f"runtime.batched_copies: the server model cannot be batched ({self._unbatched}); its "
+                          f"copies step one after another")
+            return None
+
+        def per_copy():
+            xi = x[0].detach().clone().requires_grad_(True)
+            F.cross_entropy(copy.deepcopy(modules[0])(xi), y[0]).backward()
+
+        fl = self.flops.count(("train", "copy", tuple(x.shape[1:])), per_copy)
+        self.busy_wall += time.perf_counter() - t_wall
+        return [(float(lv), g, fl) for lv, g in zip(losses.tolist(), gx)]
 
     def _check(self, loss: float, tag: Tag, where: str | None = None) -> None:
         if not math.isfinite(loss) and self.nonfinite is None:
@@ -861,11 +936,13 @@ class ServerHost:
 
     # ---- per-client copies ------------------------------------------------------------------------------------
     def fork(self, keys: list) -> None:
+        """A copy of the main model and its optimizer per key, each with its own optimizer state (a copy:
+        ``load_state_dict`` keeps the tensors it is given, which the copies would then update in place in turn)."""
         main = self.models["main"]
         for k in keys:
             module = copy.deepcopy(main.module)
             opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
-            opt.load_state_dict(main.optimizer.state_dict())  # carries the round's lr too
+            opt.load_state_dict(copy.deepcopy(main.optimizer.state_dict()))  # carries the round's lr too
             self.models[k] = ModelSlot(module, opt)
 
     def merge(self, weights: dict) -> None:

@@ -139,31 +139,39 @@ def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | No
     port.wait(last)  # every gradient applied before the driver's next call on a client host runs
 
 
-def drive_pooled(server_host, clients: list[int], streams: tuple[str, ...], steps: int, rnd: int, method: str,
+def step_counts(clients: list[int], steps: int | dict) -> dict[int, int]:
+    """Pooled steps per client: ``steps`` for every client, or ``steps[c]`` for client ``c``."""
+    return {c: int(steps[c]) if isinstance(steps, dict) else int(steps) for c in clients}
+
+
+def drive_pooled(server_host, clients: list[int], streams: tuple[str, ...], steps: int | dict, rnd: int, method: str,
                  batch_sizes: dict, port: ClientPort) -> None:
-    """``steps`` pooled steps with the server in charge: per step every client sends one activation per stream
-    (``ClientHost.forward_many``), the server method gets all of them at once (clients in the given order, each
-    client's streams in order) and returns one gradient per activation, which goes back with the client's next
-    forwards (one message). Each client host receives the same calls in the same order as the driver-chained loop
-    in ``Runtime.pooled_steps``."""
+    """Pooled steps with the server in charge: per step every client that still has steps (``steps``: a count
+    for all, or per client: client ``c`` takes part in steps ``0 .. steps[c] - 1``) sends one activation per
+    stream (``ClientHost.forward_many``), the server method gets all of them at once (clients in the given order,
+    each client's streams in order) and returns one gradient per activation, which goes back with the client's
+    next forwards (one message). Each client host receives the same calls in the same order as the
+    driver-chained loop in ``Runtime.pooled_steps``."""
     getattr(server_host, method)
 
     def serve(*args):
         return server_host.serve(method, *args)
 
     width = len(streams)
+    count = step_counts(clients, steps)
 
     def forwards(c, k):
         return ("forward_many", ([Tag(c, rnd, k, s) for s in streams], batch_sizes.get(c)))
 
-    pending = {c: port.submit(c, [forwards(c, 0)]) for c in clients}
+    pending = {c: port.submit(c, [forwards(c, 0)]) for c in clients if count[c] > 0}
     last = []
-    for k in range(steps):
-        acts = [a for c in clients for a in port.fetch(pending.pop(c))]
+    for k in range(max(count.values(), default=0)):
+        here = [c for c in clients if count[c] > k]
+        acts = [a for c in here for a in port.fetch(pending.pop(c))]
         grads = list(serve(*acts))
-        for i, c in enumerate(clients):
+        for i, c in enumerate(here):
             calls = [("backward", (g,)) for g in grads[i * width:(i + 1) * width]]
-            if k + 1 < steps:
+            if k + 1 < count[c]:
                 pending[c] = port.submit(c, calls + [forwards(c, k + 1)])
             else:
                 last.append(port.submit(c, calls))

@@ -1,0 +1,44 @@
+"""Several server copies trained in one batched computation (``runtime.batched_copies``). No Ray here.
+
+The copies' parameters and buffers are stacked (``torch.func.stack_module_state``) and one vmapped
+``functional_call`` computes every copy's forward and loss on its own activation. One backward of the summed losses
+gives each copy exactly its own loss's gradient (the copies share nothing), which is handed to the copy's
+parameters as ``.grad``; the updated buffers (BatchNorm running statistics, batch counters) are written back to
+each copy. Each copy's own optimizer then steps as after its own backward (``ServerHost.train_copies``).
+
+What vmap cannot batch raises here before any copy is touched (random operations such as dropout in training
+mode: their per-copy draws would not follow the server's random stream; data-dependent Python control flow such
+as BatchNorm with ``momentum=None``); the server host then falls back to one copy after another.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, stack_module_state
+
+
+def copies_backward(modules: list[torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
+                    loss_fn: Callable = F.cross_entropy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, ``loss_fn`` and backward of ``modules[i]`` on ``x[i]``, ``y[i]`` for every ``i`` at once (same
+    architecture, equal batch shapes). Each module's parameters receive their gradients (``.grad``, as after
+    ``loss.backward()``) and its buffers their updated values. Returns the losses ``(n,)`` and ``dL_i/dx_i``."""
+    params, buffers = stack_module_state(modules)
+    base = modules[0]  # functional_call swaps the stacked tensors in for the call and restores base's own
+
+    def loss_of(p, b, xi, yi):
+        return loss_fn(functional_call(base, (p, b), (xi,)), yi)
+
+    x = x.detach().requires_grad_(True)
+    losses = torch.vmap(loss_of, randomness="error")(params, buffers, x, y)
+    losses.sum().backward()
+    with torch.no_grad():
+        for i, m in enumerate(modules):
+            for name, prm in m.named_parameters():
+                g = params[name].grad
+                prm.grad = None if g is None else g[i]
+            for name, buf in m.named_buffers():
+                buf.copy_(buffers[name][i])
+    return losses.detach(), x.grad
