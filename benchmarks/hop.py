@@ -5,10 +5,11 @@ numpy array, as ``ClientHost.forward`` does), the server host turns it into a gr
 (``Gradient``, as ``ServerHost.train_step`` does: writable copy of the activation in, gradient out), and the
 client host reads the gradient. The in-process time of exactly these host calls (same packing, no Ray) is the
 "compute"; the overhead is the Ray time per hop minus that. Effective bandwidth = 2 N bytes (activation up and
-gradient down) / Ray time per hop. Two transports are measured in the same run, interleaved:
+gradient down) / Ray time per hop. Three transports are measured in the same run, interleaved:
 
-* ``direct``   (default runtime path): ``HostActor.drive_steps`` - the server actor calls the client actor itself;
-  one actor-to-actor round trip per step;
+* ``compiled`` (default runtime path): the server actor drives the steps (``HostActor.drive``) through Ray
+  Compiled Graphs, one per client actor (``runtime.transport: compiled``): shared-memory channels;
+* ``calls``    (``runtime.transport: calls``): the server actor drives the steps with ordinary actor calls;
 * ``chained``  (``runtime.direct_steps=false``): the driver chains forward -> train_step -> backward ObjectRefs.
 
     python benchmarks/hop.py [--repeats 7] [--steps 20]
@@ -23,7 +24,7 @@ import numpy as np
 
 from common import fmt, load, log_mlflow, mmm, save
 
-from raysplit.runtime import transport
+from raysplit.runtime import stepping, transport
 from raysplit.runtime.messages import Activation, Gradient, Tag
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -52,9 +53,25 @@ class EchoClient:
 
 
 class EchoServer:
+    """The server host of a hop; sized for the largest activation (the compiled graphs' channels)."""
+
+    class spec:
+        batch_size = 1
+
     def train_step(self, act: Activation, key="main") -> Gradient:
         x = transport.unpack(act.x, writable=True)  # as ServerHost.train_step
         return Gradient(act.tag, transport.pack(x), 0.0, 0.0)
+
+    def serve(self, method, *args):
+        return getattr(self, method)(*args)
+
+    def activation_form(self):
+        return (max(SIZES) // 4,), np.float32
+
+    def client_encoder(self):
+        import torch
+
+        return torch.nn.Identity()
 
     def begin_round(self, *a):
         return None
@@ -96,39 +113,44 @@ def main():
 
     pings = [ray.get(server.__ray_call__.remote(ping_loop, client, 200)) for _ in range(a.repeats)]
     print(f"empty actor-to-actor call (server -> client actor, reply): {fmt(mmm(pings), 1e3)} ms")
-    print("| activation | in-process ms/hop | direct ms/hop | direct overhead ms | direct MB/s | "
-          "chained ms/hop | chained overhead ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| activation | in-process ms/hop | compiled ms/hop | **compiled overhead ms** | compiled MB/s | "
+          "calls ms/hop | calls overhead ms | chained ms/hop | chained overhead ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     results = {}
+    variants = ("compiled", "calls", "chained")
     for nbytes in SIZES:
         ray.get(client.call.remote("set_size", nbytes))
         tags = [Tag(0, 0, i) for i in range(a.steps)]
-        res = {"inproc": [], "direct": [], "chained": []}
-        for rep in range(a.repeats + 1):  # first repetition warms up
-            t_in = inprocess(nbytes, a.steps)
-            t0 = time.perf_counter()
-            plan = [(0, "main", t, tags[i + 1] if i + 1 < len(tags) else None) for i, t in enumerate(tags)]
-            ray.get(server.drive_steps.remote(plan, [client], "train_step", None, []))
-            t_direct = (time.perf_counter() - t0) / a.steps
+        plan = stepping.plan_steps([0] * a.steps, 0, {})
+        res = {k: [] for k in ("inproc", *variants)}
+        for rep in range(a.repeats + 1):  # first repetition warms up (and compiles the graphs)
+            t = {"inproc": inprocess(nbytes, a.steps)}
+            for v in ("compiled", "calls"):
+                t0 = time.perf_counter()
+                ray.get(server.drive.remote("steps", (plan, "train_step", None, None), [client], [], None,
+                                            v == "compiled"))
+                t[v] = (time.perf_counter() - t0) / a.steps
             t0 = time.perf_counter()
             last = None
-            for t in tags:
-                last = client.call.remote("backward", server.call.remote("train_step", client.call.remote("forward", t)))
+            for tag in tags:
+                last = client.call.remote("backward", server.call.remote("train_step", client.call.remote("forward",
+                                                                                                         tag)))
             ray.get(last)
-            t_chained = (time.perf_counter() - t0) / a.steps
+            t["chained"] = (time.perf_counter() - t0) / a.steps
             if rep:
-                res["inproc"].append(t_in)
-                res["direct"].append(t_direct)
-                res["chained"].append(t_chained)
+                for k, x in t.items():
+                    res[k].append(x)
         r = {k: mmm(v) for k, v in res.items()}
-        r["direct_overhead"] = mmm([d - i for d, i in zip(res["direct"], res["inproc"])])
-        r["chained_overhead"] = mmm([d - i for d, i in zip(res["chained"], res["inproc"])])
-        r["direct_MBps"] = 2 * nbytes / r["direct"]["median"] / 1e6
+        for v in variants:
+            r[f"{v}_overhead"] = mmm([d - i for d, i in zip(res[v], res["inproc"])])
+        r["compiled_MBps"] = 2 * nbytes / r["compiled"]["median"] / 1e6
         label = f"{nbytes >> 10} KB" if nbytes < (1 << 20) else f"{nbytes >> 20} MB"
         results[label] = r
-        print(f"| {label} | {r['inproc']['median'] * 1e3:.2f} | {fmt(r['direct'], 1e3)} | "
-              f"{fmt(r['direct_overhead'], 1e3)} | {r['direct_MBps']:.0f} | {fmt(r['chained'], 1e3)} | "
-              f"{fmt(r['chained_overhead'], 1e3)} |", flush=True)
+        print(f"| {label} | {r['inproc']['median'] * 1e3:.2f} | {fmt(r['compiled'], 1e3)} | "
+              f"{fmt(r['compiled_overhead'], 1e3)} | {r['compiled_MBps']:.0f} | {fmt(r['calls'], 1e3)} | "
+              f"{fmt(r['calls_overhead'], 1e3)} | {fmt(r['chained'], 1e3)} | {fmt(r['chained_overhead'], 1e3)} |",
+              flush=True)
+    ray.get(server.teardown_graphs.remote())
     ray.shutdown()
     name = "hop" + (f"-{a.tag}" if a.tag else "")
     path = save(name, {"args": vars(a), "results": results, "empty_call_s": mmm(pings), "load_at_end": load()})
@@ -136,9 +158,9 @@ def main():
         m = {"empty_call_ms": mmm(pings)["median"] * 1e3}
         for label, r in results.items():
             k = label.replace(" ", "")
-            m[f"direct_overhead_ms_{k}"] = r["direct_overhead"]["median"] * 1e3
-            m[f"chained_overhead_ms_{k}"] = r["chained_overhead"]["median"] * 1e3
-            m[f"direct_MBps_{k}"] = r["direct_MBps"]
+            for v in ("compiled", "calls", "chained"):
+                m[f"{v}_overhead_ms_{k}"] = r[f"{v}_overhead"]["median"] * 1e3
+            m[f"compiled_MBps_{k}"] = r["compiled_MBps"]
         log_mlflow(name, {**vars(a), "load": load()}, m, path)
 
 

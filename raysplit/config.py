@@ -149,6 +149,10 @@ class RuntimeConfig(_Strict):
                                   "temporary directory, on the actor's node)")
     direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
                                "calling client actors directly (False: the driver chains every call)")
+    transport: Literal["compiled", "calls"] = Field(
+        default="compiled", description="Ray, with direct_steps: how the server actor reaches the client actors "
+        "in a driven loop: Ray Compiled Graphs (shared-memory channels, one graph per client actor, compiled once "
+        "per run) or ordinary actor calls (the fallback); identical results")
     batched_copies: bool = Field(
         default=False, description="PSL, SFLV1, SGLR (variant cyclesl): step the per-client server copies of a "
         "pooled step in one batched computation (torch.func vmap; the same updates up to float rounding). PSL and "

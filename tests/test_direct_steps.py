@@ -3,11 +3,15 @@ driver-chained path computes: same weights bit for bit, same simulated clocks, s
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from conftest import make_config
+from raysplit.runtime import ClientHost
 from test_semantics import run_rounds
 
 
@@ -34,6 +38,29 @@ def test_direct_steps_bit_identical_to_driver_chained(ray_session, tmp_path, mlf
         assert {k: v["steps"] for k, v in d.clients.items()} == {k: v["steps"] for k, v in c.clients.items()}
 
 
+@pytest.mark.parametrize("algorithm", [
+    {"name": "sflv2", "order": "random"},  # driven split steps, clients interleaved
+    {"name": "psl"},  # per-client copies; clients' own models moved between actors by the placement
+    {"name": "cyclesfl"},  # pooled steps
+    {"name": "gas"},  # the event loop (asynchronous mode)
+], ids=lambda a: "-".join(map(str, a.values())))
+def test_compiled_graphs_equal_actor_calls(ray_session, tmp_path, mlflow_uri, algorithm):
+    """runtime.transport: compiled (Ray Compiled Graphs, the default) and calls (ordinary actor calls, the
+    fallback) carry the same messages in the same order: same weights bit for bit, same clocks and losses."""
+    over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
+            "train.optimizer.momentum": 0.9}
+    c_g, s_g, _, st_g = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "compiled"}))
+    c_c, s_c, _, st_c = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "calls"}))
+    for a, b in ((s_g, s_c), (c_g, c_c)):
+        if a is None:
+            continue
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert [s.t_end for s in st_g] == [s.t_end for s in st_c]
+    assert [s.server["losses"] for s in st_g] == [s.server["losses"] for s in st_c]
+
+
 def test_direct_steps_local_backend_equals_ray(ray_session, tmp_path, mlflow_uri):
     """The local backend runs Runtime.split_steps as a plain loop; the Ray backend drives it from the server."""
     over = {"algorithm.name": "sflv2", "train.rounds": 2, "train.local_steps": 3}
@@ -44,19 +71,32 @@ def test_direct_steps_local_backend_equals_ray(ray_session, tmp_path, mlflow_uri
             assert torch.equal(a[k], b[k]), k
 
 
-def test_client_actor_error_in_driven_steps_surfaces_as_itself(ray_session, tmp_path, mlflow_uri):
+class RefusingClient(ClientHost):
+    """Raises the host's own exception at client 1's second forward, inside a server-driven sequence."""
+
+    def forward(self, tag, batch_size=None):
+        if tag.client == 1 and tag.step == 1:
+            raise LookupError(f"client {tag.client} refuses step {tag.step}")
+        return super().forward(tag, batch_size)
+
+
+@pytest.mark.parametrize("transport", ["compiled", "calls"])
+def test_client_actor_error_in_driven_steps_surfaces_as_itself(ray_session, tmp_path, mlflow_uri, transport):
     """An exception raised by a client host inside a server-driven sequence reaches the driver as the host's own
-    exception type (not a wrapped RayTaskError)."""
+    exception type (not a wrapped RayTaskError), over compiled graphs and actor calls alike."""
+    import ray.cloudpickle
+
     from raysplit.experiment import prepare
     from raysplit.runtime import Runtime, make_backend
 
-    cfg = make_config(tmp_path, mlflow_uri, **{"train.local_steps": 2})
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's host travels to the actors
+    cfg = make_config(tmp_path, mlflow_uri, **{"train.local_steps": 2, "runtime.transport": transport})
     p = prepare(cfg)
-    rt = Runtime(make_backend(cfg.runtime), p.inputs)
+    rt = Runtime(make_backend(cfg.runtime), dataclasses.replace(p.inputs, client_host=RefusingClient))
     try:
         rt.begin_round(0, [0, 1], 0.0)
-        rt.split_steps([0, 0, 99, 99])  # client 99 does not exist: its host raises KeyError
-        with pytest.raises(KeyError, match="not hosted"):
+        rt.split_steps([0, 0, 1, 1])
+        with pytest.raises(LookupError, match="client 1 refuses step 1"):
             rt.end_round()
     finally:
         rt.shutdown()

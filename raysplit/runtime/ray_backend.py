@@ -5,12 +5,14 @@ This module is the only code that imports Ray.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 
+import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
 
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime import placement, stepping
@@ -51,14 +53,61 @@ class HostActor:
             out = getattr(self.host, method)(*args)
         return out
 
-    def drive(self, loop: str, args: tuple, workers: list, before: list, route: dict | None):
+    def drive(self, loop: str, args: tuple, workers: list, before: list, route: dict | None, compiled: bool = False):
         """Run one of ``stepping.LOOPS`` (split steps, pooled steps, a round of events) with this (server) actor in
-        charge, calling the client actors directly (``route``: each client's worker; None: at home). ``before``
-        (nested, so not fetched) holds the driver's last call on each client actor: those must have run before
-        ours do."""
+        charge, calling the client actors directly (``route``: each client's worker; None: at home), through
+        compiled graphs (``compiled``, :class:`CompiledPort`) or ordinary actor calls. ``before`` (nested, so not
+        fetched) holds the driver's last call on each client actor: those must have run before ours do."""
         if before:
             ray.wait(before, num_returns=len(before), fetch_local=False)
-        return stepping.LOOPS[loop](self.host, *args, RayPort(workers, route))
+        port = self._compiled_port(workers, route) if compiled else RayPort(workers, route)
+        return stepping.LOOPS[loop](self.host, *args, port)
+
+    def set_channel_buffer(self, nbytes: int) -> None:
+        """The size of the compiled-graph channels this process writes (Ray 2.60 sizes a channel by its writer's
+        ``DAGContext``; ``experimental_compile``'s own setting is ignored for actors' channels)."""
+        from ray.dag import DAGContext
+
+        DAGContext.get_current().buffer_size_bytes = int(nbytes)
+
+    def _compiled_port(self, workers: list, route: dict | None) -> "CompiledPort":
+        """One compiled graph per client actor (``InputNode -> call_seq``), made the first time this server drives
+        these actors and kept for the run: compiling costs about a second, an execution about 1 ms."""
+        ids = [w._actor_id for w in workers]
+        if getattr(self, "_graph_ids", None) != ids:
+            from ray.dag import InputNode
+
+            nbytes = channel_bytes(self.host)
+            self.set_channel_buffer(nbytes)  # the server writes the input channels
+            ray.get([w.set_channel_buffer.remote(nbytes) for w in workers])  # each client its output channel
+            self._graphs = []
+            for w in workers:
+                with InputNode() as inp:
+                    dag = w.call_seq.bind(inp)
+                self._graphs.append(dag.experimental_compile(_max_inflight_executions=CompiledPort.CAP))
+            self._graph_ids = ids
+        return CompiledPort(workers, route, self._graphs)
+
+
+    def teardown_graphs(self) -> None:
+        """End this server's compiled graphs (before its actors are killed, so nothing reports their loss)."""
+        import logging
+
+        logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)  # four lines per graph otherwise
+        for dag in getattr(self, "_graphs", []):
+            dag.teardown()
+        self._graphs, self._graph_ids = [], None
+
+
+def channel_bytes(server_host) -> int:
+    """The size of a channel's buffers: the larger of a client model's state and a batch's activations of two
+    streams, plus a margin for the rest of the message. A larger message still goes through (the channel grows
+    itself); such a channel only cannot be torn down cleanly in Ray 2.60, and raysplit ends its graphs with their
+    actors."""
+    shape, dtype = server_host.activation_form()
+    per_sample = int(math.prod(shape)) * np.dtype(dtype).itemsize + 8
+    state = sum(v.nbytes for v in server_host.client_encoder().state_dict().values())
+    return int(max(2 * per_sample * server_host.spec.batch_size, 2 * state) + (1 << 20))
 
 
 class RayPort:
@@ -81,6 +130,52 @@ class RayPort:
 
     def wait(self, handles: list) -> None:
         ray.get(handles)
+
+
+class CompiledPort(RayPort):
+    """:class:`stepping.ClientPort` over Ray Compiled Graphs: a submission is one execution of the client actor's
+    graph (its ``call_seq`` on the calls), its messages travel through shared-memory channels, not Ray's per-call
+    task path. An actor's executions complete in submission order, and at most ``CAP`` may be outstanding per
+    graph, so results are collected in order (and kept) when a submission would exceed that. What arrives is a
+    read-only view of the channel's buffer, which holds the channel until released: it is copied on arrival."""
+
+    CAP = 4  # executions in flight per graph (each of its two channels holds CAP buffers)
+
+    def __init__(self, workers: list, route: dict | None, graphs: list):
+        super().__init__(workers, route)
+        self.graphs = graphs
+        self.outstanding = [deque() for _ in graphs]  # (handle, CompiledDAGRef) per graph, in submission order
+        self.results: dict = {}
+        self.count = 0
+
+    def submit(self, cid: int, calls: list[tuple[str, tuple]]):
+        g = self.worker(cid)
+        while len(self.outstanding[g]) >= self.CAP - 1:
+            self._collect(g)
+        try:
+            ref = self.graphs[g].execute(calls)
+        except RayChannelError as e:
+            raise ActorFailure(f"client actor {g} is gone (its compiled graph's channel closed: {e})") from None
+        self.count += 1
+        handle = (g, self.count)
+        self.outstanding[g].append((handle, ref))
+        return handle
+
+    def _collect(self, g: int) -> None:
+        handle, ref = self.outstanding[g].popleft()
+        try:
+            self.results[handle] = copy.deepcopy(ray.get(ref, timeout=-1))
+        except RayChannelError as e:
+            raise ActorFailure(f"client actor {g} is gone (its compiled graph's channel closed: {e})") from None
+
+    def fetch(self, handle):
+        while handle not in self.results:
+            self._collect(handle[0])
+        return self.results.pop(handle)
+
+    def wait(self, handles: list) -> None:
+        for h in handles:
+            self.fetch(h)
 
 
 def init_ray(rcfg) -> bool:
@@ -265,7 +360,8 @@ class RayBackend:
         """Hand a loop (``stepping.LOOPS``) to the server actor (``HostActor.drive``); the driver submits one call
         and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
-        self._barrier = self.server.drive.remote(loop, args, self.workers, before, route)
+        self._barrier = self.server.drive.remote(loop, args, self.workers, before, route,
+                                                 self.rcfg.transport == "compiled")
         return self._barrier
 
     def round_done(self) -> None:
@@ -321,6 +417,11 @@ class RayBackend:
         self.workers, self.server = [], None
 
     def shutdown(self) -> None:
+        if self.server is not None and self.rcfg.transport == "compiled":
+            try:  # a clean end of the graphs; a server already gone, or a teardown that hangs, is killed below
+                ray.get(self.server.teardown_graphs.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
         self._kill_actors()
         self._refs = {}
         if self.started_ray and not self.rcfg.address:
