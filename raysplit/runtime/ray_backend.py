@@ -71,23 +71,30 @@ class HostActor:
         DAGContext.get_current().buffer_size_bytes = int(nbytes)
 
     def _compiled_port(self, workers: list, route: dict | None) -> "CompiledPort":
-        """One compiled graph per client actor (``InputNode -> call_seq``), made the first time this server drives
-        these actors and kept for the run: compiling costs about a second, an execution about 1 ms."""
+        """One compiled graph per client actor on this (server) actor's node (``InputNode -> call_seq``), made the
+        first time this server drives these actors and kept for the run: compiling costs about a second, an
+        execution about 1 ms. Client actors on other nodes get ordinary actor calls: Ray 2.60's compiled graphs
+        across nodes take ~100 ms an execution with one in flight and fail with more
+        (benchmarks/cg_crossnode.py)."""
         ids = [w._actor_id for w in workers]
         if getattr(self, "_graph_ids", None) != ids:
             from ray.dag import InputNode
 
+            here = self.node_id()
+            local = [n == here for n in ray.get([w.node_id.remote() for w in workers])]
             nbytes = channel_bytes(self.host)
             self.set_channel_buffer(nbytes)  # the server writes the input channels
-            ray.get([w.set_channel_buffer.remote(nbytes) for w in workers])  # each client its output channel
+            ray.get([w.set_channel_buffer.remote(nbytes) for w, ok in zip(workers, local) if ok])  # clients: outputs
             self._graphs = []
-            for w in workers:
+            for w, ok in zip(workers, local):
+                if not ok:
+                    self._graphs.append(None)
+                    continue
                 with InputNode() as inp:
                     dag = w.call_seq.bind(inp)
                 self._graphs.append(dag.experimental_compile(_max_inflight_executions=CompiledPort.CAP))
             self._graph_ids = ids
         return CompiledPort(workers, route, self._graphs)
-
 
     def teardown_graphs(self) -> None:
         """End this server's compiled graphs (before its actors are killed, so nothing reports their loss)."""
@@ -95,7 +102,8 @@ class HostActor:
 
         logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)  # four lines per graph otherwise
         for dag in getattr(self, "_graphs", []):
-            dag.teardown()
+            if dag is not None:
+                dag.teardown()
         self._graphs, self._graph_ids = [], None
 
 
@@ -137,7 +145,9 @@ class CompiledPort(RayPort):
     graph (its ``call_seq`` on the calls), its messages travel through shared-memory channels, not Ray's per-call
     task path. An actor's executions complete in submission order, and at most ``CAP`` may be outstanding per
     graph, so results are collected in order (and kept) when a submission would exceed that. What arrives is a
-    read-only view of the channel's buffer, which holds the channel until released: it is copied on arrival."""
+    read-only view of the channel's buffer, which holds the channel until released: it is copied on arrival. A
+    client actor without a graph (``None``: on another node) is called as :class:`RayPort` does, its handle an
+    ObjectRef."""
 
     CAP = 4  # executions in flight per graph (each of its two channels holds CAP buffers)
 
@@ -150,6 +160,8 @@ class CompiledPort(RayPort):
 
     def submit(self, cid: int, calls: list[tuple[str, tuple]]):
         g = self.worker(cid)
+        if self.graphs[g] is None:  # an actor on another node: actor calls
+            return super().submit(cid, calls)
         while len(self.outstanding[g]) >= self.CAP - 1:
             self._collect(g)
         try:
@@ -169,6 +181,8 @@ class CompiledPort(RayPort):
             raise ActorFailure(f"client actor {g} is gone (its compiled graph's channel closed: {e})") from None
 
     def fetch(self, handle):
+        if not isinstance(handle, tuple):
+            return super().fetch(handle)
         while handle not in self.results:
             self._collect(handle[0])
         return self.results.pop(handle)
