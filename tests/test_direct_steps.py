@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_config
 from raysplit.runtime import ClientHost
-from test_semantics import run_rounds
+from test_semantics import assert_identical_runs, run_rounds
 
 
 @pytest.mark.parametrize("algorithm", [
@@ -23,19 +23,8 @@ from test_semantics import run_rounds
 def test_direct_steps_bit_identical_to_driver_chained(ray_session, tmp_path, mlflow_uri, algorithm):
     over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
             "train.optimizer.momentum": 0.9}
-    c_d, s_d, _, st_d = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": True}))
-    c_c, s_c, _, st_c = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": False}))
-    for a, b in ((s_d, s_c), (c_d, c_c)):
-        if a is None:
-            continue
-        assert set(a) == set(b)
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
-    for d, c in zip(st_d, st_c):
-        assert d.t_end == c.t_end
-        assert d.server["losses"] == c.server["losses"]
-        assert {k: v["t_end"] for k, v in d.clients.items()} == {k: v["t_end"] for k, v in c.clients.items()}
-        assert {k: v["steps"] for k, v in d.clients.items()} == {k: v["steps"] for k, v in c.clients.items()}
+    assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": True})),
+                          run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": False})))
 
 
 @pytest.mark.parametrize("algorithm", [
@@ -49,16 +38,8 @@ def test_compiled_graphs_equal_actor_calls(ray_session, tmp_path, mlflow_uri, al
     fallback) carry the same messages in the same order: same weights bit for bit, same clocks and losses."""
     over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
             "train.optimizer.momentum": 0.9}
-    c_g, s_g, _, st_g = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "compiled"}))
-    c_c, s_c, _, st_c = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "calls"}))
-    for a, b in ((s_g, s_c), (c_g, c_c)):
-        if a is None:
-            continue
-        assert set(a) == set(b)
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
-    assert [s.t_end for s in st_g] == [s.t_end for s in st_c]
-    assert [s.server["losses"] for s in st_g] == [s.server["losses"] for s in st_c]
+    assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "compiled"})),
+                          run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "calls"})))
 
 
 def test_direct_steps_local_backend_equals_ray(ray_session, tmp_path, mlflow_uri):

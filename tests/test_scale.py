@@ -12,7 +12,7 @@ import torch
 from conftest import make_config
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.spill import SpillStore, nbytes
-from test_semantics import run_rounds
+from test_semantics import assert_identical_runs, run_rounds
 
 
 # ---- placement ---------------------------------------------------------------------------------------------------
@@ -91,24 +91,6 @@ def test_unbounded_schedule_is_the_old_one():
 
 
 # ---- results do not depend on where or when clients run ----------------------------------------------------------
-def _same(a, b):
-    assert (a is None) == (b is None)
-    if a is not None:
-        assert set(a) == set(b)
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
-
-
-def _equal_runs(x, y):
-    cx, sx, _, stx = x
-    cy, sy, _, sty = y
-    _same(cx, cy)
-    _same(sx, sy)
-    for a, b in zip(stx, sty):
-        assert a.t_end == b.t_end and a.server["losses"] == b.server["losses"]
-        assert {c: v["t_end"] for c, v in a.clients.items()} == {c: v["t_end"] for c, v in b.clients.items()}
-
-
 @pytest.mark.parametrize("algorithm", [{"name": "psl"}, {"name": "sflv2", "order": "random"}, {"name": "fedavg"}],
                          ids=lambda a: "-".join(a.values()))
 def test_results_do_not_depend_on_the_number_of_workers_the_placement_or_the_window(tmp_path, mlflow_uri, algorithm):
@@ -117,7 +99,7 @@ def test_results_do_not_depend_on_the_number_of_workers_the_placement_or_the_win
     ref = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.num_workers": 1}))
     for extra in ({"runtime.num_workers": 2}, {"runtime.num_workers": 3, "runtime.window": 1},
                   {"runtime.num_workers": 4, "runtime.placement": "home", "runtime.window": None}):
-        _equal_runs(ref, run_rounds(make_config(tmp_path, mlflow_uri, **over, **extra)))
+        assert_identical_runs(ref, run_rounds(make_config(tmp_path, mlflow_uri, **over, **extra)))
 
 
 def test_through_ray_placement_moves_client_state_and_results_equal_one_local_worker(ray_session, tmp_path,
@@ -142,7 +124,7 @@ def test_through_ray_placement_moves_client_state_and_results_equal_one_local_wo
     finally:
         placement.assign = orig
     assert moved, "no client moved: the test does not exercise moving state"
-    _equal_runs(ref, got)
+    assert_identical_runs(ref, got)
 
 
 # ---- spilled client state ----------------------------------------------------------------------------------------
@@ -200,4 +182,4 @@ def test_spilled_client_state_changes_nothing_but_memory(tmp_path, mlflow_uri):
         hosts.SpillStore = orig
     assert sum(s.spills for s in stores) > 0 and sum(s.loads for s in stores) > 0
     assert all(s.bytes_in_memory <= 0.004 * 2**20 + 3_000 for s in stores)  # budget + the value in use
-    _equal_runs(ref, got)
+    assert_identical_runs(ref, got)

@@ -32,6 +32,22 @@ def run_rounds(cfg, rounds=None):
         rt.shutdown()
 
 
+def assert_identical_runs(x, y) -> None:
+    """Two ``run_rounds`` results computed the same thing: client and server weights bit for bit, and per round
+    the simulated clocks (the round's end and every client's), the server's losses and every client's steps."""
+    for a, b in ((x[0], y[0]), (x[1], y[1])):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert set(a) == set(b)
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+    for d, c in zip(x[3], y[3], strict=True):
+        assert d.t_end == c.t_end
+        assert d.server["losses"] == c.server["losses"]
+        assert {k: v["t_end"] for k, v in d.clients.items()} == {k: v["t_end"] for k, v in c.clients.items()}
+        assert {k: v["steps"] for k, v in d.clients.items()} == {k: v["steps"] for k, v in c.clients.items()}
+
+
 def centralized_reference(cfg, p, rounds):
     """Plain SGD on the full model over the exact batches the one client draws (seeded permutation per epoch)."""
     torch.manual_seed(cfg.seed)
