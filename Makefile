@@ -6,17 +6,33 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched flower-venv doc-figures \
-	check-docs
+.PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
+	bench-placement bench-spill bench-gpu flower-venv doc-figures check-docs
 
-bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched
+bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
+	bench-spill
 
+# Issue 15: compiled graphs (the default transport) against actor calls and the driver-chained path, side by side.
 bench-hop:
 	$(PY) benchmarks/hop.py --repeats 5
 
 bench-overhead:
-	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --chained --tag cnn_small
-	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --batch 8 --rounds 3 --warmup 1 --chained --tag resnet18
+	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --calls --chained --tag cnn_small
+	$(PY) benchmarks/overhead.py --model resnet18 --algorithm sflv2 sflv1 --clients 4 16 --steps 1 --batch 8 --rounds 3 --warmup 1 --calls --chained --tag resnet18
+
+# Issue 15: forwards bounded per client actor, placement by load, spilled client state (100,000 clients).
+bench-window:
+	$(PY) benchmarks/scale2.py window --per-round 10 100 --rounds 3 --warmup 1
+
+bench-placement:
+	$(PY) benchmarks/scale2.py placement --rounds 12 --warmup 2
+
+bench-spill:
+	$(PY) benchmarks/scale2.py spill --clients 1000 100000 --algorithms psl sflv3 --budget-mb 64 --rounds 3 --warmup 1
+
+# A GPU server (needs a machine with a GPU and Ray; none was available where RESULTS.md was written).
+bench-gpu:
+	$(PY) benchmarks/gpu_server.py --workers 8 --rounds 5
 
 # Batched per-client server copies (runtime.batched_copies), server side in process and a local-backend round.
 bench-batched:

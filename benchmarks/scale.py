@@ -97,7 +97,8 @@ def run_case(v: int, per_round: int | None, a, gcs: str) -> dict:
     p = prepare(cfg)
     t_prepare = time.perf_counter() - t0
     t1 = time.perf_counter()
-    rt = Runtime(make_backend(cfg.runtime), p.inputs, cfg.runtime.max_in_flight)
+    r = cfg.runtime
+    rt = Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
     t_actors = time.perf_counter() - t1
     b = rt.backend
     pids = {"driver": os.getpid(), "server": ray.get(b.server.__ray_call__.remote(lambda s: os.getpid()))}
@@ -120,7 +121,7 @@ def run_case(v: int, per_round: int | None, a, gcs: str) -> dict:
         states = rt.state_dict()["workers"]
         state_bytes = sum(len(pickle.dumps(s)) for s in states)
         global_bytes = sum(len(pickle.dumps(s["global"])) for s in states)
-        hosted = sum(len(s["cursor"]) for s in states)
+        hosted = sum(len(s["held"]) for s in states)
     finally:
         mem.stop.set()
         mem.join()
