@@ -46,13 +46,14 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--backend", default="local", choices=["local", "ray"])
     ap.add_argument("--out", default=str(ROOT / "outputs" / "cyclesl_table"))
+    ap.add_argument("--methods", nargs="*", default=None, help="only these algorithm names (e.g. psl sglr sflv1)")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # create the MLflow store once before parallel runs (sqlite schema race)
     subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
                     "mlflow.set_experiment('cyclesl-fmnist')"], cwd=ROOT, check=True, capture_output=True)
-    jobs = [(m, e, s) for m, e in METHODS for s in a.seeds]
+    jobs = [(m, e, s) for m, e in METHODS for s in a.seeds if a.methods is None or m in a.methods]
     with ThreadPoolExecutor(a.jobs) as pool:
         results = list(pool.map(lambda j: one(*j, a.backend, out_dir), jobs))
     by: dict[str, list[dict]] = {}
