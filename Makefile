@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-gpu flower-venv doc-figures check-docs
+	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs
 
 bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -15,6 +15,10 @@ bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batch
 # Issue 15: compiled graphs (the default transport) against actor calls and the driver-chained path, side by side.
 bench-hop:
 	$(PY) benchmarks/hop.py --repeats 5
+
+# Ray 2.60 Compiled Graphs on one node and across two (plain Ray): why CompiledPort compiles same-node actors only.
+bench-cg-crossnode:
+	$(PY) benchmarks/cg_crossnode.py --all
 
 bench-overhead:
 	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --calls --chained --tag cnn_small
