@@ -17,7 +17,10 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, object_store_memory=512 * 1024**2, include_dashboard=False, log_to_driver=False)
+        # address="local": a fresh instance even when another Ray runs on this machine (a test's head or cluster
+        # that outlived it would otherwise be joined, and num_cpus refused)
+        ray.init(address="local", num_cpus=4, object_store_memory=512 * 1024**2, include_dashboard=False,
+                 log_to_driver=False)
     yield ray
     ray.shutdown()
 
