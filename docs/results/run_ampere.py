@@ -65,6 +65,8 @@ def table(results, alphas) -> str:
              "|---" * (6 + len(alphas)) + "|"]
     mid = 0.33 if 0.33 in alphas else alphas[0]
     for method, _ in METHODS:
+        if (method, alphas[0]) not in results:  # not run (--methods)
+            continue
         accs = []
         for a in alphas:
             accs.append(_acc(results[(method, a)]))
@@ -106,9 +108,11 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--ablations", action="store_true")
+    ap.add_argument("--methods", nargs="*", default=None, help="only these methods (table rows), e.g. SplitFed PiPar")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
-    todo = [(m, alg, a, s) for s in args.seeds for a in args.alphas for m, alg in METHODS]
+    todo = [(m, alg, a, s) for s in args.seeds for a in args.alphas for m, alg in METHODS
+            if args.methods is None or m in args.methods]
     if args.ablations:
         todo += [("Ampere without consolidation", None, 0.33, s, (("algorithm.consolidate", False),))
                  for s in args.seeds]
@@ -119,7 +123,8 @@ def main() -> int:
     print(table(results, args.alphas))
     if args.ablations:
         print(f"\nAmpere without consolidation, alpha=0.33: {_acc(results[('Ampere without consolidation', 0.33)])}")
-    figure(results, args.alphas)
+    if args.methods is None:
+        figure(results, args.alphas)
     (OUT / "summary.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
     return 0
 
