@@ -173,11 +173,13 @@ def _load_checkpoint(run_id: str, uri: str | None) -> dict:
     return load_checkpoint_file(Path(path))
 
 
-# what a raysplit checkpoint may name besides raysplit's and torch.nn's classes: numpy arrays and generators
+# what a raysplit checkpoint may name besides raysplit's and torch.nn's classes: numpy arrays (an empty one, e.g. a
+# client with no test set, holds bytes()) and generators
 _NUMPY_GLOBALS = {"numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.dtype",
                   "numpy.ndarray", "numpy.random._pcg64.PCG64", "numpy.random._pickle.__bit_generator_ctor",
                   "numpy.random._pickle.__generator_ctor", "numpy.random.bit_generator.SeedSequence",
-                  "numpy.random.bit_generator.__pyx_unpickle_SeedSequence"}
+                  "numpy.random.bit_generator.__pyx_unpickle_SeedSequence",
+                  "builtins.bytes"}  # pickle protocol 2 writes b"" (an empty array's data) as bytes()
 
 
 def load_checkpoint_file(path: Path) -> dict:

@@ -156,12 +156,16 @@ def test_sflv1_with_plain_sgd_equals_fedavg(tmp_path, mlflow_uri):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
 
 
-@pytest.mark.parametrize("alg", ["sflv2", "gas"])
-def test_checkpoints_load_weights_only_and_a_tampered_or_truncated_one_names_the_file(tmp_path, mlflow_uri, alg):
+@pytest.mark.parametrize("alg,test_fraction", [("sflv2", 0.2), ("gas", 0.2), ("sflv2", 0.0)])
+def test_checkpoints_load_weights_only_and_a_tampered_or_truncated_one_names_the_file(tmp_path, mlflow_uri, alg,
+                                                                                     test_fraction):
     from raysplit.experiment import load_checkpoint_file
 
+    # test_fraction 0: clients hold empty test-index arrays, whose data pickle writes as bytes() (a resumed sweep of
+    # the second Hydra study once failed on exactly that)
     cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.name": alg, "train.rounds": 2, "runtime.backend": "local",
-                                               "tracking.checkpoint_every": 1, "tracking.experiment": "ckpt"})
+                                               "tracking.checkpoint_every": 1, "tracking.experiment": "ckpt",
+                                               "data.test_fraction": test_fraction})
     out = run_experiment(cfg)
     path = Path(MlflowClient(mlflow_uri).get_run(out["run_id"]).data.tags["raysplit.checkpoint"])
     ck = load_checkpoint_file(path)  # a genuine checkpoint (GAS's holds modules and numpy generators) loads
