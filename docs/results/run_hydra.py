@@ -8,12 +8,19 @@ seed a full raysplit run logged to MLflow (experiment hydra-fmnist in ./mlflow.d
 (final global accuracy, performance gap, backward transfer; mean ± std over seeds) and writes the per-position
 figure docs/results/hydra_positions.png (cyclic order; accuracy of each position's label averaged over the last
 5 rounds, median over seeds). ``--backend local`` runs the same hosts in-process (identical results to the Ray
-backend, tested in tests/test_semantics.py) so that the 42 runs fit on 2 cores.
+backend, tested in tests/test_semantics.py) so that the runs fit on 2 cores.
 
 ``--study gap`` is the second study, at the paper's proportions (configs/hydra/fmnist_gap.yaml: cnn_gap, heads
 conv4+fc = 62 % of the server or fc alone = 1 %, phi 10 batches of 64, the full test set; MergeSFL among the
 baselines; experiment hydra-fmnist-gap; figure docs/results/hydra_gap_positions.png). ``--sweeps`` runs the phi and
-head-share sweeps through `raysplit sweep` and writes docs/results/hydra_phi.png.
+head-share sweeps through `raysplit sweep` (a rerun resumes them) and writes docs/results/hydra_phi.png.
+``--report`` runs nothing: it prints the table and draws the figure from the runs already cached under --out (with
+``--sweeps``: from the sweep trials that finished in MLflow). The second study's page was made with
+
+    .venv/bin/python docs/results/run_hydra.py --study gap --jobs 2 --seeds 1 --only-c 1 \
+        --methods SFLV2 SFLV2+Hydra "SFLV2+Hydra head=fc" SplitFedV1        # and --seeds 0 (every method), 2
+    .venv/bin/python docs/results/run_hydra.py --study gap --report --seeds 0 1 2
+    .venv/bin/python docs/results/run_hydra.py --sweeps [--report]
 """
 
 from __future__ import annotations
@@ -55,8 +62,12 @@ def jobs(seeds):
     return out
 
 
+def run_file(c, order, label, alg, seed) -> str:
+    return f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_").replace("=", "").replace(" ", "_")
+
+
 def one(c, order, label, alg, seed, backend, out_dir, overrides):
-    out = out_dir / f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_").replace("=", "").replace(" ", "_")
+    out = out_dir / run_file(c, order, label, alg, seed)
     cached = out.is_file()
     code = f"""
 import json
@@ -120,20 +131,21 @@ def figure(results, path):
     fig.savefig(path, dpi=110)
 
 
-SWEEPS = {"hydra-phi": "tune/examples/hydra_phi.yaml", "sflv2-phi": "tune/examples/sflv2_phi.yaml",
-          "hydra-heads": "tune/examples/hydra_heads.yaml"}
+SWEEPS = [f"tune/examples/{name}{c}.yaml" for c in ("", "_c2")
+          for name in ("sflv2_phi", "hydra_phi", "hydra_heads")]
 
 
-def sweeps(uri: str) -> None:
+def sweeps(uri: str, run: bool = True) -> None:
     """The phi and head-share sweeps through `raysplit sweep` (each trial an MLflow run; a rerun resumes), then PG
-    against phi per method and c (docs/results/hydra_phi.png) and the head-share table, read back from MLflow."""
+    against phi per method and c (docs/results/hydra_phi.png) and the head-share table, read back from MLflow.
+    ``run=False`` only reads back the trials that finished."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from mlflow.tracking import MlflowClient
 
-    for name, path in SWEEPS.items():
+    for path in SWEEPS if run else ():
         subprocess.run([str(Path(sys.executable).parent / "raysplit"), "sweep", path], cwd=ROOT, check=True)
     client = MlflowClient(uri)
 
@@ -153,7 +165,8 @@ def sweeps(uri: str) -> None:
         for c, phi, m in rows:
             print(f"| {method} | {c} | {phi} | {100 * m['accuracy']:.2f} | {100 * m['performance_gap']:.2f} | "
                   f"{100 * m['backward_transfer']:.2f} |")
-    ax.set_xscale("log"), ax.set_xticks([1, 5, 10, 20]), ax.set_xticklabels(["1", "5", "10", "20 (round)"])
+    ax.set_xscale("log"), ax.set_xticks([1, 5, 10, 20])
+    ax.set_xticklabels(["1", "5", "10\n(c = 2: round)", "20\n(c = 1: round)"])
     ax.set_xlabel("phi: batches per turn (cyclic order)"), ax.set_ylabel("performance gap after 30 rounds (pp)")
     ax.grid(alpha=0.3), ax.legend(fontsize=8)
     fig.tight_layout()
@@ -183,11 +196,13 @@ def main():
     ap.add_argument("--orders", nargs="*", default=None, help="only these orders (cyclic, random, -)")
     ap.add_argument("--sweeps", action="store_true", help="run the phi and head-share sweeps (raysplit sweep, "
                     "tune/examples/{hydra,sflv2}_phi.yaml, hydra_heads.yaml) and print/plot them instead")
+    ap.add_argument("--report", action="store_true", help="run nothing: the table and figures from the runs "
+                    "already cached under --out (and, with --sweeps, the sweep trials that finished)")
     a = ap.parse_args()
     if a.sweeps:
         from raysplit.tracking import resolve_uri
 
-        sweeps(resolve_uri(None))
+        sweeps(resolve_uri(None), run=not a.report)
         return
     STUDY = STUDIES[a.study]
     a.out = a.out or str(ROOT / "outputs" / STUDY["out"])
@@ -207,6 +222,8 @@ def main():
     todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0]) and (a.methods is None or j[2] in a.methods)
             and (a.orders is None or j[1] in a.orders)
             and (j[0] == 1 or a.seeds_c2 is None or j[4] in a.seeds_c2)]
+    if a.report:
+        todo = [j for j in todo if (out_dir / run_file(*j[:4], j[4])).is_file()]
     todo.sort(key=lambda j: (j[4], j[0]))  # every method's first seed first: a partial run is already a table
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda j: one(*j, a.backend, out_dir, overrides), todo))
@@ -220,11 +237,13 @@ def main():
 
         def ms(k):
             v = np.array([r[k] for r in rs], dtype=float) * 100
+            if a.study == "gap":  # the second study: median [min, max] over the seeds, and how many
+                return f"{np.median(v):.2f} [{v.min():.2f}, {v.max():.2f}] n={len(v)}"
             return f"{v.mean():.2f} ± {v.std():.2f}"
 
         print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
               f"{ms('performance_gap_last5')} |")
-    if a.only_c is None and a.methods is None and a.orders is None:
+    if a.report or (a.only_c is None and a.methods is None and a.orders is None):
         figure(results, ROOT / "docs" / "results" / STUDY["figure"])
 
 
