@@ -119,6 +119,8 @@ def figure(results, path):
                 delta.append([r[f"position_acc_{i}"] - rnd[f"label_acc_{lab}"] for i, lab in enumerate(labs)])
             if delta:
                 axes[1, col].plot(range(1, 11), np.median(delta, axis=0), "o-", color=color, ms=4, label=label)
+                print(f"c = {c}, {label}: position's label accuracy minus the random order's (pp, median of "
+                      f"{len(delta)} seeds): " + " ".join(f"{100 * v:+.0f}" for v in np.median(delta, axis=0)))
         axes[0, col].set_title(f"cyclic order, c = {c} ({10 * c} clients), DL 0.8")
         axes[1, col].axhline(0, color="k", lw=0.8)
         axes[1, col].set_xlabel("position in the processing cycle"), axes[1, col].set_xticks(range(1, 11))
@@ -154,21 +156,25 @@ def sweeps(uri: str, run: bool = True) -> None:
         runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'") if exp else []
         return [(r.data.params, r.data.metrics) for r in runs]
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     print("| method | c | phi | global accuracy (%) | PG (pp) | BW (pp) |\n|---|---|---|---|---|---|")
     for exp, method, color in (("sflv2-phi", "SFLV2", "tab:red"), ("hydra-phi", "SFLV2+Hydra", "tab:blue")):
         rows = sorted((int(p["data.num_clients"]) // 10, int(p["algorithm.phi"]), m) for p, m in finished(exp))
         for c, style in ((1, "o-"), (2, "s--")):
-            pts = [(phi, 100 * m["performance_gap"]) for cc, phi, m in rows if cc == c]
-            if pts:
-                ax.plot(*zip(*pts), style, color=color, label=f"{method}, c = {c}")
+            for ax, key in zip(axes, ("performance_gap", "accuracy")):
+                pts = [(phi, 100 * m[key]) for cc, phi, m in rows if cc == c]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, label=f"{method}, c = {c}")
         for c, phi, m in rows:
             print(f"| {method} | {c} | {phi} | {100 * m['accuracy']:.2f} | {100 * m['performance_gap']:.2f} | "
                   f"{100 * m['backward_transfer']:.2f} |")
-    ax.set_xscale("log"), ax.set_xticks([1, 5, 10, 20])
-    ax.set_xticklabels(["1", "5", "10\n(c = 2: round)", "20\n(c = 1: round)"])
-    ax.set_xlabel("phi: batches per turn (cyclic order)"), ax.set_ylabel("performance gap after 30 rounds (pp)")
-    ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    for ax, what in zip(axes, ("performance gap (pp)", "global accuracy (%)")):
+        ax.set_xscale("log"), ax.set_xticks([1, 5, 10, 20])
+        ax.set_xticklabels(["1", "5", "10", "20"])
+        ax.set_xlabel("phi: batches per turn, cyclic order\n(a client's whole round: 20 at c = 1, 10 at c = 2)")
+        ax.set_ylabel(f"{what} after 30 rounds")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(ROOT / "docs" / "results" / "hydra_phi.png", dpi=110)
     share = {"conv4": "fc, 1.1 %", "conv3": "conv4+fc, 62 %", "conv2": "conv3+conv4+fc, 92 %"}
@@ -243,6 +249,19 @@ def main():
 
         print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
               f"{ms('performance_gap_last5')} |")
+    if a.study == "gap":  # paired by seed: the spread between seeds is larger than most differences
+        print("\n| c | order | method | minus SFLV2 (same seed; same order, else cyclic): accuracy (pp) | PG (pp) | "
+              "seeds |\n|---|---|---|---|---|---|")
+        for c, o, lab in keys:
+            ref = (c, "random" if o == "random" and lab != "SFLV2" else "cyclic", "SFLV2")
+            pairs = [(s, r, results[(*ref, s)]) for (cc, oo, ll, s), r in sorted(results.items())
+                     if (cc, oo, ll) == (c, o, lab) and (*ref, s) in results]
+            if lab == "SFLV2" and o == "cyclic" or not pairs:
+                continue
+            d = {k: " ".join(f"{100 * (r[k] - b[k]):+.2f}" for _, r, b in pairs)
+                 for k in ("accuracy", "performance_gap")}
+            print(f"| {c} | {o} | {lab} | {d['accuracy']} | {d['performance_gap']} | "
+                  f"{' '.join(str(s) for s, _, _ in pairs)} |")
     if a.report or (a.only_c is None and a.methods is None and a.orders is None):
         figure(results, ROOT / "docs" / "results" / STUDY["figure"])
 
