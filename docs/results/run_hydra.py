@@ -211,7 +211,7 @@ def main():
         sweeps(resolve_uri(None), run=not a.report)
         return
     STUDY = STUDIES[a.study]
-    a.out = a.out or str(ROOT / "outputs" / STUDY["out"])
+    a.out = str(Path(a.out).resolve()) if a.out else str(ROOT / "outputs" / STUDY["out"])
     overrides = {"tracking.enabled": False} if a.no_mlflow else {}
     if a.data_root:
         overrides["data.root"] = a.data_root
@@ -262,7 +262,8 @@ def main():
                  for k in ("accuracy", "performance_gap")}
             print(f"| {c} | {o} | {lab} | {d['accuracy']} | {d['performance_gap']} | "
                   f"{' '.join(str(s) for s, _, _ in pairs)} |")
-    if a.report or (a.only_c is None and a.methods is None and a.orders is None):
+    default_out = a.out == str(ROOT / "outputs" / STUDY["out"])  # the page's figure comes from the default runs only
+    if default_out and (a.report or (a.only_c is None and a.methods is None and a.orders is None)):
         figure(results, ROOT / "docs" / "results" / STUDY["figure"])
 
 
