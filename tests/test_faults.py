@@ -24,6 +24,15 @@ from raysplit.errors import ActorFailure
 from raysplit.experiment import run_experiment
 
 
+@ray.remote(num_cpus=0)
+def _closed_channel(g):
+    """What a compiled port raises in the server actor when client actor ``g``'s channel closes."""
+    from ray.exceptions import RayChannelError
+
+    from raysplit.runtime.ray_backend import _channel_closed
+    raise _channel_closed(g, RayChannelError("Channel closed."))
+
+
 @pytest.fixture
 def backends(monkeypatch):
     """The backends the runs of a test make (to kill their actors)."""
@@ -96,14 +105,24 @@ def test_past_the_retry_budget_the_run_fails_naming_actor_node_and_round(ray_ses
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.max_retries": 0, "train.rounds": 3,
                                                "tracking.experiment": "faults-budget"})
 
+    compiled = []
+
     def kill(rnd, m):
         if rnd == 0:
+            # Which way the death is seen is a race: the actor's task fails (RayActorError) or, under compiled
+            # graphs, the server's channel to it closes first. The second way, forced here, names the node too.
+            try:
+                backends[-1].get(_closed_channel.remote(1))
+            except ActorFailure as e:
+                compiled.append(str(e))
             ray.kill(backends[-1].workers[1])
 
     with pytest.raises(ActorFailure) as e:
         run_experiment(cfg, on_round=kill)
     msg = str(e.value)
     assert "client actor 1" in msg and "on node" in msg and "in round 1" in msg and "max_retries=0" in msg
+    assert len(compiled) == 1 and "on node" in compiled[0]
+    assert compiled[0].startswith("client actor 1 (home of clients 1,")
     client = MlflowClient(mlflow_uri)
     run = client.search_runs([client.get_experiment_by_name("faults-budget").experiment_id])[0]
     assert run.info.status == "FAILED" and "ActorFailure" in run.data.tags["raysplit.error"]

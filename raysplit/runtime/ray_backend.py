@@ -140,6 +140,14 @@ class RayPort:
         ray.get(handles)
 
 
+def _channel_closed(g: int, e: Exception) -> ActorFailure:
+    """Client actor ``g`` lost under a compiled graph (raised in the server actor, which does not know the actors'
+    nodes): ``worker`` lets the driver's :meth:`RayBackend.get` name the actor and its node."""
+    err = ActorFailure(f"client actor {g} is gone (its compiled graph's channel closed: {e})")
+    err.worker = g
+    return err
+
+
 class CompiledPort(RayPort):
     """:class:`stepping.ClientPort` over Ray Compiled Graphs: a submission is one execution of the client actor's
     graph (its ``call_seq`` on the calls), its messages travel through shared-memory channels, not Ray's per-call
@@ -167,7 +175,7 @@ class CompiledPort(RayPort):
         try:
             ref = self.graphs[g].execute(calls)
         except RayChannelError as e:
-            raise ActorFailure(f"client actor {g} is gone (its compiled graph's channel closed: {e})") from None
+            raise _channel_closed(g, e) from None
         self.count += 1
         handle = (g, self.count)
         self.outstanding[g].append((handle, ref))
@@ -178,7 +186,7 @@ class CompiledPort(RayPort):
         try:
             self.results[handle] = copy.deepcopy(ray.get(ref, timeout=-1))
         except RayChannelError as e:
-            raise ActorFailure(f"client actor {g} is gone (its compiled graph's channel closed: {e})") from None
+            raise _channel_closed(g, e) from None
 
     def fetch(self, handle):
         if not isinstance(handle, tuple):
@@ -399,6 +407,10 @@ class RayBackend:
                 cause = cause.cause  # a driven step sequence nests the client actor's error in the server's
             if isinstance(cause, RayActorError):  # a client actor died under the server's driven loop
                 raise self._actor_failure(cause) from None
+            g = getattr(cause, "worker", None)
+            if isinstance(cause, ActorFailure) and g is not None and g < len(self.workers):
+                role = self.roles.get(self.workers[g]._actor_id.hex(), f"client actor {g}")
+                raise ActorFailure(f"{role} is gone (its compiled graph's channel closed)") from None
             raise cause from None
         except RayActorError as e:
             raise self._actor_failure(e) from None
