@@ -211,7 +211,8 @@ def main():
         sweeps(resolve_uri(None), run=not a.report)
         return
     STUDY = STUDIES[a.study]
-    a.out = str(Path(a.out).resolve()) if a.out else str(ROOT / "outputs" / STUDY["out"])
+    default_out = str(ROOT / "outputs" / STUDY["out"])
+    a.out = str(Path(a.out).resolve()) if a.out else default_out
     overrides = {"tracking.enabled": False} if a.no_mlflow else {}
     if a.data_root:
         overrides["data.root"] = a.data_root
@@ -262,8 +263,8 @@ def main():
                  for k in ("accuracy", "performance_gap")}
             print(f"| {c} | {o} | {lab} | {d['accuracy']} | {d['performance_gap']} | "
                   f"{' '.join(str(s) for s, _, _ in pairs)} |")
-    default_out = a.out == str(ROOT / "outputs" / STUDY["out"])  # the page's figure comes from the default runs only
-    if default_out and (a.report or (a.only_c is None and a.methods is None and a.orders is None)):
+    # the page's figure comes from the default runs only
+    if a.out == default_out and (a.report or (a.only_c is None and a.methods is None and a.orders is None)):
         figure(results, ROOT / "docs" / "results" / STUDY["figure"])
 
 
