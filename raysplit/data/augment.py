@@ -17,7 +17,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torchvision.transforms import v2
 
 from .datasets import DataSpec, to_tensor
 
@@ -31,6 +30,8 @@ class Augmenter:
     def __init__(self, spec: DataSpec):
         if spec.kind != "image":
             raise ValueError(f"augmentation needs images; {spec.name} holds {spec.kind} data")
+        from torchvision.transforms import v2  # here, not at import: torchvision costs ~2.7 s a process
+
         self.spec = spec
         c, h, w = spec.input_shape
         flip = [] if spec.name in NO_FLIP else [v2.RandomHorizontalFlip()]

@@ -30,17 +30,39 @@ import math
 
 import torch
 from torch import nn
-from torchvision.models.mobilenetv3 import InvertedResidual, InvertedResidualConfig
-from torchvision.models.resnet import BasicBlock, Bottleneck
-from torchvision.models.vision_transformer import EncoderBlock
-from torchvision.ops.misc import Conv2dNormActivation, SqueezeExcitation
 
 from .core import LastStepLSTM, Residual
 
 SUPPORTED = ("Conv2d", "Conv2dNormActivation", "InvertedResidual", "BasicBlock", "Bottleneck", "Residual", "Linear",
              "LastStepLSTM", "EncoderBlock", "LayerNorm")
-_BLOCKS = (Conv2dNormActivation, InvertedResidual, BasicBlock, Bottleneck, Residual, EncoderBlock, LastStepLSTM)
 _LAYERS = (nn.Conv2d, nn.Linear)
+
+
+def _tv():
+    """torchvision's block classes. Importing torchvision costs a process about 2.7 s (it pulls in torch._dynamo),
+    so the model zoo imports it only in the builders that need it: while it is not imported, no model holds one of
+    its blocks, and stand-in classes that nothing is an instance of take their place."""
+    import sys
+    from types import SimpleNamespace
+
+    names = ("InvertedResidual", "InvertedResidualConfig", "BasicBlock", "Bottleneck", "EncoderBlock",
+             "Conv2dNormActivation", "SqueezeExcitation")
+    if "torchvision.models" not in sys.modules:
+        return SimpleNamespace(**{n: type(n, (), {}) for n in names})
+    from torchvision.models.mobilenetv3 import InvertedResidual, InvertedResidualConfig
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+    from torchvision.models.vision_transformer import EncoderBlock
+    from torchvision.ops.misc import Conv2dNormActivation, SqueezeExcitation
+
+    return SimpleNamespace(InvertedResidual=InvertedResidual, InvertedResidualConfig=InvertedResidualConfig,
+                           BasicBlock=BasicBlock, Bottleneck=Bottleneck, EncoderBlock=EncoderBlock,
+                           Conv2dNormActivation=Conv2dNormActivation, SqueezeExcitation=SqueezeExcitation)
+
+
+def _blocks() -> tuple:
+    tv = _tv()
+    return (tv.Conv2dNormActivation, tv.InvertedResidual, tv.BasicBlock, tv.Bottleneck, Residual, tv.EncoderBlock,
+            LastStepLSTM)
 
 
 class UnsupportedLayer(ValueError):
@@ -51,7 +73,7 @@ def first_layer(module: nn.Module) -> tuple[list[nn.Module], nn.Module]:
     """The first module with parameters in forward order (a known block counts as one layer), and the
     parameter-free modules of ``nn.Sequential`` containers before it (pooling, flattening), which the auxiliary
     network keeps so that the replicated layer sees what the original sees."""
-    if isinstance(module, _BLOCKS + _LAYERS + (nn.LayerNorm,)):
+    if isinstance(module, _blocks() + _LAYERS + (nn.LayerNorm,)):
         return [], module
     prefix = []
     for child in module.children():
@@ -78,6 +100,9 @@ def _conv(conv: nn.Conv2d, out: int) -> nn.Conv2d:
 
 def replicate(layer: nn.Module, ratio: float) -> nn.Module:
     """The first layer of the auxiliary network: ``layer`` at ``ratio x`` its output dimension (module docstring)."""
+    tv = _tv()
+    Conv2dNormActivation, InvertedResidual, EncoderBlock = tv.Conv2dNormActivation, tv.InvertedResidual, tv.EncoderBlock
+    BasicBlock, Bottleneck = tv.BasicBlock, tv.Bottleneck
     if isinstance(layer, Conv2dNormActivation):
         conv = layer[0]
         out = _scaled(conv.out_channels, ratio)
@@ -93,8 +118,8 @@ def replicate(layer: nn.Module, ratio: float) -> nn.Module:
         convs = [m for m in layer.block if isinstance(m, Conv2dNormActivation)]
         first, depthwise, project = convs[0][0], convs[-2][0], convs[-1][0]
         act = "HS" if any(isinstance(m, nn.Hardswish) for m in layer.modules()) else "RE"
-        cnf = InvertedResidualConfig(first.in_channels, depthwise.kernel_size[0], depthwise.out_channels,
-                                     project.out_channels, any(isinstance(m, SqueezeExcitation) for m in layer.modules()),
+        cnf = tv.InvertedResidualConfig(first.in_channels, depthwise.kernel_size[0], depthwise.out_channels,
+                                     project.out_channels, any(isinstance(m, tv.SqueezeExcitation) for m in layer.modules()),
                                      act, depthwise.stride[0], depthwise.dilation[0], 1.0)
         # set after construction: the config would round the widths to multiples of 8, not ratio x
         cnf.input_channels = first.in_channels

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from torch import nn
-from torchvision.models import vgg as tv_vgg
 
 from .core import SplitModel, flat_dim as _flat_dim, register_model
 
@@ -70,6 +69,8 @@ def vgg16_bn_gas(num_classes: int, input_shape: Sequence[int], dropout: float = 
 
     (GAS's classifier takes the 512-dim flattened features directly: no 7x7 adaptive average pool.)
     """
+    from torchvision.models import vgg as tv_vgg  # here, not at import: torchvision costs ~2.7 s a process
+
     c = input_shape[0]
     cfg = list(tv_vgg.cfgs["D"])
     features = tv_vgg.make_layers(cfg, batch_norm=True)

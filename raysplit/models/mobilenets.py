@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from torch import nn
-from torchvision.models import mobilenet_v3_large as tv_mobilenet_v3_large
-from torchvision.ops.misc import Conv2dNormActivation
 
 from .core import SplitModel, register_model
 
@@ -43,6 +41,8 @@ def mobilenet_v1(num_classes: int, input_shape: Sequence[int], stem_stride: int 
     Channels/strides (CIFAR variant): 64/1, 128/2, 128, 256/2, 256, 512/2, 512 x5, 1024/2, 1024.
     Built from torchvision's ``Conv2dNormActivation``; conv weights use torchvision's MobileNet init.
     """
+    from torchvision.ops.misc import Conv2dNormActivation  # here, not at import: torchvision costs ~2.7 s a process
+
     c = input_shape[0]
 
     def ch(n: int) -> int:
@@ -82,6 +82,8 @@ def mobilenet_v3_large(num_classes: int, input_shape: Sequence[int], dropout: fl
     ``features.3`` (our choice, no paper fixes one) leaves the stem and first three inverted residuals
     (24x8x8 for 32x32 inputs) on the client.
     """
+    from torchvision.models import mobilenet_v3_large as tv_mobilenet_v3_large  # here: ~2.7 s a process
+
     net = tv_mobilenet_v3_large(weights=None, num_classes=num_classes, dropout=dropout)
     c = input_shape[0]
     if c != 3:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from torch import nn
-from torchvision.models import resnet as tv_resnet
 
 from .core import Residual, SplitModel, flat_dim, register_model
 
@@ -54,7 +53,9 @@ def resnet9(num_classes: int, input_shape: Sequence[int]) -> SplitModel:
 
 
 def _torchvision_resnet(arch: str, num_classes: int, input_shape: Sequence[int], cifar_stem: bool) -> SplitModel:
-    net: tv_resnet.ResNet = getattr(tv_resnet, arch)(weights=None, num_classes=num_classes)
+    from torchvision.models import resnet as tv_resnet  # here, not at import: torchvision costs ~2.7 s a process
+
+    net = getattr(tv_resnet, arch)(weights=None, num_classes=num_classes)
     c = input_shape[0]
     if cifar_stem:
         net.conv1 = nn.Conv2d(c, 64, kernel_size=3, stride=1, padding=1, bias=False)

@@ -7,7 +7,6 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torchvision.models.vision_transformer import EncoderBlock
 
 from .core import SplitModel, register_model
 
@@ -51,6 +50,8 @@ def vit_small(num_classes: int, input_shape: Sequence[int], patch: int = 4, dim:
     """Blocks: ``embed`` (:class:`PatchEmbedding`), ``layer1`` .. ``layer{depth}`` (torchvision ``EncoderBlock``:
     pre-norm self-attention and MLP with residuals), ``head`` (:class:`ClassTokenHead`). For 32x32 inputs: 64 patch
     tokens plus the class token, each ``dim`` wide. Sized for CPU experiments; no paper fixes this exact model."""
+    from torchvision.models.vision_transformer import EncoderBlock  # here: torchvision costs ~2.7 s a process
+
     c, h = input_shape[0], input_shape[-1]
     blocks: list[tuple[str, nn.Module]] = [("embed", PatchEmbedding(c, h, patch, dim, dropout))]
     blocks += [(f"layer{i + 1}", EncoderBlock(heads, dim, mlp_dim, dropout, 0.0)) for i in range(depth)]
