@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
+.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs
 
 bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
@@ -56,8 +56,36 @@ flower-venv: benchmarks/.flower-venv/bin/python
 bench-flower: flower-venv
 	$(PY) benchmarks/flower.py --rounds 8 --reps 3
 
+# Tests (README, "Testing"): the fast tier, the full tier, and what CI runs (.ci/run: full tier, then check-docs).
+test:
+	bash scripts/test.sh
+
+test-all:
+	bash scripts/test.sh --all
+
+ci:
+	bash .ci/run
+
+# Golden fingerprints (tests/golden/): `make golden` reruns every algorithm's tiny run and rewrites its file (a commit
+# that changes one says why and reruns that method's result pages); golden-check compares without writing.
+golden:
+	$(PY) scripts/golden.py
+
+golden-check:
+	$(PY) scripts/golden.py --check
+
+# The whole fault matrix (tests/test_fault_matrix.py: every family's case x client or server actor killed mid-round
+# x compiled graphs or actor calls; CI runs one case per family). Run it after any change to the restore path.
+fault-matrix:
+	$(PY) -m pytest -q -p no:cacheprovider --all --matrix --durations=10 tests/test_fault_matrix.py
+
+# Chaos runs (benchmarks/chaos.py): seeded random kills across the matrix's cases, each run compared with its
+# uninterrupted reference; the report is in benchmarks/RESULTS.md ("Chaos").
+chaos:
+	$(PY) benchmarks/chaos.py --runs 24 --seed 0
+
 # Documented figures (issue 14): docs/quickstart.md's generated block comes from running configs/quickstart.yaml.
-# doc-figures rewrites it; check-docs (the release check, ~3 min on 2 cores) fails naming each figure that differs.
+# doc-figures rewrites it; check-docs (in CI, ~3 min on 2 cores) fails naming each figure that differs.
 doc-figures:
 	$(PY) scripts/doc_figures.py
 

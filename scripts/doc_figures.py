@@ -2,7 +2,7 @@
 
     python scripts/doc_figures.py           # run the quickstart, rewrite the page's generated block (make doc-figures)
     python scripts/doc_figures.py --check   # run it, compare with the page; exit 1 naming each figure that differs
-                                            # (make check-docs, the release check: ~3 minutes on 2 cores)
+                                            # (make check-docs, run by CI's .ci/run: ~3 minutes on 2 cores)
 
 It runs ``configs/quickstart.yaml`` as ``raysplit run`` does (the same config, seed and Ray backend; only the MLflow
 store and the output folder go to a temporary directory) and renders the deterministic figures (final accuracy,
@@ -44,7 +44,12 @@ FIGURES: list[tuple[str, str]] = [
     ("curve", "accuracy at those evaluations"),
     ("first_target", "first evaluation at or above 85 %"),
     ("sim_time", "simulated time of the whole run"),
+    ("machine", "made on (CPU, torch's kernel set)"),
 ]
+# Off the machine kind that wrote the page (another CPU model or kernel set: float sums round differently, measured
+# 86.28 % here against 86.20 % on another 2-core machine, <= .4 pp at every evaluation), learned figures are
+# checked within these bounds; the arithmetic ones (seed, rounds, evaluations, simulated time) stay exact.
+TOLERANCE = {"accuracy": 1.0, "f1_macro": 0.01, "mcc": 0.01, "loss": 0.02, "curve": 0.01}
 _LABEL_TO_KEY = {label: key for key, label in FIGURES}
 _LABEL = dict(FIGURES)
 
@@ -71,7 +76,31 @@ def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str) -
         "first_target": (f"round {first[0] + 1}, at {first[1]['sim_time']:.0f} s of simulated time" if first
                          else "none"),
         "sim_time": f"{final['sim_time']:.0f} s ({clock})",
+        "machine": machine(),
     }
+
+
+def machine() -> str:
+    """The CPU model and torch's CPU kernel set: what decides how float sums round, so what a figure's last digit
+    depends on."""
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or platform.machine()) \
+        if Path("/proc/cpuinfo").is_file() else platform.processor() or platform.machine()
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _numbers(value: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d*\.?\d+", value)]
+
+
+def _close(key: str, documented: str, produced: str) -> bool:
+    """Within ``TOLERANCE`` (another machine kind): every number of the figure, in order."""
+    a, b = _numbers(documented), _numbers(produced)
+    return len(a) == len(b) and all(abs(x - y) <= TOLERANCE[key] + 1e-9 for x, y in zip(a, b))
 
 
 def render(figs: dict[str, str]) -> str:
@@ -98,14 +127,22 @@ def parse(doc: str) -> dict[str, str]:
 
 def differences(documented: dict[str, str], produced: dict[str, str]) -> list[str]:
     """One line per figure that differs (documented vs produced), per produced figure missing from the page and per
-    row of the page that is no produced figure; empty when the page is true."""
+    row of the page that is no produced figure; empty when the page is true. On the machine kind the page names,
+    every figure must be as written; on another, the learned ones within ``TOLERANCE`` and the first evaluation at
+    the target is not compared (a .4 pp shift moves it by rounds)."""
+    same = documented.get("machine") == produced.get("machine")
     out = []
     for key, value in produced.items():
         label = _LABEL.get(key, key)
         if key not in documented:
             out.append(f"{label}: not on the page (produced: {value})")
-        elif documented[key] != value:
-            out.append(f"{label}: documented {documented[key]!r}, produced {value!r}")
+        elif documented[key] == value or (not same and (key in ("machine", "first_target") or (
+                key in TOLERANCE and _close(key, documented[key], value)))):
+            continue
+        else:
+            out.append(f"{label}: documented {documented[key]!r}, produced {value!r}"
+                       + (f" (beyond +-{TOLERANCE[key]:g}; made on another machine kind)" if not same
+                          and key in TOLERANCE else ""))
     out += [f"{_LABEL.get(k, k)}: on the page ({v!r}) but not produced" for k, v in documented.items()
             if k not in produced]
     return out
@@ -167,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             for line in diff:
                 print(f"  {line}", file=sys.stderr)
             return 1
-        print(f"{args.doc}: all {len(produced)} figures match what {args.config.name} produces")
+        how = ("as written" if documented.get("machine") == produced["machine"] else
+               f"within the tolerances for another machine kind (page: {documented.get('machine')}; here: "
+               f"{produced['machine']})")
+        print(f"{args.doc}: all {len(produced)} figures match what {args.config.name} produces, {how}")
         return 0
     args.doc.write_text(replace_block(doc, produced))
     print(f"{args.doc}: generated block rewritten" + (f"; {len(diff)} figure(s) changed:" if diff else

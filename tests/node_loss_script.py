@@ -6,14 +6,15 @@ Nodes: a head with no CPUs (the driver's), a ``server`` node, and client node A 
 actors need ``client``, so they land on A, the only node offering it. Then, in this order:
 
 1. ``reference``: the uninterrupted run.
-2. ``spare``: the same config; after round 1 (from ``on_round``) a spare client node B joins, then A is removed ->
-   the run should complete, one restart tagged, with the reference's per-round metrics.
-3. ``noroom``: the same config, its client actors now on B; after round 1 B is removed and no node offers
+2. ``spare_sigterm``: the same config; after round 1 (from ``on_round``) a spare client node B joins, then A is
+   shut down gracefully (SIGTERM) -> the run should complete, one restart tagged, with the reference's per-round
+   metrics. ``spare_crash``: the same with B replaced by C, B's processes SIGKILLed as in a machine failure (Ray
+   learns of the loss from its health checks).
+3. ``noroom``: the same config, its client actors now on C; after round 1 C crashes and no node offers
    ``client`` -> the run should fail with an ActorFailure naming actor, node and round, its MLflow run FAILED.
 
-Usage: node_loss_script.py WORKDIR [crash]. ``crash``: nodes are removed without a graceful shutdown (their
-processes SIGKILLed, as in a machine failure; Ray then learns of the loss from its health checks) instead of the
-default SIGTERM. Prints one ``RESULT {json}`` line."""
+One cluster and one reference run serve all three. Usage: node_loss_script.py WORKDIR. Prints one
+``RESULT {json}`` line."""
 
 import json
 import os
@@ -36,9 +37,8 @@ KEYS = ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up", "b
 CLIENT_NODE = {"num_cpus": 1, "resources": {"client": 4}}
 
 work = sys.argv[1]
-graceful = sys.argv[2:] != ["crash"]
 uri = f"sqlite:///{os.path.join(work, 'mlflow.db')}"
-WATCHDOG_S = 240  # the whole script; past it the cluster is shut down (no Ray processes left behind) and it exits
+WATCHDOG_S = 280  # the whole script; past it the cluster is shut down (no Ray processes left behind) and it exits
 out = {}
 
 
@@ -79,7 +79,7 @@ def recover(self, error, rnd):
 
 
 drivers.RoundGuard.recover = recover
-out.update({"node_a": node_a.node_id, "server_node": server_node.node_id, "graceful": graceful})
+out.update({"node_a": node_a.node_id, "server_node": server_node.node_id})
 
 
 def config(name):
@@ -125,53 +125,58 @@ t = time.time()
 ref = experiment.run_experiment(config("reference"))
 out["reference"] = {"seconds": time.time() - t, "curves": curves(ref["run_id"])}
 
-# 2. node A removed while the spare node B has room
-spare = {}
+# 2. the node hosting the client actors removed while a spare node has room: first gracefully (A -> B), then as a
+#    crash (B -> C)
+def spare_run(name: str, graceful: bool) -> dict:
+    spare = {}
+
+    def remove(rnd, m):
+        if rnd == 1 and "removed_at" not in spare:
+            spare["nodes_before"] = workers_nodes()
+            victim = next(n for n in cluster.worker_nodes if n.node_id == spare["nodes_before"][0])
+            t0 = time.time()
+            new = cluster.add_node(**CLIENT_NODE)
+            cluster.wait_for_nodes()
+            spare["node_b"] = new.node_id
+            spare["add_seconds"] = time.time() - t0
+            t0 = time.time()
+            cluster.remove_node(victim, allow_graceful=graceful)
+            spare["remove_seconds"] = time.time() - t0
+            spare["removed_at"] = time.time()
+            recoveries.clear()
+            until_noticed()
+        elif "removed_at" in spare:  # after the removal: where the client actors are now (the last call counts)
+            spare["nodes_after"] = workers_nodes()
+
+    t = time.time()
+    hit = experiment.run_experiment(config(name), on_round=remove)
+    spare["seconds"] = time.time() - t
+    spare["seconds_removal_to_restarts"] = [r - spare["removed_at"] for r in recoveries]
+    spare["seconds_removal_to_end"] = time.time() - spare.pop("removed_at")
+    spare["curves"] = curves(hit["run_id"])
+    spare.update(run_info(hit["run_id"]))
+    return spare
 
 
-def remove_a(rnd, m):
-    if rnd == 1 and "removed_at" not in spare:
-        spare["nodes_before"] = workers_nodes()
-        t0 = time.time()
-        node_b = cluster.add_node(**CLIENT_NODE)
-        cluster.wait_for_nodes()
-        spare["node_b"] = node_b.node_id
-        spare["add_seconds"] = time.time() - t0
-        t0 = time.time()
-        cluster.remove_node(node_a, allow_graceful=graceful)
-        spare["remove_seconds"] = time.time() - t0
-        spare["removed_at"] = time.time()
-        recoveries.clear()
-        until_noticed()
-    elif "removed_at" in spare:  # after the removal: where the client actors are now (the last call counts)
-        spare["nodes_after"] = workers_nodes()
+out["spare_sigterm"] = spare_run("spare-sigterm", graceful=True)
+out["spare_crash"] = spare_run("spare-crash", graceful=False)
 
-
-t = time.time()
-hit = experiment.run_experiment(config("spare"), on_round=remove_a)
-spare["seconds"] = time.time() - t
-spare["seconds_removal_to_restarts"] = [r - spare["removed_at"] for r in recoveries]
-spare["seconds_removal_to_end"] = time.time() - spare.pop("removed_at")
-spare["curves"] = curves(hit["run_id"])
-spare.update(run_info(hit["run_id"]))
-out["spare"] = spare
-
-# 3. node B removed and no node offers the client actors' resource
+# 3. the node now hosting the client actors crashes and no node offers their resource
 noroom = {}
 
 
-def remove_b(rnd, m):
+def remove_last(rnd, m):
     if rnd == 1 and "removed_at" not in noroom:
         noroom["nodes_before"] = workers_nodes()
-        node_b = next(n for n in cluster.worker_nodes if n.node_id == spare["node_b"])
-        cluster.remove_node(node_b, allow_graceful=graceful)
+        node = next(n for n in cluster.worker_nodes if n.node_id == noroom["nodes_before"][0])
+        cluster.remove_node(node, allow_graceful=False)
         noroom["removed_at"] = time.time()
         recoveries.clear()
         until_noticed()
 
 
 try:
-    experiment.run_experiment(config("noroom"), on_round=remove_b)
+    experiment.run_experiment(config("noroom"), on_round=remove_last)
     noroom["error"] = None
 except Exception as e:  # noqa: BLE001 - report what the user would see
     noroom["error"] = f"{type(e).__name__}: {e}"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from helpers import make_config
 from raysplit.data.store import ActivationStore, IncompleteStore, ShuffledLoader
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
@@ -206,7 +206,7 @@ def test_bad_ampere_input_names_the_key(tmp_path, mlflow_uri, fmnist_root, over,
 
 # ---- the baselines reduce to SplitFed where they must ----------------------------------------------------------------
 def _states(cfg):
-    from test_semantics import run_rounds
+    from helpers import run_rounds
 
     client, server, _, stats = run_rounds(cfg)
     return client, server, stats
@@ -255,9 +255,10 @@ def test_scaffold_with_one_client_is_splitfed(tmp_path, mlflow_uri, fmnist_root)
 
 
 @pytest.mark.parametrize("algorithm", ["ampere", "pipar", "splitgp", "sflv1_scaffold"])
-def test_ampere_family_through_ray_with_mlflow(ray_session, tmp_path, mlflow_uri, fmnist_root, algorithm):
+def test_ampere_family_with_mlflow(tmp_path, mlflow_uri, fmnist_root, algorithm):
+    """Local backend (tests/test_golden.py holds the Ray backend to the same numbers)."""
     alg = {"name": algorithm} if algorithm != "ampere" else None
-    over = {"runtime.backend": "ray", "tracking.experiment": "ampere-family"}
+    over = {"runtime.backend": "local", "tracking.experiment": "ampere-family"}
     if alg:
         over["algorithm"] = alg
     final = run_experiment(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **over))
@@ -279,7 +280,8 @@ def test_the_server_phase_ends_with_its_best_validated_block(tmp_path, mlflow_ur
     # six server epochs at lr 0.3: validation accuracy peaks at the fifth (.64) and falls at the sixth (.58)
     over = {"algorithm": {"name": "ampere", "device_rounds": 2, "server_epochs": 6, "patience": 5,
                           "server_batch_size": 16, "chunk_rows": 64, "cache_mb": 4.0}, "train.rounds": 8,
-            "data.root": None, "data.options": {}, "data.max_train_samples": 800, "train.optimizer.lr": 0.3}
+            "data.root": None, "data.options": {}, "data.max_train_samples": 800, "data.max_test_samples": 1000,
+            "train.optimizer.lr": 0.3}
     runs = {}
     for restore in (False, True):
         cfg = amp_cfg(tmp_path / str(restore), mlflow_uri, fmnist_root, **over,

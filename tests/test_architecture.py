@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_config
+from helpers import import_cycles, import_graph, imported_closure, make_config
 from raysplit.experiment import prepare, run_experiment
 from raysplit.runtime import ClientHost, Gradient, NonFiniteLossError, Runtime, ServerHost, make_backend
 
@@ -144,12 +145,62 @@ def test_every_algorithm_parameter_is_documented_and_listed(capsys):
     assert main(["list", "nope"]) == 2
 
 
-@pytest.mark.parametrize("first", ["raysplit.config", "raysplit.algorithms", "raysplit.algorithms.hydra",
-                                   "raysplit.runtime", "raysplit.experiment"])
-def test_no_import_cycle_whatever_is_imported_first(first):
-    code = f"import {first}; import raysplit.config, raysplit.algorithms; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY_POINTS = ["raysplit.config", "raysplit.algorithms", "raysplit.algorithms.hydra", "raysplit.runtime",
+                "raysplit.experiment", "raysplit.models", "raysplit.data", "raysplit.cli"]
+
+
+def test_no_import_cycle_in_the_source():
+    """Read from the source: no module of raysplit needs, while it is imported, a module that needs it back, so any
+    module can be imported first (the full tier imports the entry points first in fresh interpreters)."""
+    needs, _ = import_graph(ROOT)
+    assert {"raysplit.experiment", "raysplit.runtime.hosts", "raysplit.algorithms.gas"} <= set(needs)
+    assert "raysplit.runtime.hosts" in imported_closure(needs, "raysplit.experiment")
+    assert import_cycles(needs) == []
+
+
+def test_the_import_graph_finds_a_cycle_and_ignores_lazy_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import A\n")
+    (pkg / "a.py").write_text("from pkg.sub import helper\nA = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "helper.py").write_text("import os\nfrom pkg import A\n\ndef f():\n    import pkg.lazy\n")
+    (pkg / "lazy.py").write_text("import pkg.a\n")
+    needs, external = import_graph(tmp_path, "pkg")
+    assert import_cycles(needs) == [["pkg", "pkg.a", "pkg.sub.helper", "pkg"]]
+    assert "pkg.lazy" not in needs["pkg.sub.helper"] and external["pkg.sub.helper"] == {"os"}
+
+
+@pytest.mark.subprocess
+def test_no_import_cycle_whatever_is_imported_first():
+    """Each entry point imported first in a fresh interpreter (run side by side), then the rest."""
+    code = "import {}; import raysplit.config, raysplit.algorithms, raysplit.experiment; print('ok')"
+    procs = {m: subprocess.Popen([sys.executable, "-c", code.format(m)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for m in ENTRY_POINTS}
+    for m, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "ok" in out, (m, err[-2000:])
+
+
+@pytest.mark.parametrize("layer", ["raysplit.models", "raysplit.data", "raysplit.metrics", "raysplit.losses",
+                                   "raysplit.gaussian"])
+def test_building_blocks_import_neither_ray_nor_mlflow(layer):
+    """design.md: building blocks know neither Ray nor MLflow (nor Tune): nothing they import at module level, in
+    raysplit or directly, is one of those."""
+    needs, external = import_graph(ROOT)
+    closure = imported_closure(needs, layer)
+    assert layer in closure or any(m.startswith(layer + ".") for m in closure)
+    bad = {m: external[m] & {"ray", "mlflow"} for m in closure if external[m] & {"ray", "mlflow"}}
+    assert not bad, f"{layer} imports {bad}"
+
+
+@pytest.mark.subprocess
+def test_building_blocks_import_neither_ray_nor_mlflow_in_a_fresh_interpreter():
+    code = ("import sys, raysplit.models, raysplit.data, raysplit.metrics, raysplit.losses, raysplit.gaussian; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
 
 def test_algorithms_import_no_private_runtime_names():

@@ -14,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import raysplit.experiment as experiment
-from conftest import make_config
+from helpers import make_config
 from raysplit.errors import BadClientInput
 from raysplit.runtime import Runtime, make_backend
 from raysplit.runtime.hosts import activation_fault, gradient_fault

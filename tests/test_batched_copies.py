@@ -19,13 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_config
+from helpers import make_config
 from raysplit import reporting
 from raysplit.config import ConfigError, RuntimeConfig
 from raysplit.experiment import prepare
 from raysplit.runtime import Activation, NonFiniteLossError, Runtime, ServerHost, Tag, make_backend
 
 TOL = 1e-6
+# Adam divides each step by sqrt(v): where a gradient is near zero, float rounding of the batched computation moves a
+# weight by a fraction of the learning rate (1e-3 here) rather than of the weight (measured: 1.04e-6 after 3 rounds
+# on this machine's CPU); 1 % of one step still fails for any copy that stepped differently
+TOL_ADAM = 1e-5
 
 
 def run(cfg, spec_batched: bool | None = None):
@@ -63,11 +67,11 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def assert_same_runs(a, b, same_clock: bool = True) -> None:
+def assert_same_runs(a, b, same_clock: bool = True, tol: float = TOL) -> None:
     (ra, sa), (rb, sb) = a, b
-    assert max_diff(weights(sa), weights(sb)) < TOL
+    assert max_diff(weights(sa), weights(sb)) < tol
     for (la, acc_a, st_a), (lb, acc_b, st_b) in zip(ra, rb, strict=True):
-        assert la == pytest.approx(lb, abs=TOL)
+        assert la == pytest.approx(lb, abs=tol)
         assert acc_a == acc_b
         assert {c: v["steps"] for c, v in st_a.clients.items()} == {c: v["steps"] for c, v in st_b.clients.items()}
         if same_clock:
@@ -95,7 +99,8 @@ def test_batched_run_equals_per_copy_run(tmp_path, mlflow_uri, case):
     over = {"runtime.backend": "local", **CASES[case]}
     per_copy = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.batched_copies": False}))
     batched = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.batched_copies": True}))
-    assert_same_runs(per_copy, batched, same_clock=case == "sglr")  # SGLR's service order does not change
+    assert_same_runs(per_copy, batched, same_clock=case == "sglr",  # SGLR's service order does not change
+                     tol=TOL_ADAM if "adam" in case else TOL)
     assert per_copy[0][-1][0] < per_copy[0][0][0]  # it trained
     if case == "psl-epochs":
         steps = per_copy[0][0][2].clients

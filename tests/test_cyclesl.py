@@ -9,14 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_config
+from helpers import make_config, run_rounds
 from raysplit.algorithms.cyclesl import positionwise_mean, sglr_shared_gradient
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.models import build_model
 from raysplit.runtime import Runtime, make_backend
 from raysplit.runtime.messages import Tag
-from test_semantics import run_rounds
 
 
 def one_round_cfg(tmp_path, mlflow_uri, algorithm, **extra):

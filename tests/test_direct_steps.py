@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_config
+from helpers import assert_identical_runs, make_config, run_rounds
 from raysplit.runtime import ClientHost
-from test_semantics import assert_identical_runs, run_rounds
 
 
 @pytest.mark.parametrize("algorithm", [
-    {"name": "sflv2"}, {"name": "sflv1"}, {"name": "psl"},
+    {"name": "sflv2"},  # one client's steps after another's
+    {"name": "psl"},  # per-client server copies (SFLV1 is PSL plus the client models' FedAvg on the driver)
     {"name": "sflv2", "order": "random"},  # steps of different clients interleaved
     {"name": "hydra", "order": "cyclic_reverse", "phi": 2},
 ], ids=lambda a: "-".join(map(str, a.values())))
@@ -30,12 +30,12 @@ def test_direct_steps_bit_identical_to_driver_chained(ray_session, tmp_path, mlf
 @pytest.mark.parametrize("algorithm", [
     {"name": "sflv2", "order": "random"},  # driven split steps, clients interleaved
     {"name": "psl"},  # per-client copies; clients' own models moved between actors by the placement
-    {"name": "cyclesfl"},  # pooled steps
     {"name": "gas"},  # the event loop (asynchronous mode)
 ], ids=lambda a: "-".join(map(str, a.values())))
 def test_compiled_graphs_equal_actor_calls(ray_session, tmp_path, mlflow_uri, algorithm):
     """runtime.transport: compiled (Ray Compiled Graphs, the default) and calls (ordinary actor calls, the
-    fallback) carry the same messages in the same order: same weights bit for bit, same clocks and losses."""
+    fallback) carry the same messages in the same order: same weights bit for bit, same clocks and losses. (Pooled
+    steps on both transports: tests/test_golden.py's fast-tier runs, held to the in-process numbers.)"""
     over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
             "train.optimizer.momentum": 0.9}
     assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "compiled"})),

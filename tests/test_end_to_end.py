@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import Touch, make_config
+from helpers import Touch, make_config
 from raysplit.algorithms import ALGORITHMS
 from raysplit.config import ConfigError
 from raysplit.experiment import run_experiment
@@ -23,9 +23,10 @@ def test_baselines_registered():
 
 
 @pytest.mark.parametrize("algorithm", BASELINES + CYCLESL)
-def test_algorithm_two_rounds_through_ray_logs_mlflow(ray_session, tmp_path, mlflow_uri, algorithm):
+def test_algorithm_two_rounds_logs_mlflow(tmp_path, mlflow_uri, algorithm):
+    """Local backend (the same hosts as in Ray actors: tests/test_golden.py holds both to one fingerprint)."""
     cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.name": algorithm, "tracking.experiment": "e2e",
-                                               "train.local_steps": 10})
+                                               "train.local_steps": 10, "runtime.backend": "local"})
     final = run_experiment(cfg)
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])
@@ -58,7 +59,8 @@ def test_algorithm_two_rounds_through_ray_logs_mlflow(ray_session, tmp_path, mlf
 def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
     over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "train.optimizer.name": "adam",
             "train.optimizer.lr": 0.003, "tracking.experiment": "resume"}
-    full = run_experiment(make_config(tmp_path / "a", mlflow_uri, **over))
+    # the uninterrupted run in process (the Ray backend gives its numbers: tests/test_golden.py)
+    full = run_experiment(make_config(tmp_path / "a", mlflow_uri, **over, **{"runtime.backend": "local"}))
 
     class Interrupted(Exception):
         pass
@@ -135,7 +137,8 @@ def test_same_seed_same_metrics(ray_session, tmp_path, mlflow_uri):
     b = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{"algorithm.name": "sflv1"}))
     for k in ("accuracy", "loss", "train_loss", "sim_time", "bytes_up"):
         assert a[k] == b[k], k
-    c = run_experiment(make_config(tmp_path / "c", mlflow_uri, **{"algorithm.name": "sflv1", "seed": 1}))
+    c = run_experiment(make_config(tmp_path / "c", mlflow_uri, **{"algorithm.name": "sflv1", "seed": 1,
+                                                                   "runtime.backend": "local"}))
     assert c["loss"] != a["loss"]
 
 

@@ -19,10 +19,11 @@ from mlflow.tracking import MlflowClient
 from ray.util.placement_group import placement_group, remove_placement_group
 
 import raysplit.experiment as experiment
-from conftest import make_config
+from helpers import make_config
 from raysplit.errors import ActorFailure
 from raysplit.experiment import run_experiment
 
+pytestmark = [pytest.mark.faults]
 
 @ray.remote(num_cpus=0)
 def _closed_channel(g):
@@ -133,13 +134,15 @@ def test_replacements_no_node_has_room_for_fail_within_the_bound(ray_session, tm
     replaced: the restart gives up after ``restart_timeout`` (not pending for ever) naming the unplaced actor."""
     cfg = make_config(tmp_path, mlflow_uri, **{"train.rounds": 3, "tracking.experiment": "faults-no-room"})
     held = []
+    total = ray.cluster_resources()["CPU"]  # the run's actors hold 0.5 + 2 x 0.5 of it
+    bigger = (total - 0.5) / 2  # replacements asking this much fit the cluster exactly, but not beside the other job
 
     def crowd(rnd, m):
         if rnd == 1 and not held:
             b = backends[-1]
             b.restart_timeout = 10.0
-            b.rcfg.client.num_cpus = 1.5  # replacements: 0.5 + 2 x 1.5 of the 4 CPUs, 1 of them held below
-            held.append(placement_group([{"CPU": 1}]))  # the other job
+            b.rcfg.client.num_cpus = bigger
+            held.append(placement_group([{"CPU": total - 1.5}]))  # the other job takes what the run leaves free
             assert held[0].wait(60)
             ray.kill(b.workers[0])
             held.append(time.time())
@@ -153,23 +156,24 @@ def test_replacements_no_node_has_room_for_fail_within_the_bound(ray_session, tm
             remove_placement_group(held[0])
     msg = str(e.value)
     assert "client actor 0" in msg and "on node" in msg and "in round" in msg, msg
-    assert re.search(r"not placed within 10 s: no live node had room for [^(]*client actor \d \{'CPU': 1.5\}", msg), msg
+    assert re.search(rf"not placed within 10 s: no live node had room for [^(]*client actor \d \{{'CPU': {bigger}\}}",
+                     msg), msg
     assert waited < 30, waited
     client = MlflowClient(mlflow_uri)
     run = client.search_runs([client.get_experiment_by_name("faults-no-room").experiment_id])[0]
     assert run.info.status == "FAILED"
 
 
-@pytest.fixture(scope="module", params=["sigterm", "crash"])
-def node_loss(request, tmp_path_factory):
-    """tests/node_loss_script.py in its own process (its own ray.cluster_utils.Cluster); ``crash``: nodes are
-    SIGKILLed (Ray learns of it from health checks), ``sigterm``: shut down gracefully."""
+@pytest.fixture(scope="module")
+def node_loss(tmp_path_factory):
+    """tests/node_loss_script.py in its own process (its own ray.cluster_utils.Cluster): one reference run, the
+    client actors' node removed gracefully (SIGTERM) and then as a crash (SIGKILL, Ray learns of it from its health
+    checks) with a spare node each time, then removed with no node left that offers their resource."""
     here = Path(__file__).resolve().parent
-    work = tmp_path_factory.mktemp(f"node-loss-{request.param}")
+    work = tmp_path_factory.mktemp("node-loss")
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(here.parent))
-    args = [sys.executable, str(here / "node_loss_script.py"), str(work)] + (["crash"] if request.param == "crash"
-                                                                              else [])
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(here / "node_loss_script.py"), str(work)], capture_output=True,
+                          text=True, timeout=400, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"no result; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     out = json.loads(lines[-1][len("RESULT "):])
@@ -178,23 +182,28 @@ def node_loss(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_node_removed_with_room_elsewhere_the_run_equals_an_uninterrupted_one(node_loss):
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", ["sigterm", "crash"])
+def test_node_removed_with_room_elsewhere_the_run_equals_an_uninterrupted_one(node_loss, how):
     """The node hosting the client actors is removed mid-run while a spare node has room: the actors are replaced
     on the spare node, the round redone, and the run's per-round metrics equal the uninterrupted run's."""
-    ref, hit = node_loss["reference"], node_loss["spare"]
-    assert hit["nodes_before"] == [node_loss["node_a"]] and hit["nodes_after"] == [hit["node_b"]], hit
+    ref, hit = node_loss["reference"], node_loss[f"spare_{how}"]
+    before = node_loss["node_a"] if how == "sigterm" else node_loss["spare_sigterm"]["node_b"]
+    assert hit["nodes_before"] == [before] and hit["nodes_after"] == [hit["node_b"]], hit
     assert hit["status"] == "FINISHED" and hit["tags"]["raysplit.actor_restarts"] == "1", hit["tags"]
-    assert node_loss["node_a"] in hit["tags"]["raysplit.restart_1"], hit["tags"]
+    assert before in hit["tags"]["raysplit.restart_1"], hit["tags"]
     assert hit["curves"] == ref["curves"]
     assert [s for s, _ in hit["curves"]["train_loss"]] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_node_removed_with_no_room_fails_within_60s_naming_actor_node_and_round(node_loss):
-    """The node hosting the client actors is removed and no node offers their resource: an ActorFailure naming
-    the actor, the lost node, the round and the missing resource, within 60 s, and a FAILED MLflow run."""
+    """The node hosting the client actors crashes and no node offers their resource: an ActorFailure naming the
+    actor, the lost node, the round and the missing resource, within 60 s, and a FAILED MLflow run."""
     got = node_loss["noroom"]
     err, lost = got["error"] or "", got["nodes_before"][0]
+    assert lost == node_loss["spare_crash"]["node_b"], got
     assert err.startswith("ActorFailure: "), got
     # the script calls the client actors from round 1's on_round until one fails, so it is round 1's
     assert re.search(r"client actor \d", err) and lost in err and " in round 1; " in err, err
@@ -203,6 +212,7 @@ def test_node_removed_with_no_room_fails_within_60s_naming_actor_node_and_round(
     assert got["status"] == "FAILED" and got["tags"]["raysplit.error"].startswith("ActorFailure"), got
 
 
+@pytest.mark.subprocess
 def test_a_killed_driver_resumes_with_every_round_of_every_metric_logged_once(tmp_path):
     """`raysplit run` is SIGKILLed mid-run (no handler runs: its MLflow run stays RUNNING), then `raysplit run
     --resume RUN_ID` continues from the last checkpoint: every metric of every round is in the store exactly once,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config, write_fake_cifar10
+from helpers import make_config, write_fake_cifar10
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
 from raysplit.gaussian import LabelGaussian
@@ -155,7 +155,7 @@ def test_gas_without_generation_equals_minibatch_sfl(tmp_path, mlflow_uri):
     over = {"data.num_clients": 3, "train.participation.count": 3, "data.partition.name": "iid",
             "data.max_train_samples": 300, "clock.profile": "homogeneous", "train.rounds": 1, "train.local_steps": 4,
             "train.optimizer.momentum": 0.9}
-    from test_semantics import run_rounds
+    from helpers import run_rounds
 
     g_client, g_server, _, g_stats = run_rounds(gas_cfg(tmp_path, mlflow_uri, **{
         **over, "algorithm": {"name": "gas", "generate": False, "logit_adjustment": False}}))
@@ -267,10 +267,10 @@ def test_nonfinite_statistics_fail_naming_label_and_server_update(tmp_path, mlfl
     assert run.info.status == "FAILED" and "non-finite" in run.data.tags["raysplit.error"]
 
 
-# ---- through Ray and MLflow ----------------------------------------------------------------------------------------
+# ---- end to end with MLflow (local backend; tests/test_golden.py holds the Ray backend to the same numbers) ------
 @pytest.mark.parametrize("algorithm", ["gas", "fedbuff", "ca2fl", "fedasync", "minibatch_sfl", "s2fl"])
-def test_new_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_path, mlflow_uri, algorithm):
-    cfg = gas_cfg(tmp_path, mlflow_uri, **{"algorithm": {"name": algorithm}, "runtime.backend": "ray",
+def test_new_algorithms_two_rounds_with_mlflow(tmp_path, mlflow_uri, algorithm):
+    cfg = gas_cfg(tmp_path, mlflow_uri, **{"algorithm": {"name": algorithm}, "runtime.backend": "local",
                                            "tracking.experiment": "gas-family", "train.local_steps": 6,
                                            "clock.profile": "gas_cell"})
     final = run_experiment(cfg)
@@ -290,6 +290,7 @@ def test_new_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_path
     assert {"client_accounting.csv", "client_rounds.csv", "curves.png"} <= arts
 
 
+@pytest.mark.slow  # the shipped sizes (fmnist ~10 s); every algorithm's logic runs small in the fast tier
 @pytest.mark.parametrize("name", ["fmnist", "cifar10"])
 def test_shipped_gas_configs_run_a_round(tmp_path, mlflow_uri, name):
     """configs/gas/*.yaml resolve (model, cut, partition, clock) and run a global round: Fashion-MNIST's shape on

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config, write_fake_cifar10
+from helpers import make_config, run_rounds, write_fake_cifar10
 from raysplit import metrics as M
 from raysplit.algorithms import orders
 from raysplit.algorithms.hydra import ConfidentServer, greedy_groups
@@ -17,7 +17,6 @@ from raysplit.config import ConfigError
 from raysplit.data import DataSpec
 from raysplit.experiment import prepare, run_experiment
 from raysplit.runtime import Runtime, make_backend
-from test_semantics import run_rounds
 
 
 # ---- Algorithm 2 -------------------------------------------------------------------------------------------------
@@ -214,8 +213,9 @@ def test_local_epochs_run_one_full_pass_per_client(tmp_path, mlflow_uri):
     {"name": "sflv3"},
     {"name": "multihead"},
 ], ids=lambda a: "-".join(str(v) for v in a.values()))
-def test_hydra_family_through_ray(ray_session, tmp_path, mlflow_uri, algorithm):
-    cfg = make_config(tmp_path, mlflow_uri, **{
+def test_hydra_family_end_to_end(tmp_path, mlflow_uri, algorithm):
+    """Local backend (tests/test_golden.py holds the Ray backend to the same numbers)."""
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local",
         "algorithm": algorithm, "data.partition.name": "dominant_label", "data.num_clients": 10,
         "train.local_epochs": 1, "train.rounds": 2, "eval.mode": "global",
         "data.test_fraction": 0.0, "tracking.experiment": "hydra"})
@@ -243,6 +243,7 @@ def test_hydra_family_through_ray(ray_session, tmp_path, mlflow_uri, algorithm):
         assert b0[0].value - b0[1].value == pytest.approx(10 * 80)
 
 
+@pytest.mark.slow  # a shipped config at its size (MobileNet)
 def test_cifar10_mobilenet_config_runs_on_fake_cifar_files(tmp_path, mlflow_uri):
     """configs/hydra/cifar10_mobilenet.yaml (Hydra's setting) resolves its cuts and runs a round on small fake
     CIFAR-10 pickles in the real format (no download), with K = 5 superclasses."""

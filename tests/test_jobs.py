@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+pytestmark = [pytest.mark.cluster, pytest.mark.subprocess]
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -89,8 +91,10 @@ def test_job_submit_with_token_auth_runs_a_two_round_experiment_into_mlflow(tmp_
         acc = client.get_metric_history(runs[0].info.run_id, "accuracy")[-1].value
         assert f"{acc:.4f}" in cmp.stdout, cmp.stdout
 
-        # a job with no tracking store the user can read is refused at start, saying how to set one
-        bare = [a for a in cmd if not a.startswith("tracking.uri=")]
+        # a job with no tracking store the user can read is refused at start, saying how to set one: the job's
+        # entry point decides before it touches Ray, so it is run here as the job would run it
+        bare = [sys.executable, *cmd[cmd.index("--") + 2:]]
+        bare = [a for a in bare if not a.startswith("tracking.uri=")]
         no_uri = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
         r = subprocess.run(bare, env=no_uri, capture_output=True, text=True, timeout=300, cwd=ROOT)
         out = r.stdout + r.stderr

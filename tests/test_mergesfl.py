@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from helpers import make_config, run_rounds
 from raysplit.algorithms.mergesfl import regulated_batch_sizes
 from raysplit.cli import main
 from raysplit.config import ConfigError
@@ -20,7 +20,6 @@ from raysplit.experiment import prepare, run_experiment
 from raysplit.models import build_model
 from raysplit.runtime import Runtime, make_backend
 from raysplit.runtime.messages import Tag
-from test_semantics import run_rounds
 
 
 def merge_cfg(tmp_path, mlflow_uri, algorithm=None, **over):
@@ -182,9 +181,9 @@ def test_config_and_listing(tmp_path, mlflow_uri, capsys):
         assert key in out
 
 
-# ---- through Ray and MLflow ---------------------------------------------------------------------------------------
-def test_mergesfl_through_ray_and_mlflow(ray_session, tmp_path, mlflow_uri):
-    cfg = make_config(tmp_path, mlflow_uri, **{
+# ---- end to end with MLflow (local backend; tests/test_golden.py holds the Ray backend to the same numbers) -----
+def test_mergesfl_end_to_end_with_mlflow(tmp_path, mlflow_uri):
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local",
         "algorithm": {"name": "mergesfl"}, "data.partition.name": "dominant_label", "data.num_clients": 6,
         "clock.profile": "uniform", "train.rounds": 2, "train.local_steps": 15, "eval.mode": "global",
         "data.test_fraction": 0.0, "tracking.experiment": "mergesfl"})

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.cluster, pytest.mark.subprocess]
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_config
+from helpers import assert_identical_runs, make_config, run_rounds
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.spill import SpillStore, nbytes
-from test_semantics import assert_identical_runs, run_rounds
 
 
 # ---- placement ---------------------------------------------------------------------------------------------------

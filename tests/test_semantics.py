@@ -8,44 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import GET_TIMEOUT, make_config
+from helpers import make_config, run_rounds
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.models import build_model
-from raysplit.runtime import Runtime, make_backend, transport
-
-
-def run_rounds(cfg, rounds=None):
-    """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
-    p = prepare(cfg)
-    r = cfg.runtime
-    rt = Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
-    try:
-        stats = []
-        driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)  # rounds or events
-        driver.run(0, rounds or cfg.train.rounds, lambda r, st: stats.append(st))
-        handle = driver.global_handle if p.algorithm.keeps_global_client_model() else None
-        client = transport.unpack_state(rt.get(handle, timeout=GET_TIMEOUT).state) if handle is not None else None
-        server = transport.unpack_state(rt.get(rt.server.get_state(), timeout=GET_TIMEOUT).state)
-        return client, server, p, stats
-    finally:
-        rt.shutdown()
-
-
-def assert_identical_runs(x, y) -> None:
-    """Two ``run_rounds`` results computed the same thing: client and server weights bit for bit, and per round
-    the simulated clocks (the round's end and every client's), the server's losses and every client's steps."""
-    for a, b in ((x[0], y[0]), (x[1], y[1])):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert set(a) == set(b)
-            for k in a:
-                assert torch.equal(a[k], b[k]), k
-    for d, c in zip(x[3], y[3], strict=True):
-        assert d.t_end == c.t_end
-        assert d.server["losses"] == c.server["losses"]
-        assert {k: v["t_end"] for k, v in d.clients.items()} == {k: v["t_end"] for k, v in c.clients.items()}
-        assert {k: v["steps"] for k, v in d.clients.items()} == {k: v["steps"] for k, v in c.clients.items()}
+from raysplit.runtime import Runtime, make_backend
 
 
 def centralized_reference(cfg, p, rounds):
@@ -71,14 +38,14 @@ def centralized_reference(cfg, p, rounds):
     return model
 
 
-def one_client_cfg(tmp_path, mlflow_uri, algorithm, backend="ray"):
+def one_client_cfg(tmp_path, mlflow_uri, algorithm, backend="local"):
     return make_config(tmp_path, mlflow_uri, **{
         "algorithm.name": algorithm, "data.num_clients": 1, "data.test_fraction": 0.0,
         "data.max_train_samples": 200, "train.local_steps": 5, "train.batch_size": 32, "train.rounds": 3,
         "train.optimizer.momentum": 0.9, "runtime.backend": backend, "runtime.num_workers": 1})
 
 
-def test_sflv2_one_client_equals_centralized_sgd(ray_session, tmp_path, mlflow_uri):
+def test_sflv2_one_client_equals_centralized_sgd(tmp_path, mlflow_uri):
     cfg = one_client_cfg(tmp_path, mlflow_uri, "sflv2")
     rounds = 3  # 15 steps over 160 train samples: crosses an epoch boundary (5 batches per epoch)
     client, server, p, _ = run_rounds(cfg, rounds)
@@ -102,9 +69,9 @@ def test_sflv2_one_client_equals_centralized_sgd(ray_session, tmp_path, mlflow_u
     assert cut == 1
 
 
-def test_sflv1_one_client_equals_sflv2_one_client(ray_session, tmp_path, mlflow_uri):
+def test_sflv1_one_client_equals_sflv2_one_client(tmp_path, mlflow_uri):
     c1, s1, _, _ = run_rounds(one_client_cfg(tmp_path, mlflow_uri, "sflv1"), 2)
-    c2, s2, _, _ = run_rounds(one_client_cfg(tmp_path, mlflow_uri, "sflv2", backend="local"), 2)
+    c2, s2, _, _ = run_rounds(one_client_cfg(tmp_path, mlflow_uri, "sflv2"), 2)
     for a, b in ((c1, c2), (s1, s2)):
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)

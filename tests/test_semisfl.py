@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config, write_fake_cifar10
+from helpers import make_config, write_fake_cifar10
 from raysplit.algorithms.semisfl import ema_update, ks_milestones, ks_ratio, pseudo_label_ce
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
@@ -197,14 +197,13 @@ def test_nonfinite_loss_names_the_phase_round_and_step(tmp_path, mlflow_uri, fmn
         run_experiment(cfg)
 
 
-# ---- through Ray and MLflow ----------------------------------------------------------------------------------------
+# ---- end to end with MLflow (local backend; tests/test_golden.py holds the Ray backend to the same numbers) ------
 @pytest.mark.parametrize("algorithm", ["semisfl", "fedswitch_sl", "supervised_only", "semifl"])
-def test_semi_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_path, mlflow_uri, fmnist_root,
-                                                           algorithm):
+def test_semi_algorithms_two_rounds_with_mlflow(tmp_path, mlflow_uri, fmnist_root, algorithm):
     alg = {"name": algorithm, "ks_initial": 3, "server_batch_size": 8}
     if algorithm != "semifl":
         alg["queue_size"] = 64
-    cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, "runtime.backend": "ray",
+    cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, "runtime.backend": "local",
                                            "tracking.experiment": "semi-family"})
     final = run_experiment(cfg)
     client = MlflowClient(mlflow_uri)
@@ -220,7 +219,7 @@ def test_semi_algorithms_two_rounds_through_ray_with_mlflow(ray_session, tmp_pat
         assert run.data.metrics["bytes_up"] == 0
 
 
-@pytest.mark.parametrize("name", ["fmnist", "svhn", "cifar10"])
+@pytest.mark.parametrize("name", ["fmnist", "svhn", pytest.param("cifar10", marks=pytest.mark.slow)])
 def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, name):
     """configs/semisfl/*.yaml resolve and run a round on small fake files in the real formats (no download)."""
     from pathlib import Path

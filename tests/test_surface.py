@@ -73,6 +73,7 @@ def test_cluster_yaml_passes_rays_validator():
         validate_config(prepare_config(broken))
 
 
+@pytest.mark.subprocess
 def test_untracked_run_needs_no_mlflow(tmp_path):
     """tracking.enabled=false: a run completes in a process where importing mlflow fails (e.g. a GPU box
     without it), and returns its metrics."""
@@ -83,7 +84,7 @@ def test_untracked_run_needs_no_mlflow(tmp_path):
 import sys
 sys.modules["mlflow"] = None  # any 'import mlflow' now raises ImportError
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from conftest import make_config
+from helpers import make_config
 from raysplit.experiment import run_experiment
 cfg = make_config(__import__("pathlib").Path({str(tmp_path)!r}), "sqlite:///unused.db",
                   **{{"runtime.backend": "local", "tracking.enabled": False, "train.rounds": 1}})

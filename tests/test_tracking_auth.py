@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import MlflowServer, make_config
+from helpers import MlflowServer, make_config
 from raysplit import experiment as experiment_module
 from raysplit.experiment import run_experiment
 from raysplit.tracking import TrackingAuthError
+
+pytestmark = [pytest.mark.mlflow_server]
 
 ADMIN_PASSWORD = f"admin-{secrets.token_hex(8)}"
 CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")

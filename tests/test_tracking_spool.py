@@ -9,19 +9,31 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import MlflowServer, make_config
+from helpers import MlflowServer, make_config
 from raysplit.cli import main as cli_main
 from raysplit.experiment import run_experiment
+
+pytestmark = [pytest.mark.mlflow_server]
 
 ROUNDS = 5
 
 
-@pytest.fixture
-def server(tmp_path):
-    s = MlflowServer(tmp_path)
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory):
+    """One MLflow server for the module (each test stops and restarts it; experiments keep the tests apart)."""
+    s = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     s.start()
     yield s
     s.stop()
+
+
+@pytest.fixture
+def server(module_server):
+    if module_server.proc is None:
+        module_server.start()
+    yield module_server
+    if module_server.proc is None:  # a test that failed while the store was down
+        module_server.start()
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> list[int]:

@@ -1,0 +1,281 @@
+"""Helpers the tests share (imported as ``from helpers import ...``; fixtures stay in conftest.py).
+
+- ``make_config``: a small digits experiment with dotted-key overrides. Tests use the ``calls`` transport unless
+  they test the transports themselves: idle compiled-graph client actors busy-wait, which on a 2-core machine steals
+  the cores every other actor of the session needs.
+- ``run_rounds`` / ``assert_identical_runs``: run an algorithm's rounds through the runtime, and compare two runs bit
+  for bit (weights, clocks, losses, steps).
+- ``MlflowServer``: a real ``mlflow server`` (optionally MLflow's basic-auth app) on a free port.
+- ``write_fake_fashion_mnist`` / ``write_fake_cifar10``: small datasets in the real file formats; ``Touch``: a
+  malicious pickle payload.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+GET_TIMEOUT = 120  # seconds; every ray.get in tests has one
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(tmp_path, mlflow_uri, **overrides):
+    """A small digits experiment (fast on 2 cores) with dotted-key overrides."""
+    from raysplit.config import load_config
+
+    base = {
+        "name": "test", "seed": 0,
+        "algorithm.name": "sflv2",
+        "data.dataset": "digits", "data.num_clients": 4, "data.partition.name": "iid", "data.test_fraction": 0.2,
+        "model.name": "cnn_small", "model.cut": "conv1",
+        "train.rounds": 2, "train.batch_size": 16, "train.local_steps": 4,
+        "train.optimizer.lr": 0.1,
+        "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
+        "runtime.transport": "calls",
+        "tracking.uri": mlflow_uri, "tracking.experiment": "tests", "tracking.progress": False,
+        "tracking.output_dir": str(tmp_path / "outputs"),
+    }
+    base.update(overrides)
+    return load_config(None, base)
+
+
+def run_rounds(cfg, rounds=None):
+    """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
+    from raysplit.experiment import prepare
+    from raysplit.runtime import Runtime, make_backend, transport
+
+    p = prepare(cfg)
+    r = cfg.runtime
+    rt = Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
+    try:
+        stats = []
+        driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)  # rounds or events
+        driver.run(0, rounds or cfg.train.rounds, lambda r, st: stats.append(st))
+        handle = driver.global_handle if p.algorithm.keeps_global_client_model() else None
+        client = transport.unpack_state(rt.get(handle, timeout=GET_TIMEOUT).state) if handle is not None else None
+        server = transport.unpack_state(rt.get(rt.server.get_state(), timeout=GET_TIMEOUT).state)
+        return client, server, p, stats
+    finally:
+        rt.shutdown()
+
+
+def assert_identical_runs(x, y) -> None:
+    """Two ``run_rounds`` results computed the same thing: client and server weights bit for bit, and per round
+    the simulated clocks (the round's end and every client's), the server's losses and every client's steps."""
+    import torch
+
+    for a, b in ((x[0], y[0]), (x[1], y[1])):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert set(a) == set(b)
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+    for d, c in zip(x[3], y[3], strict=True):
+        assert d.t_end == c.t_end
+        assert d.server["losses"] == c.server["losses"]
+        assert {k: v["t_end"] for k, v in d.clients.items()} == {k: v["t_end"] for k, v in c.clients.items()}
+        assert {k: v["steps"] for k, v in d.clients.items()} == {k: v["steps"] for k, v in c.clients.items()}
+
+
+class MlflowServer:
+    """``mlflow server`` on a free port over one sqlite file in ``tmp``; start() and stop() as often as needed.
+    ``admin_password``: run MLflow's basic-auth app (``--app-name basic-auth``, needs ``mlflow[auth]``) with its
+    user database in ``tmp`` and an admin user ``admin`` created with that password at first start."""
+
+    def __init__(self, tmp, admin_password: str | None = None):
+        self.db = f"sqlite:///{tmp / 'server.db'}"
+        self.art = tmp / "artifacts"
+        self.env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.args = []
+        if admin_password is not None:
+            ini = tmp / "basic_auth.ini"  # server side only; the admin password goes through the environment
+            ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{tmp / 'auth.db'}\n"
+                           "admin_username = admin\n"
+                           "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+            self.env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
+                            MLFLOW_FLASK_SERVER_SECRET_KEY=os.urandom(16).hex())
+            self.args = ["--app-name", "basic-auth"]
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.db, "--artifacts-destination",
+             str(self.art), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1", *self.args],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2)  # unprotected under basic auth too
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("mlflow server exited at start")
+                time.sleep(0.5)
+        raise RuntimeError("mlflow server did not come up in 120 s")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, as a crash would
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+def write_fake_fashion_mnist(root, n_train: int = 600, n_test: int = 100, seed: int = 0) -> None:
+    """Small fake Fashion-MNIST in the real IDX format under ``root/fashion_mnist`` (uint8 28x28 images, balanced
+    labels, a band per class: learnable, still images)."""
+    import gzip
+    import struct
+    from pathlib import Path
+
+    import numpy as np
+
+    folder = Path(root) / "fashion_mnist"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        y = np.tile(np.arange(10, dtype=np.uint8), n // 10)
+        x = rng.integers(0, 120, (n, 28, 28), dtype=np.uint8)
+        for c in range(10):
+            x[y == c, 2 * c:2 * c + 6, 4:24] += 120
+        for kind, arr in (("images-idx3", x), ("labels-idx1", y)):
+            header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", d) for d in arr.shape)
+            with gzip.open(folder / f"{prefix}-{kind}-ubyte.gz", "wb") as f:
+                f.write(header + arr.tobytes())
+
+
+def write_fake_cifar10(root, per_batch: int, test: int = 40, seed: int = 0) -> None:
+    """CIFAR-10's python pickles in the real layout under ``root/cifar10`` (random images, balanced labels)."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    d = root / "cifar10" / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    for fname, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", test)]:
+        with open(d / fname, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                         b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)
+
+
+class Touch:
+    """Unpickling this runs ``marker.touch()``: what a malicious pickle (a "CIFAR batch", a "checkpoint") from the
+    internet would do. Tests check it is refused and ``marker`` never appears."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (self.marker,))
+
+
+def import_graph(root, package: str = "raysplit") -> tuple[dict[str, set], dict[str, set]]:
+    """The import graph of ``package`` under ``root``, read from the source (no import): ``(needs, external)``.
+    ``needs[m]``: the package's modules that must be fully imported while ``m`` is imported: every import at module
+    level, in class bodies and in if/try blocks (not in function bodies), a ``from pkg import name`` of a name that
+    is no module counting as ``pkg``; packages above ``m`` are left out (they are in sys.modules, partly imported,
+    before ``m`` runs) unless ``m`` takes a name from them. ``external[m]``: the top-level names of the other
+    packages ``m`` imports."""
+    import ast
+    from pathlib import Path
+
+    root = Path(root)
+    raw: dict[str, list] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        parts = parts[:-1] if is_pkg else parts
+        here = parts if is_pkg else parts[:-1]
+        found: list = []
+
+        def visit(body):
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    continue
+                if isinstance(node, ast.Import):
+                    found.extend(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = here[:len(here) - node.level + 1] if node.level else []
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                    found.extend((mod, a.name) for a in node.names)
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    sub = getattr(node, field, None)
+                    if isinstance(sub, list):
+                        visit(sub)
+
+        visit(ast.parse(path.read_text()).body)
+        raw[".".join(parts)] = found
+    mods = set(raw)
+
+    def chain(name: str) -> set:
+        p = name.split(".")
+        return {".".join(p[:i]) for i in range(1, len(p) + 1)} & mods
+
+    needs: dict[str, set] = {}
+    external: dict[str, set] = {}
+    for m, found in raw.items():
+        needs[m], external[m] = set(), set()
+        for x in found:
+            if isinstance(x, tuple):
+                exact = f"{x[0]}.{x[1]}" if f"{x[0]}.{x[1]}" in mods else x[0]
+            else:
+                exact = x
+            if exact.split(".")[0] != package:
+                external[m].add(exact.split(".")[0])
+                continue
+            needs[m] |= {p for p in chain(exact) if p == exact or not m.startswith(p + ".")}
+        needs[m].discard(m)
+    return needs, external
+
+
+def import_cycles(needs: dict[str, set]) -> list[list[str]]:
+    """Every cycle a depth-first walk of ``needs`` meets (each as ``[a, b, ..., a]``); empty when there is none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def walk(u: str) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(needs.get(u, ())):
+            if state.get(v) == 1:
+                cycles.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                walk(v)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(needs):
+        if m not in state:
+            walk(m)
+    return cycles
+
+
+def imported_closure(needs: dict[str, set], start: str) -> set:
+    """Every module of the package under ``start`` and every module importing one of them imports (packages above a
+    module included: they run first)."""
+    seen, todo = set(), [m for m in needs if m == start or m.startswith(start + ".")]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(needs.get(m, ()))
+            parts = m.split(".")
+            todo.extend(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in needs)
+    return seen

@@ -1,0 +1,103 @@
+"""Golden fingerprints (scripts/golden.py, `make golden`): every algorithm that `raysplit list` shows reruns its tiny
+deterministic run end to end (local backend) and must give the per-round metrics stored in tests/golden/. A failure
+names the algorithm, the metric, the round, what was stored and what came out. An intended change of a method's
+behaviour rewrites its file with `make golden`, says why in the commit and reruns that method's result pages."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from raysplit.algorithms import ALGORITHMS
+
+_spec = importlib.util.spec_from_file_location("golden", Path(__file__).resolve().parent.parent / "scripts" /
+                                               "golden.py")
+golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden)
+
+
+def test_every_listed_algorithm_has_a_fingerprint_and_no_other_is_stored():
+    stored = {p.stem for p in golden.GOLDEN.glob("*.json")}
+    assert sorted(stored) == sorted(ALGORITHMS), (
+        f"missing: {sorted(set(ALGORITHMS) - stored)} (run `make golden`); stale: {sorted(stored - set(ALGORITHMS))}")
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_algorithm_reproduces_its_golden_fingerprint(name):
+    expected = golden.load(name)
+    assert expected["overrides"] == golden.overrides(name), (
+        f"{name}: tests/golden/{name}.json was made with other settings than scripts/golden.py now uses "
+        "(run `make golden`)")
+    got = golden.run(name)
+    assert len(got["rounds"]) == expected["overrides"]["train.rounds"] and all(
+        "accuracy" in r for r in got["rounds"]), got["rounds"]
+    diff = golden.differences(expected, got)
+    assert not diff, (f"{name}'s behaviour changed ({len(diff)} metric(s) x rounds differ; if intended, run "
+                      "`make golden`, say why in the commit and rerun its results pages):\n  " + "\n  ".join(diff[:12]))
+
+
+RAY = {"runtime.backend": "ray", "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5}
+# one algorithm per loop family: split steps (server-driven), pooled steps, the event loop
+FAMILIES = {"split": "sflv2", "pooled": "cyclesfl", "events": "gas"}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("transport", ["compiled", "calls"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_loop_family_through_ray_reproduces_its_fingerprint(ray_session, family, transport):
+    """The fast tier's runs through Ray: one per loop family on each transport, two client actors, held to the
+    local backend's stored numbers."""
+    name = FAMILIES[family]
+    got = golden.run(name, **RAY, **{"runtime.transport": transport, "runtime.num_workers": 2})
+    diff = golden.differences(golden.load(name), got)
+    assert not diff, f"{name} through Ray ({transport}) differs from its fingerprint:\n  " + "\n  ".join(diff[:12])
+
+
+def ray_representatives() -> list[str]:
+    """What the Ray backend can change is how hosts run in actors and how the runtime's paths are driven, not what an
+    algorithm's driver-side code decides: one algorithm per (client host, server host, driver) triple, plus those of
+    the plain hosts' triple that take another runtime path (copies, local SGD, the model handed on, pooled and
+    shared-gradient steps, merged batches), less the loop families the fast tier already runs through Ray."""
+    seen, out = set(), []
+    first = [*FAMILIES.values(), "semisfl", "sflv1"]  # a triple's best-known member stands for it
+    for name in first + sorted(set(ALGORITHMS) - set(first)):
+        alg = ALGORITHMS[name]
+        triple = (alg.client_host, alg.server_host, alg.driver)
+        if triple not in seen:
+            seen.add(triple)
+            out.append(name)
+    out += ["psl", "fedavg", "splitnn", "sglr", "s2fl"]
+    return sorted(set(out) - set(FAMILIES.values()))
+
+
+@pytest.mark.parametrize("name", ray_representatives())
+def test_every_host_and_path_through_ray_actors_reproduces_its_fingerprint(ray_session, name):
+    """Each algorithm's hosts in Ray actors (one client actor, actor calls) give the local backend's numbers."""
+    got = golden.run(name, **RAY, **{"runtime.transport": "calls", "runtime.num_workers": 1})
+    diff = golden.differences(golden.load(name), got)
+    assert not diff, f"{name} through Ray differs from its fingerprint:\n  " + "\n  ".join(diff[:12])
+
+
+def test_a_difference_is_named_by_algorithm_metric_and_round():
+    rec = golden.load("sflv2")
+    other = copy.deepcopy(rec)
+    other["rounds"][1]["loss"] *= 1.001  # a change far smaller than any changed step gives
+    assert golden.differences(rec, other) == [
+        f"sflv2: loss at round 1: expected {rec['rounds'][1]['loss']!r}, got {other['rounds'][1]['loss']!r}"]
+    other["rounds"][2]["loss"] = rec["rounds"][2]["loss"] * (1 + golden.REL_TOL / 10)  # last-bit noise: tolerated
+    assert len(golden.differences(rec, other)) == 1
+    del other["rounds"][2]
+    assert "2 rounds, expected 3" in golden.differences(rec, other)[0]
+
+
+def test_fingerprint_is_a_digest_of_the_stored_rounds(tmp_path, monkeypatch):
+    (tmp_path / "sflv2.json").write_text(golden.path("sflv2").read_text())
+    monkeypatch.setattr(golden, "GOLDEN", tmp_path)
+    before = golden.fingerprint("sflv2")
+    edited = golden.load("sflv2")
+    edited["rounds"][0]["accuracy"] += 0.01
+    golden.write(edited)
+    assert golden.fingerprint("sflv2") != before and len(before) == 12
