@@ -123,6 +123,19 @@ class ActorResources(_Strict):
     memory: int | None = Field(default=None, ge=0, description="bytes")
 
 
+class FaultInjection(_Strict):
+    """A deliberate actor death, for fault tests and chaos runs (``make fault-matrix``, ``make chaos``): the named
+    actor kills its own process (SIGKILL, as the kernel's OOM killer or a crashed node would) when it enters its
+    ``call``-th host method call (of ``method``, if given) from round ``round`` on; only the run's first actors do,
+    not their replacements."""
+
+    actor: str = Field(pattern=r"^(server|client[0-9]+)$", description="'server' or 'clientI' (client actor I)")
+    round: int = Field(default=0, ge=0, description="the round (counted from 0) from which calls are counted")
+    call: int = Field(default=1, ge=1, description="it dies entering its Nth counted host method call")
+    method: str | None = Field(default=None, description="count only calls of this host method (e.g. 'ingest', "
+                               "'step_through'); null: every public method")
+
+
 class RuntimeConfig(_Strict):
     backend: Literal["ray", "local"] = "ray"
     address: str | None = Field(default=None, description="None: start a local Ray; 'auto': join a running cluster")
@@ -161,10 +174,23 @@ class RuntimeConfig(_Strict):
     max_retries: int = Field(default=3, ge=0, description="Ray: actor deaths survived per run (every actor is "
                              "replaced, the last round boundary restored, the round redone); 0: the first death "
                              "fails the run")
+    inject_fault: FaultInjection | None = Field(
+        default=None, description="Ray: kill one actor at a chosen point of the run (testing runtime.max_retries; "
+        "FaultInjection)")
     on_bad_client: Literal["fail", "drop"] = Field(
         default="fail", description="an activation or gradient that is non-finite, of the wrong shape or dtype, "
         "or tagged with another round: fail the run naming client, round and step, or drop that client for the "
         "round (logged as the metric dropped_clients and a raysplit.dropped.round_N tag)")
+
+    @model_validator(mode="after")
+    def _fault_names_an_actor(self):
+        f = self.inject_fault
+        if f is not None and f.actor != "server" and int(f.actor[6:]) >= self.num_workers:
+            raise ValueError(f"runtime.inject_fault.actor={f.actor!r}: there are {self.num_workers} client actors "
+                             f"(client0..client{self.num_workers - 1}, runtime.num_workers)")
+        if f is not None and self.backend != "ray":
+            raise ValueError("runtime.inject_fault kills an actor: it needs runtime.backend=ray")
+        return self
 
 
 class ClockConfig(_Strict):

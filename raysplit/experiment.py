@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +35,7 @@ class Prepared:
     partition_summary: dict
     cut: int | None
     cut_name: str | None
+    dataset: dict = field(default_factory=dict)  # provenance: name, source, files, digest, partition, sizes
 
 
 def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> np.ndarray:
@@ -89,7 +90,23 @@ def _load_partitioned(cfg: ExperimentConfig):
     labeled_data = {}
     if cfg.data.n_labeled:
         labeled_data = {"x": np.ascontiguousarray(x_tr[labeled]), "y": np.asarray(y_tr, dtype=np.int64)[labeled]}
-    return bundle.spec, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data
+    return bundle.spec, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, provenance(cfg, bundle, y_tr,
+                                                                                               y_te)
+
+
+def provenance(cfg: ExperimentConfig, bundle, y_tr, y_te) -> dict:
+    """What a run trained on: the dataset, the files it was read from (resolved), a digest of them, the partition
+    and the sizes after subsampling (logged as the run's MLflow input)."""
+    from raysplit.data import files_digest
+
+    files = list(bundle.files)
+    source = os.path.commonpath(files) if len(files) > 1 else (files[0] if files else "")
+    part = cfg.data.partition
+    return {"name": cfg.data.dataset, "source": source, "files": files,
+            "digest": files_digest(files) if files else "generated",
+            "partition": {"name": part.name, **part.params(), "num_clients": cfg.data.num_clients,
+                          "test_fraction": cfg.data.test_fraction, "n_labeled": cfg.data.n_labeled},
+            "train_samples": int(len(y_tr)), "test_samples": int(len(y_te)), "seed": cfg.seed}
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
@@ -97,7 +114,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.models import MODELS, build_model
 
     alg = get_algorithm(cfg.algorithm_name)(algorithm_params(cfg.algorithm), cfg)
-    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data = _load_partitioned(cfg)
+    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = _load_partitioned(cfg)
     num_clients = len(train_idx)
     counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
 
@@ -148,7 +165,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         client_init=transport.pack_state(client.state_dict()), server_init=transport.pack_state(server.state_dict()),
     )
     return Prepared(cfg, alg, inputs, sample_stream(cfg.seed, num_clients, m, cfg.train.rounds), eval_mode,
-                    spec_d.num_classes, counts, partition_summary(counts), cut, cut_name)
+                    spec_d.num_classes, counts, partition_summary(counts), cut, cut_name, dataset)
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -250,6 +267,8 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         if ckpt is None:
             reporter.start()
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path})
+        if ckpt is None:
+            tracker.log_input(prepared.dataset)
         rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight, cfg.runtime.window,
                      cfg.runtime.placement)
         try:

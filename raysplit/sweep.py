@@ -349,7 +349,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from raysplit.tracking import resolve_uri
+    from raysplit.tracking import resolve_uri, store_lock
 
     spec, base_raw, cfg0 = load_sweep(path, extra_overrides)
     space = space_spec(spec, cfg0)
@@ -358,7 +358,8 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     experiment = cfg0.tracking.experiment if "experiment" in base_raw.get("tracking", {}) else name
     uri = resolve_uri(cfg0.tracking.uri)
     mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)  # create the tables and the experiment once, on the driver
+    with store_lock(uri):  # another sweep or run may be creating the same store now
+        mlflow.set_experiment(experiment)  # create the tables and the experiment once, on the driver
 
     bundles = trial_bundles(cfg0)
     per_trial = sum(b.get("CPU", 0) for b in bundles)

@@ -23,10 +23,14 @@ environment says otherwise, a run sets ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=1``, ``
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -76,12 +80,34 @@ def _transient(e: Exception) -> bool:
     return not (code in _PERMANENT or isinstance(e, (TypeError, ValueError)) and code is None)
 
 
+@contextlib.contextmanager
+def store_lock(uri: str):
+    """For a sqlite store, an exclusive lock across this machine's processes while the store is opened (created and
+    migrated, the first time) and the run's experiment is looked up or created: two runs started together on a new
+    ``sqlite:///new.db`` otherwise both run MLflow's schema migration and one dies in it (``duplicate column name``),
+    or both create the experiment and one is refused. Other stores (a tracking server) serialize this themselves."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    path = Path(uri[len("sqlite:///"):]).resolve()
+    lock = Path(tempfile.gettempdir()) / f"raysplit-store-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
     for k, v in _HTTP_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    return MlflowClient(uri)
+    client = MlflowClient(uri)
+    with store_lock(uri):
+        client._tracking_client.store  # noqa: B018 - opening a sqlite store creates or migrates it: under the lock
+    return client
 
 
 def _apply(client, op: dict) -> None:
@@ -95,6 +121,15 @@ def _apply(client, op: dict) -> None:
         tags = [RunTag(k, v) for k, v in op.get("tags", [])]
         for i in range(0, max(len(metrics), len(params), len(tags), 1), 100):  # the store's per-call limits
             client.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100], tags=tags[i:i + 100])
+    elif kind == "input":
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        d = op["dataset"]
+        source = json.dumps({"uri": d["source"]}) if d["source"] else json.dumps({"uri": f"raysplit:{d['name']}"})
+        profile = json.dumps({k: d[k] for k in ("partition", "train_samples", "test_samples", "seed", "files")})
+        client.log_inputs(run_id, datasets=[DatasetInput(
+            Dataset(d["name"], d["digest"], "local", source, profile=profile),
+            tags=[InputTag("mlflow.data.context", "training")])])
     elif kind == "artifact":
         client.log_artifact(run_id, op["path"], op.get("artifact_path"))
     elif kind == "terminate":
@@ -166,8 +201,9 @@ class Tracker:
                 self.client.update_run(self.resume_id, status="RUNNING")
                 self._run_id = self.resume_id
             else:
-                exp = self.client.get_experiment_by_name(self.experiment)
-                exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
+                with store_lock(self.uri):  # runs started together: one creates the experiment, the others find it
+                    exp = self.client.get_experiment_by_name(self.experiment)
+                    exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
                 tags = resolve_tags({"mlflow.runName": self.run_name} if self.run_name else {})
                 self._run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
         except Exception as e:
@@ -265,6 +301,12 @@ class Tracker:
         if not self.enabled:
             return
         self._call({"op": "batch", "run_id": self.run_id, "tags": [[k, str(v)] for k, v in tags.items()]})
+
+    def log_input(self, dataset: dict) -> None:
+        """The run's dataset (``experiment.provenance``: name, resolved source, digest of the files, partition,
+        sizes) as an MLflow input, so the UI's Datasets column shows what the run trained on."""
+        if self.enabled:
+            self._call({"op": "input", "run_id": self.run_id, "dataset": dataset})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if not self.enabled:

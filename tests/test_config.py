@@ -54,3 +54,16 @@ def test_shipped_configs_validate():
 
     for p in sorted(Path(__file__).parent.parent.glob("configs/**/*.yaml")):
         load_config(p)
+
+
+def test_inject_fault_names_an_actor_that_exists_and_needs_ray():
+    from raysplit.config import load_config
+
+    ok = load_config(None, {"runtime.inject_fault": {"actor": "client1", "round": 2, "call": 5, "method": "ingest"}})
+    assert ok.runtime.inject_fault.actor == "client1" and ok.runtime.inject_fault.method == "ingest"
+    with pytest.raises(Exception, match=r"runtime.inject_fault.actor='client2': there are 2 client actors"):
+        load_config(None, {"runtime.inject_fault": {"actor": "client2"}})
+    with pytest.raises(Exception, match="needs runtime.backend=ray"):
+        load_config(None, {"runtime.inject_fault": {"actor": "server"}, "runtime.backend": "local"})
+    with pytest.raises(Exception, match="inject_fault"):
+        load_config(None, {"runtime.inject_fault": {"actor": "worker0"}})

@@ -23,6 +23,7 @@ convention kept) uses (0.9637,)/(0.1597,).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import inspect
 import json
 import os
@@ -42,6 +43,7 @@ __all__ = [
     "DATASETS",
     "LEAF_ALL_LETTERS",
     "default_data_root",
+    "files_digest",
     "load_dataset",
     "to_tensor",
 ]
@@ -96,6 +98,7 @@ class DatasetBundle:
     natural_train: list[np.ndarray] | None = None
     natural_test: list[np.ndarray] | None = None
     natural_users: list[str] | None = field(default=None)
+    files: tuple[str, ...] = ()  # the files it was read from (resolved paths), for provenance (files_digest)
 
     def __repr__(self) -> str:  # arrays are large; keep the repr short
         nat = "" if self.natural_train is None else f", users={len(self.natural_train)}"
@@ -132,6 +135,18 @@ def default_data_root() -> str:
     if env:
         return os.path.expanduser(env)
     return os.path.join(os.path.expanduser("~"), ".cache", "raysplit", "data")
+
+
+def files_digest(files: list[str] | tuple[str, ...]) -> str:
+    """SHA-256 over the files' names and contents (16 hex digits): what a run's dataset record names, so that two
+    runs on different copies of a dataset can be told apart."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(os.path.basename(f).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _root(root: str | os.PathLike | None) -> Path:
@@ -242,11 +257,13 @@ def load_fashion_mnist(root: str | None = None, *, search_system: bool = True) -
 
     Looked for, in order: ``root``, ``root/fashion_mnist``, ``root/fashion-mnist``,
     ``root/FashionMNIST/raw`` (torchvision layout) and, if ``search_system``,
-    ``/usr/share/datasets/fashion-mnist`` (Debian package ``dataset-fashion-mnist``).
+    ``/usr/share/datasets/fashion-mnist`` (Debian package ``dataset-fashion-mnist``) — the system copy only when
+    no ``root`` was given: an explicitly given location that lacks the files is an error naming it, never silently
+    replaced by another source.
     """
     r = _root(root)
     candidates = [r, r / "fashion_mnist", r / "fashion-mnist", r / "FashionMNIST" / "raw"]
-    if search_system:
+    if search_system and root is None:
         candidates.append(Path(DEBIAN_FASHION_MNIST_DIR))
     candidates = _dedupe(candidates)
     hit = _first_dir_with(candidates, [[f + ".gz", f] for f in _FMNIST_FILES])
@@ -261,7 +278,10 @@ def load_fashion_mnist(root: str | None = None, *, search_system: bool = True) -
             f"torchvision.datasets.FashionMNIST('{r}', train=False, download=True)\"` "
             f"and copy {r}/FashionMNIST/raw over, or\n"
             "  * copy the four files from https://github.com/zalandoresearch/fashion-mnist "
-            f"(data/fashion) into {r / 'fashion_mnist'}.",
+            f"(data/fashion) into {r / 'fashion_mnist'}."
+            + (f"\n  * or leave data.root unset: then {DEBIAN_FASHION_MNIST_DIR} is searched too (data.root="
+               f"{root!r} was given, so it is not used in its place)." if root is not None and search_system
+               else ""),
         )
     _, (xtr, ytr, xte, yte) = hit
     x_train, y_train = read_idx(xtr), read_idx(ytr)
@@ -279,6 +299,7 @@ def load_fashion_mnist(root: str | None = None, *, search_system: bool = True) -
         _as_labels(y_train),
         np.ascontiguousarray(x_test[:, None].astype(np.uint8)),
         _as_labels(y_test),
+        files=tuple(str(Path(f).resolve()) for f in (xtr, ytr, xte, yte)),
     )
 
 
@@ -305,7 +326,10 @@ def load_digits(root: str | None = None, *, test_fraction: float = 0.2, seed: in
     x_tr = ((x_tr - mean) / std).astype(np.float32)
     x_te = ((x_te - mean) / std).astype(np.float32)
     spec = DataSpec("digits", "float", (1, 8, 8), 10)
-    return DatasetBundle(spec, x_tr, y_tr, x_te, y_te)
+    from importlib.resources import files
+
+    source = files("sklearn.datasets.data") / "digits.csv.gz"
+    return DatasetBundle(spec, x_tr, y_tr, x_te, y_te, files=(str(source),) if source.is_file() else ())
 
 
 # --------------------------------------------------------------------------- CIFAR
@@ -397,7 +421,7 @@ def load_cifar10(root: str | None = None) -> DatasetBundle:
     x_train, y_train = np.concatenate(xs[:5]), np.concatenate(ys[:5])
     x_test, y_test = xs[5], ys[5]
     spec = DataSpec("cifar10", "image", (3, 32, 32), 10, CIFAR10_MEAN, CIFAR10_STD)
-    return DatasetBundle(spec, x_train, y_train, x_test, y_test)
+    return DatasetBundle(spec, x_train, y_train, x_test, y_test, files=tuple(str(Path(f).resolve()) for f in files))
 
 
 def load_cifar100(root: str | None = None, *, label: str = "fine") -> DatasetBundle:
@@ -426,7 +450,7 @@ def load_cifar100(root: str | None = None, *, label: str = "fine") -> DatasetBun
     xtr, xte = _cifar_images(_field(tr, "data", ptr), ptr), _cifar_images(_field(te, "data", pte), pte)
     ytr = _checked_labels(_field(tr, key, ptr), len(xtr), spec.num_classes, ptr)
     yte = _checked_labels(_field(te, key, pte), len(xte), spec.num_classes, pte)
-    return DatasetBundle(spec, xtr, ytr, xte, yte)
+    return DatasetBundle(spec, xtr, ytr, xte, yte, files=(str(Path(ptr).resolve()), str(Path(pte).resolve())))
 
 
 # --------------------------------------------------------------------------- SVHN
@@ -468,7 +492,8 @@ def load_svhn(root: str | None = None, *, include_extra: bool = False) -> Datase
         x_ex, y_ex = read(files[2])
         x_train, y_train = np.concatenate([x_train, x_ex]), np.concatenate([y_train, y_ex])
     spec = DataSpec("svhn", "image", (3, 32, 32), 10, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
-    return DatasetBundle(spec, x_train, y_train, x_test, y_test)
+    return DatasetBundle(spec, x_train, y_train, x_test, y_test,
+                         files=tuple(str(Path(f).resolve()) for f in files[:3 if include_extra else 2]))
 
 
 # --------------------------------------------------------------------------- LEAF

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raysplit.runtime import placement, stepping
-from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost
+from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost, invoke
 from raysplit.runtime.messages import Tag
 
 
@@ -340,7 +340,7 @@ class LocalPort:
         host = self.workers[self.worker(cid)]
         out = None
         for method, args in calls:
-            out = getattr(host, method)(*args)
+            out = invoke(host, method, *args)
         return out
 
     def fetch(self, handle):
@@ -370,10 +370,10 @@ class LocalBackend:
                         for w, (tr, te, pr) in enumerate(host_inputs(inputs, self.num_workers))]
 
     def call(self, host, method, *args, **kwargs):
-        return getattr(host, method)(*args, **kwargs)
+        return invoke(host, method, *args, **kwargs)
 
     def call_n(self, host, n, method, *args, **kwargs):
-        out = list(getattr(host, method)(*args, **kwargs))
+        out = list(invoke(host, method, *args, **kwargs))
         if len(out) != n:
             raise RuntimeError(f"{type(host).__name__}.{method} returned {len(out)} results, expected {n}")
         return out

@@ -209,6 +209,27 @@ def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_siz
     return tally
 
 
+# host methods that take state over (a snapshot, a checkpoint, clients moving in): what they are given is copied first
+RESTORES = frozenset({"load_state_dict", "import_clients"})
+
+
+def owned(value: Any) -> Any:
+    """``value`` as state a host owns: containers rebuilt, every numpy array a writable copy, every tensor a clone.
+    State that reaches a host through Ray's object store is deserialized zero-copy, so its numpy arrays are read-only
+    views of shared memory; in process it is the very object the caller keeps (a :class:`RoundGuard` snapshot that
+    may be restored again). A host that updated either in place would fail ("output array is read-only") or change
+    the snapshot under its keeper."""
+    return copy.deepcopy(value)
+
+
+def invoke(host: Any, method: str, *args, **kwargs) -> Any:
+    """Every backend's way into a host method: ``host.method(*args, **kwargs)``, with the arguments of a restoring
+    method (:data:`RESTORES`, also when it is reached through :meth:`ServerHost.serve`) made :func:`owned` first."""
+    if method in RESTORES or (method == "serve" and args and args[0] in RESTORES):
+        args, kwargs = owned(args), owned(kwargs)
+    return getattr(host, method)(*args, **kwargs)
+
+
 def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 

@@ -6,8 +6,11 @@ This module is the only code that imports Ray.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 import os
+import signal
 from collections import defaultdict, deque
 
 import numpy as np
@@ -17,25 +20,58 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayT
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.api import RuntimeInputs, host_inputs
+from raysplit.runtime.hosts import invoke
 
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
 
+def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
+    """``runtime.inject_fault`` in this actor: from round ``rnd`` on, the ``call``-th entry into a public method of
+    ``host`` (``method`` only, if given; from the driver, another actor, the server's own driven loop or the host
+    itself) kills this process with SIGKILL, as an out-of-memory kill or a crashed machine would, with no chance to
+    clean up. The round is the host's own (``begin_round``), or for a client host under the event loop the latest
+    round a client of it joined in."""
+    entered = [0]
+
+    def tick(name):
+        now = max(getattr(host, "round", -1), max(getattr(host, "job_round", {}).values(), default=-1))
+        if now >= rnd and (method is None or name == method):
+            entered[0] += 1
+            if entered[0] >= call:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    for name in dir(type(host)):
+        fn = getattr(type(host), name, None)
+        if name.startswith("_") or not inspect.isfunction(fn):
+            continue
+
+        def fuse(bound, name=name):
+            @functools.wraps(bound)  # inspect.signature still sees the method's own (ServerHost.serve asks)
+            def fused(*args, **kwargs):
+                tick(name)
+                return bound(*args, **kwargs)
+            return fused
+
+        setattr(host, name, fuse(getattr(host, name)))
+    if method is not None and not inspect.isfunction(getattr(type(host), method, None)):
+        raise ValueError(f"runtime.inject_fault.method={method!r}: {type(host).__name__} has no such method")
 
 
 @ray.remote
 class HostActor:
     """A thin actor around a host object (``ClientHost`` / ``ServerHost`` or an algorithm's subclass)."""
 
-    def __init__(self, host_cls, *args):
+    def __init__(self, host_cls, *args, fault: tuple | None = None):
         self.host = host_cls(*args)
+        if fault is not None:
+            arm_fault(self.host, *fault)
 
     def call(self, method: str, *args, **kwargs):
-        return getattr(self.host, method)(*args, **kwargs)
+        return invoke(self.host, method, *args, **kwargs)
 
     def call_split(self, method: str, *args, **kwargs):
         """For num_returns=n calls: one object per element of the method's list."""
-        out = list(getattr(self.host, method)(*args, **kwargs))
+        out = list(invoke(self.host, method, *args, **kwargs))
         return out[0] if len(out) == 1 else tuple(out)
 
     def node_id(self) -> str:
@@ -50,7 +86,7 @@ class HostActor:
         """Several host calls in one actor call (one message instead of one per call); returns the last result."""
         out = None
         for method, args in calls:
-            out = getattr(self.host, method)(*args)
+            out = invoke(self.host, method, *args)
         return out
 
     def drive(self, loop: str, args: tuple, workers: list, before: list, route: dict | None, compiled: bool = False):
@@ -284,6 +320,7 @@ class RayBackend:
         self._barrier = None  # ObjectRef of a driven step sequence that later client-actor calls must follow
         self._connected = False
         self._refs: dict = {}  # the run's inputs in the object store, put once (they outlive restarted actors)
+        self._fault = rcfg.inject_fault  # armed in the run's first actors only, not in their replacements
 
     def connect(self) -> None:
         """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
@@ -303,16 +340,20 @@ class RayBackend:
                                                       ("client_init", inputs.client_init),
                                                       ("labeled", inputs.labeled_data))}
         train_ref, test_ref, client_init = self._refs["train"], self._refs["test"], self._refs["client_init"]
+        f, self._fault = self._fault, None
+        fault = {f.actor: (f.round, f.call, f.method)} if f is not None else {}
         self.server = HostActor.options(
             num_cpus=r.server.num_cpus, num_gpus=r.server.num_gpus, resources=r.server.resources or None,
             memory=r.server.memory, name=None,
-        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref, self._refs["labeled"])
+        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref, self._refs["labeled"],
+                 fault=fault.get("server"))
         opts = dict(num_cpus=r.client.num_cpus, num_gpus=r.client.num_gpus, resources=r.client.resources or None,
                     memory=r.client.memory)
         if r.spread_clients:
             opts["scheduling_strategy"] = "SPREAD"
         self.workers = [
-            HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init)
+            HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init,
+                                             fault=fault.get(f"client{w}"))
             for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
         ]
         self._worker_ids = {w._actor_id for w in self.workers}
