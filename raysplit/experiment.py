@@ -271,6 +271,7 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
             tracker.log_input(prepared.dataset)
         rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight, cfg.runtime.window,
                      cfg.runtime.placement)
+        guard = None
         try:
             alg = prepared.algorithm
             driver = alg.driver(rt, alg, prepared.sample_stream, cfg.seed)
@@ -299,10 +300,13 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
                           f"{cfg.runtime.max_retries})", file=sys.stderr)
                     tracker.set_tags({"raysplit.actor_restarts": count, f"raysplit.restart_{count}": why[:4000]})
 
-                guard = RoundGuard(rt, driver, cfg.runtime.max_retries, extra=reporter, on_restart=restarted)
+                guard = RoundGuard(rt, driver, cfg.runtime.max_retries, extra=reporter, on_restart=restarted,
+                                   start=start)
             driver.run(start, cfg.train.rounds, after_round, guard)
             out = reporter.finish(driver.client_totals(), ckpt_path)
             alg.close(rt)
             return out
         finally:
+            if guard is not None:
+                guard.close()
             rt.shutdown()

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -85,18 +83,19 @@ def store_lock(uri: str):
     """For a sqlite store, an exclusive lock across this machine's processes while the store is opened (created and
     migrated, the first time) and the run's experiment is looked up or created: two runs started together on a new
     ``sqlite:///new.db`` otherwise both run MLflow's schema migration and one dies in it (``duplicate column name``),
-    or both create the experiment and one is refused. Other stores (a tracking server) serialize this themselves."""
+    or both create the experiment and one is refused. The lock is a ``flock`` on the database's directory (no file
+    is created; stores in one directory share it for these few calls). Other stores (a tracking server) serialize
+    this themselves."""
     if not uri.startswith("sqlite:///"):
         yield
         return
-    path = Path(uri[len("sqlite:///"):]).resolve()
-    lock = Path(tempfile.gettempdir()) / f"raysplit-store-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.lock"
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    folder = Path(uri[len("sqlite:///"):]).resolve().parent
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _client(uri: str):
@@ -104,10 +103,8 @@ def _client(uri: str):
 
     for k, v in _HTTP_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    client = MlflowClient(uri)
-    with store_lock(uri):
-        client._tracking_client.store  # noqa: B018 - opening a sqlite store creates or migrates it: under the lock
-    return client
+    with store_lock(uri):  # MlflowClient opens the store at once; a new sqlite store is created and migrated then
+        return MlflowClient(uri)
 
 
 def _apply(client, op: dict) -> None:

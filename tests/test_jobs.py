@@ -165,6 +165,7 @@ def test_a_resubmitted_job_continues_its_unfinished_run_and_only_that(tmp_path, 
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(ROOT)  # a job runs from the repository (its working_dir): the config path is relative to it
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     args = ["configs/digits.yaml", f"tracking.uri={uri}", "tracking.run_name=nightly", "train.rounds=3"]
     with pytest.raises(ConfigError, match="refusing to start the job: no MLflow tracking store is set"):

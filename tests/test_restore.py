@@ -79,7 +79,18 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("name", golden.algorithms())
+def _params():
+    """Every algorithm; in the fast tier one per pair of host classes (the state types), the others in the full."""
+    from raysplit.algorithms import ALGORITHMS
+
+    seen = set()
+    for name in golden.algorithms():
+        pair = (ALGORITHMS[name].client_host, ALGORITHMS[name].server_host)
+        yield pytest.param(name, marks=[pytest.mark.slow] if pair in seen else [])
+        seen.add(pair)
+
+
+@pytest.mark.parametrize("name", list(_params()))
 def test_every_host_owns_the_state_it_restores_and_the_run_goes_on_as_before(monkeypatch, name):
     made: list[Runtime] = []
 

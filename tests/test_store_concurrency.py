@@ -25,7 +25,8 @@ def test_four_runs_started_together_on_a_new_sqlite_store_all_finish(tmp_path):
     args = ["data.dataset=digits", "data.num_clients=2", "train.rounds=1", "train.local_steps=1",
             "runtime.backend=local", "tracking.experiment=together", "tracking.progress=false",
             f"tracking.output_dir={tmp_path / 'out'}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "raysplit.cli", "run", *args, f"seed={i}"], cwd=tmp_path,
+    procs = [subprocess.Popen([sys.executable, "-m", "raysplit.cli", "run", str(ROOT / "configs" / "digits.yaml"),
+                               *args, f"seed={i}"], cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(4)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -39,17 +40,19 @@ def test_four_runs_started_together_on_a_new_sqlite_store_all_finish(tmp_path):
 
 
 def test_the_store_lock_excludes_other_holders_of_the_same_store_only(tmp_path):
-    a, b = f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"
+    (tmp_path / "elsewhere").mkdir()
+    a, b = f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'elsewhere' / 'b.db'}"
     order = []
     with store_lock(a):
         other = threading.Thread(target=lambda: (store_lock(a).__enter__(), order.append("second holder in")))
         other.start()
         other.join(timeout=0.5)
         assert other.is_alive() and order == []  # the same store: waits
-        with store_lock(b):  # another store: not held up
+        with store_lock(b):  # a store in another directory: not held up
             order.append("other store")
         order.append("first holder out")
     other.join(timeout=5)
     assert order == ["other store", "first holder out", "second holder in"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]  # no lock file left behind
     with store_lock("http://127.0.0.1:5000"):  # a tracking server: no lock at all
         pass

@@ -309,6 +309,25 @@ class Runtime:
         states = b.get([self.server.state_dict()] + workers)
         return {"server": states[0], "workers": states[1:], "holders": self.holders.copy()}
 
+    def snapshot_parts(self, changed_only: bool) -> tuple:
+        """The hosts' state as handles, for ``RoundGuard``'s keeper: ``(server, [client hosts], holders)``; the
+        calls are submitted, nothing is fetched (``changed_only``: each client host's changed clients only)."""
+        b = self.backend
+        if changed_only:
+            workers = [b.call(w, "state_dict", ch) for w, ch in zip(b.workers, self.workers.changed_clients())]
+        else:
+            workers = self.workers.state_dict()
+        return self.server.state_dict(), workers, self.holders.copy()
+
+    def load_state_parts(self, server, workers: list, holders) -> None:
+        """Restore the hosts from a keeper's snapshot (handles: with Ray the states go from the keeper to the
+        hosts without passing through here)."""
+        b = self.backend
+        self.holders = np.asarray(holders, dtype=np.int64).copy()
+        refs = [self.server.load_state_dict(server)]
+        refs += [b.call(w, "load_state_dict", s) for w, s in zip(b.workers, workers)]
+        b.get(refs)
+
     def load_state_dict(self, st: dict) -> None:
         b = self.backend
         if len(st["workers"]) != len(b.workers):
@@ -396,6 +415,11 @@ class LocalBackend:
 
     def restart(self, inputs: RuntimeInputs) -> None:
         self.start(inputs)
+
+    def snapshot_keeper(self):
+        from raysplit.runtime.snapshots import LocalKeeper
+
+        return LocalKeeper()
 
     def shutdown(self) -> None:
         self.workers, self.server = [], None

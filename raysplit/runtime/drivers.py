@@ -79,61 +79,94 @@ class Driver:
         self.global_handle = self.rt.put(st["global"]) if st["global"] is not None else None
         self.algorithm.load_state_dict(st.get("algorithm", {}))
 
+    def snapshot(self) -> dict:
+        """The driver's own state before a round, for ``RoundGuard``: as :meth:`state_dict`, but the global model
+        stays a handle (the guard's keeper takes it over; nothing is fetched here)."""
+        return {"t_sim": self.t_sim, "global_handle": self.global_handle, "algorithm": self.algorithm.state_dict()}
+
+    def restore(self, snap: dict, global_handle) -> None:
+        self.t_sim = snap["t_sim"]
+        self.global_handle = global_handle
+        self.algorithm.load_state_dict(snap.get("algorithm", {}))
+
 
 class RoundGuard:
-    """Survives actor deaths (``runtime.max_retries``): before every round it keeps the state of the runtime's hosts,
-    of the driver (algorithm included) and of whatever ``extra`` snapshots (the reporter); after an actor died it
-    replaces every actor, restores that state and lets the driver redo the round, so the run's metrics equal an
-    uninterrupted run's. ``on_restart(count, error)`` is told of each restart (the experiment logs it).
+    """Survives actor deaths (``runtime.max_retries``): before every round it has the state of the runtime's hosts
+    kept (by the backend's snapshot keeper, :mod:`raysplit.runtime.snapshots`) and keeps the driver's (algorithm
+    included) and whatever ``extra`` snapshots (the reporter); after an actor died it replaces every actor, restores
+    the last complete snapshot and lets the driver redo from its round, so the run's metrics equal an uninterrupted
+    run's. ``on_restart(count, error)`` is told of each restart (the experiment logs it).
 
-    The snapshots are incremental in the virtual clients: the first holds every client's state, each later one
-    only the clients changed since (a round's participants, clients that received a model or moved), merged into
-    the copy kept here. A snapshot therefore costs the server's state plus the changed clients', not the whole
-    population's, each round."""
+    The hosts' snapshots never pass through the driver: it submits the hosts' ``state_dict`` calls and hands their
+    result handles to the keeper (with Ray, an actor of its own on the driver's node) without waiting; on a failure
+    the keeper's snapshot goes to the replacement hosts. They are incremental in the virtual clients: the first
+    holds every client's state, each later one the server's and only the clients changed since (a round's
+    participants, clients that received a model or moved), merged by the keeper. A round therefore costs the
+    hosts the serialization of the server's state plus the changed clients', and the driver nothing but the calls.
+    ``start``: the run's first round here (0, or the round after a resumed checkpoint)."""
 
-    def __init__(self, rt, driver, max_retries: int, extra=None, on_restart=None):
+    KEEP = 4  # driver-side snapshots kept: the keeper's last complete round is one of the latest few
+
+    def __init__(self, rt, driver, max_retries: int, extra=None, on_restart=None, start: int = 0):
         self.rt, self.driver, self.max_retries = rt, driver, max_retries
         self.extra, self.on_restart = extra, on_restart
         self.restarts = 0
-        self.last: tuple[int, dict] | None = None
-        self.clients: dict[int, dict] = {}  # every client's state as of the last snapshot
+        self.start = start
+        self.keeper = rt.backend.snapshot_keeper() if max_retries > 0 else None
+        self.local: dict[int, tuple[dict, object]] = {}  # round -> (driver snapshot, extra snapshot)
+        self.based = False  # the keeper was sent a full snapshot of the hosts' current lineage
 
     def snapshot(self, rnd: int) -> None:
-        """The state before round ``rnd`` (kept only once it is complete; not taken when no restart is allowed)."""
-        if self.max_retries <= self.restarts:
+        """Have the state before round ``rnd`` kept (not when no restart is allowed any more)."""
+        if self.keeper is None or self.max_retries <= self.restarts:
             return
-        st = self.rt.state_dict(changed_only=self.last is not None)  # the first one: every client
-        clients = dict(self.clients)
-        for w in st["workers"]:
-            clients.update(w.pop("clients"))
-        self.clients = clients
-        self.last = (rnd, {"runtime": st, "driver": self.driver.state_dict(),
-                           "extra": self.extra.snapshot() if self.extra is not None else None})
-
-    def _runtime_state(self, st: dict) -> dict:
-        """The last snapshot with every worker's held clients filled in from the merged copy."""
-        return {**st, "workers": [{**w, "clients": {c: self.clients[c] for c in w["held"]}} for w in st["workers"]]}
+        server, workers, holders = self.rt.snapshot_parts(changed_only=self.based)
+        self.keeper.add(rnd, server, workers, holders, self.driver.global_handle)
+        self.based = True
+        self.local[rnd] = (self.driver.snapshot(), self.extra.snapshot() if self.extra is not None else None)
+        for old in sorted(self.local)[:-self.KEEP]:
+            del self.local[old]
 
     def recover(self, error: ActorFailure, rnd: int) -> int:
-        """Replace the actors and restore the last snapshot; returns the round to redo (the snapshot's)."""
-        if self.last is None or self.restarts >= self.max_retries:
+        """Replace the actors and restore the last complete snapshot; returns the round to redo (the snapshot's)."""
+        if self.keeper is None or self.restarts >= self.max_retries:
             raise ActorFailure(f"{error} in round {rnd}; not restarted: the retry budget (runtime.max_retries="
                                f"{self.max_retries}) is spent") from None
         self.restarts += 1
         if self.on_restart is not None:
             self.on_restart(self.restarts, f"{error} in round {rnd}")
-        redo, snap = self.last
         try:
             self.rt.restart()
-            self.rt.load_state_dict(self._runtime_state(snap["runtime"]))
+            try:
+                redo, holders, server, workers, global_handle = self.keeper.restore(len(self.rt.backend.workers))
+            except LookupError:  # no snapshot was complete: only the run's first round, on fresh hosts, is redone
+                if self.start != 0 or 0 not in self.local:
+                    raise ActorFailure(f"{error} in round {rnd}; not restarted: no complete snapshot of the hosts' "
+                                       "state was kept") from None
+                redo, global_handle = 0, self.local[0][0]["global_handle"]
+                self.based = False  # fresh hosts: the next snapshot is a full one
+            else:
+                if redo not in self.local:
+                    raise ActorFailure(f"{error} in round {rnd}; not restarted: the keeper's snapshot (round "
+                                       f"{redo}) is older than the driver's ({sorted(self.local)})") from None
+                self.rt.load_state_parts(server, workers, holders)
         except ResourceError as e:
             raise ActorFailure(f"{error} in round {rnd}; the cluster can no longer host the run: {e}") from None
         except ActorFailure as again:  # a replacement died too: another restart, if the budget allows
+            if "not restarted" in str(again):
+                raise
             return self.recover(again, rnd)
-        self.driver.load_state_dict(snap["driver"])
+        drv, extra = self.local[redo]
+        self.driver.restore(drv, global_handle)
         if self.extra is not None:
-            self.extra.restore(snap["extra"])
+            self.extra.restore(extra)
+        for later in [r for r in self.local if r > redo]:
+            del self.local[later]
         return redo
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
 
 
 class RoundDriver(Driver):

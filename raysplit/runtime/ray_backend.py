@@ -16,11 +16,13 @@ from collections import defaultdict, deque
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.api import RuntimeInputs, host_inputs
 from raysplit.runtime.hosts import invoke
+from raysplit.runtime.snapshots import SnapshotStore
 
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
@@ -55,6 +57,51 @@ def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
         setattr(host, name, fuse(getattr(host, name)))
     if method is not None and not inspect.isfunction(getattr(type(host), method, None)):
         raise ValueError(f"runtime.inject_fault.method={method!r}: {type(host).__name__} has no such method")
+
+
+@ray.remote(num_cpus=0)
+class KeeperActor:
+    """The run's round-boundary snapshots (:class:`~raysplit.runtime.snapshots.SnapshotStore`), in a process of their
+    own on the driver's node: it outlives the hosts' actors (and their nodes), and the driver never holds the state."""
+
+    def __init__(self):
+        self.store = SnapshotStore()
+
+    def add(self, rnd: int, server, holders, global_msg, *workers) -> int:
+        return self.store.add(rnd, server, list(workers), holders, global_msg)
+
+    def restore(self) -> tuple:
+        rnd, st, g = self.store.restore()
+        return (rnd, st["holders"], st["server"], g, *st["workers"])
+
+
+class RayKeeper:
+    """``RoundGuard``'s keeper with the Ray backend: :meth:`add` hands the hosts' state handles to the keeper actor
+    (Ray resolves them there, not here) and returns at once; :meth:`restore` fetches only the round and the client
+    placement, the states travel from the keeper to the replacement hosts as objects."""
+
+    def __init__(self):
+        here = ray.get_runtime_context().get_node_id()
+        self.actor = KeeperActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+
+    def add(self, rnd: int, server, workers: list, holders, global_msg) -> None:
+        self.actor.add.remote(rnd, server, holders, global_msg, *workers)
+
+    def restore(self, num_workers: int) -> tuple:
+        refs = self.actor.restore.options(num_returns=4 + num_workers).remote()
+        try:
+            rnd, holders = ray.get(refs[:2])
+        except RayTaskError as e:
+            if isinstance(e.cause, LookupError):
+                raise LookupError(str(e.cause)) from None
+            raise
+        return rnd, holders, refs[2], list(refs[4:]), refs[3]
+
+    def close(self) -> None:
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 @ray.remote
@@ -473,6 +520,10 @@ class RayBackend:
     def node_ids(self) -> dict[str, list[str]]:
         return {"server": self.get([self.server.node_id.remote()]),
                 "workers": self.get([w.node_id.remote() for w in self.workers])}
+
+    def snapshot_keeper(self) -> RayKeeper:
+        """Where ``RoundGuard`` keeps its snapshots: a keeper actor on this (the driver's) node."""
+        return RayKeeper()
 
     def _kill_actors(self) -> None:
         for a in [self.server, *self.workers]:
