@@ -39,7 +39,7 @@ CASES = {
                  "data.num_clients": 100, "train.batch_size": 8},
     "clients1000": {"algorithm": {"name": "psl"}, "model.name": "cnn_small", "model.cut": "conv1",
                     "data.options": {"num_samples": 12000, "shape": [1, 28, 28], "test_fraction": 0.05},
-                    "data.num_clients": 1000, "train.batch_size": 8},
+                    "data.num_clients": 1000, "data.test_fraction": 0.1, "train.batch_size": 8},
 }
 
 
