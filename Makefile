@@ -80,7 +80,7 @@ fault-matrix:
 	$(PY) -m pytest -q -p no:cacheprovider --all --matrix --durations=10 tests/test_fault_matrix.py
 
 # Chaos runs (benchmarks/chaos.py): seeded random kills across the matrix's cases, each run compared with its
-# uninterrupted reference; the report is in benchmarks/RESULTS.md ("Chaos").
+# uninterrupted reference; prints a Markdown table and writes benchmarks/out/chaos.json.
 chaos:
 	$(PY) benchmarks/chaos.py --runs 24 --seed 0
 
