@@ -279,3 +279,19 @@ def imported_closure(needs: dict[str, set], start: str) -> set:
             parts = m.split(".")
             todo.extend(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in needs)
     return seen
+
+
+def capture_runtimes(monkeypatch) -> list:
+    """Make ``run_experiment`` record every Runtime it builds (for a test to reach the hosts); returns the list."""
+    import raysplit.experiment as experiment
+    from raysplit.runtime import Runtime
+
+    made: list = []
+
+    class Capture(Runtime):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(experiment, "Runtime", Capture)
+    return made

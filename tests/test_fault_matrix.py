@@ -19,7 +19,7 @@ import re
 import pytest
 
 import raysplit.experiment as experiment
-from helpers import make_config
+from helpers import capture_runtimes, make_config
 from raysplit.runtime import Runtime
 
 pytestmark = [pytest.mark.faults]
@@ -83,14 +83,7 @@ def _reference(tmp_path_factory, monkeypatch, case: str) -> list[dict]:
     """The uninterrupted run (local backend), once per case; for GAS also that its factors were folded before the
     kill round."""
     if case not in _references:
-        made: list[Runtime] = []
-
-        class Capture(Runtime):
-            def __init__(self, *a, **kw):
-                super().__init__(*a, **kw)
-                made.append(self)
-
-        monkeypatch.setattr(experiment, "Runtime", Capture)
+        made = capture_runtimes(monkeypatch)
         kill_round = CASES[case][1]
         folded = []
         rounds: list[tuple[int, dict]] = []

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import raysplit.experiment as experiment
-from raysplit.runtime import Runtime
+from helpers import capture_runtimes
 from raysplit.runtime.hosts import invoke, owned
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -92,14 +91,7 @@ def _params():
 
 @pytest.mark.parametrize("name", list(_params()))
 def test_every_host_owns_the_state_it_restores_and_the_run_goes_on_as_before(monkeypatch, name):
-    made: list[Runtime] = []
-
-    class Capture(Runtime):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(experiment, "Runtime", Capture)
+    made = capture_runtimes(monkeypatch)
     want = golden.load(name)["rounds"]
     last = len(want) - 1 if name == "ampere" else 1  # Ampere: both phases; the others: one round after a restore
     got, problems = [], []
