@@ -35,7 +35,7 @@ class Prepared:
     partition_summary: dict
     cut: int | None
     cut_name: str | None
-    dataset: dict = field(default_factory=dict)  # provenance: name, source, files, digest, partition, sizes
+    dataset: dict = field(default_factory=dict)  # provenance: name, source, files, partition, sizes (digest added when logged)
 
 
 def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> np.ndarray:
@@ -95,15 +95,12 @@ def _load_partitioned(cfg: ExperimentConfig):
 
 
 def provenance(cfg: ExperimentConfig, bundle, y_tr, y_te) -> dict:
-    """What a run trained on: the dataset, the files it was read from (resolved), a digest of them, the partition
-    and the sizes after subsampling (logged as the run's MLflow input)."""
-    from raysplit.data import files_digest
-
+    """What a run trained on: the dataset, the files it was read from (resolved), the partition and the sizes after
+    subsampling (logged as the run's MLflow input, with a digest of the files)."""
     files = list(bundle.files)
     source = os.path.commonpath(files) if len(files) > 1 else (files[0] if files else "")
     part = cfg.data.partition
     return {"name": cfg.data.dataset, "source": source, "files": files,
-            "digest": files_digest(files) if files else "generated",
             "partition": {"name": part.name, **part.params(), "num_clients": cfg.data.num_clients,
                           "test_fraction": cfg.data.test_fraction, "n_labeled": cfg.data.n_labeled},
             "train_samples": int(len(y_tr)), "test_samples": int(len(y_te)), "seed": cfg.seed}
@@ -267,8 +264,11 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         if ckpt is None:
             reporter.start()
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path})
-        if ckpt is None:
-            tracker.log_input(prepared.dataset)
+        if ckpt is None and tracker.enabled:  # the files' digest only where it is logged (it reads every file)
+            from raysplit.data import files_digest
+
+            files = prepared.dataset["files"]
+            tracker.log_input({**prepared.dataset, "digest": files_digest(files) if files else "generated"})
         rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight, cfg.runtime.window,
                      cfg.runtime.placement)
         guard = None
