@@ -57,7 +57,10 @@ def _curves(mlflow_uri, run_id, keys=("accuracy", "train_loss", "sim_time", "byt
     return out
 
 
-@pytest.mark.parametrize("algorithm,victim", [("sflv2", "client"), ("psl", "server"), ("gas", "client")])
+# Killed between rounds (the death is met by the next round's first call), with the run tracked in MLflow. The
+# SFLV2 (client) and PSL (server) cases that were here are covered, killed mid-round instead, by the fault matrix
+# (tests/test_fault_matrix.py: sflv2-spilled-client0-compiled, psl-spilled-server-calls).
+@pytest.mark.parametrize("algorithm,victim", [("gas", "client")])
 def test_a_dead_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_session, tmp_path, mlflow_uri,
                                                                           backends, algorithm, victim):
     over = {"algorithm.name": algorithm, "train.rounds": 4, "tracking.experiment": f"faults-{algorithm}",

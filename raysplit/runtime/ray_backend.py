@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import signal
+import uuid
 from collections import defaultdict, deque
 
 import numpy as np
@@ -61,46 +62,66 @@ def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
 
 @ray.remote(num_cpus=0)
 class KeeperActor:
-    """The run's round-boundary snapshots (:class:`~raysplit.runtime.snapshots.SnapshotStore`), in a process of their
-    own on the driver's node: it outlives the hosts' actors (and their nodes), and the driver never holds the state."""
+    """Round-boundary snapshots (:class:`~raysplit.runtime.snapshots.SnapshotStore`), one store per run, in a process
+    of their own on the driver's node: it outlives the hosts' actors (and their nodes), and the driver never holds
+    the state. One keeper serves every run of a driver (:class:`RayKeeper`), each run's store under its own key."""
 
     def __init__(self):
-        self.store = SnapshotStore()
+        self.stores: dict[str, SnapshotStore] = {}
 
-    def add(self, rnd: int, server, holders, global_msg, *workers) -> int:
-        return self.store.add(rnd, server, list(workers), holders, global_msg)
+    def add(self, key: str, rnd: int, server, holders, global_msg, *workers) -> int:
+        return self.stores.setdefault(key, SnapshotStore()).add(rnd, server, list(workers), holders, global_msg)
 
-    def restore(self) -> tuple:
-        rnd, st, g = self.store.restore()
+    def restore(self, key: str) -> tuple:
+        rnd, st, g = self.stores.get(key, SnapshotStore()).restore()
         return (rnd, st["holders"], st["server"], g, *st["workers"])
+
+    def drop(self, key: str) -> None:
+        self.stores.pop(key, None)
+
+
+_keepers: dict[tuple[str, str], ray.actor.ActorHandle] = {}  # (job, node) -> this driver's keeper actor
 
 
 class RayKeeper:
     """``RoundGuard``'s keeper with the Ray backend: :meth:`add` hands the hosts' state handles to the keeper actor
     (Ray resolves them there, not here) and returns at once; :meth:`restore` fetches only the round and the client
-    placement, the states travel from the keeper to the replacement hosts as objects."""
+    placement, the states travel from the keeper to the replacement hosts as objects.
+
+    The keeper actor is made once per driver (Ray job) and node and shared by the driver's runs, each under a key of
+    its own that :meth:`close` drops: a notebook or a test session running many experiments starts one keeper
+    process (which imports torch to hold the states), not one per run. It ends with the driver."""
 
     def __init__(self):
-        here = ray.get_runtime_context().get_node_id()
-        self.actor = KeeperActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+        ctx = ray.get_runtime_context()
+        here, at = ctx.get_node_id(), (ctx.get_job_id(), ctx.get_node_id())
+        if at not in _keepers:
+            _keepers[at] = KeeperActor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+        self.actor, self.key = _keepers[at], uuid.uuid4().hex
 
     def add(self, rnd: int, server, workers: list, holders, global_msg) -> None:
-        self.actor.add.remote(rnd, server, holders, global_msg, *workers)
+        self.actor.add.remote(self.key, rnd, server, holders, global_msg, *workers)
 
     def restore(self, num_workers: int) -> tuple:
-        refs = self.actor.restore.options(num_returns=4 + num_workers).remote()
+        refs = self.actor.restore.options(num_returns=4 + num_workers).remote(self.key)
         try:
             rnd, holders = ray.get(refs[:2])
         except RayTaskError as e:
             if isinstance(e.cause, LookupError):
                 raise LookupError(str(e.cause)) from None
             raise
+        except RayActorError as e:
+            for at, actor in list(_keepers.items()):  # the next run starts a keeper of its own
+                if actor == self.actor:
+                    del _keepers[at]
+            raise LookupError(f"the snapshot keeper actor is gone ({type(e).__name__})") from None
         return rnd, holders, refs[2], list(refs[4:]), refs[3]
 
     def close(self) -> None:
         try:
-            ray.kill(self.actor)
-        except Exception:  # noqa: BLE001 - already gone
+            self.actor.drop.remote(self.key)  # after this run's adds: one caller's actor calls run in order
+        except Exception:  # noqa: BLE001 - the keeper (or Ray) is already gone
             pass
 
 
