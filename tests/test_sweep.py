@@ -38,6 +38,7 @@ def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_pa
     df = results.get_dataframe()
     assert len(df) == 2 and not results.errors
     assert (df["training_iteration"] < 2).any() and (df["training_iteration"] == 2).any()
+    assert (df["start_round"] == 0).all()  # trials that did not die began at round index 0
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("digits")  # the base config names its experiment
     runs = client.search_runs([exp.experiment_id])
@@ -131,39 +132,40 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
     """The trial's worker process ends (``os._exit``, as on a lost node) once round index 2 is computed and logged to
     MLflow but before Tune hears of it. Tune (max_failures=1) starts it again from its checkpoint of round index 1:
     rounds 0-1 are not rerun, round 2 is redone but neither reported nor logged twice, the MLflow run is the same,
-    and the results equal an uninterrupted trial's."""
+    and the results equal an uninterrupted run's."""
+    from raysplit.config import load_config
+    from raysplit.experiment import run_experiment
     from raysplit.sweep import FAULT_ENV, run_sweep
 
-    def sweep(sub: str, fault: str | None = None):
-        d = tmp_path / sub
-        d.mkdir()
-        if fault:
-            monkeypatch.setenv(FAULT_ENV, fault)
-        else:
-            monkeypatch.delenv(FAULT_ENV, raising=False)
-        uri = f"sqlite:///{d / 'mlflow.db'}"
-        path = write_sweep(d, space={}, scheduler="fifo", max_failures=1, name=sub, overrides={
-            "train.rounds": 4, "eval.every": 1, "runtime.backend": "local", "tracking.output_dir": str(d / "out")})
-        results = run_sweep(str(path), [f"tracking.uri={uri}"])
-        assert not results.errors and len(results) == 1
-        client = MlflowClient(uri)
-        runs = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
-        return results[0], client, runs
-
-    clean, clean_client, clean_runs = sweep("clean")
-    marker = tmp_path / "trial-died"
-    hit, client, runs = sweep("hit", f"2:{marker}")
-    assert marker.is_file()  # the first attempt did die
+    over = {"train.rounds": 4, "eval.every": 1, "runtime.backend": "local"}
+    d = tmp_path / "hit"
+    d.mkdir()
+    monkeypatch.setenv(FAULT_ENV, f"2:{tmp_path / 'trial-died'}")
+    uri = f"sqlite:///{d / 'mlflow.db'}"
+    path = write_sweep(d, space={}, scheduler="fifo", max_failures=1, name="hit",
+                       overrides={**over, "tracking.output_dir": str(d / "out")})
+    results = run_sweep(str(path), [f"tracking.uri={uri}"])
+    assert not results.errors and len(results) == 1
+    hit, client = results[0], MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    assert (tmp_path / "trial-died").is_file()  # the first attempt did die
     rows = hit.metrics_dataframe
     assert rows["round"].tolist() == [1, 2, 3, 4]  # every round reported to Tune once
     assert rows["start_round"].tolist() == [0, 0, 2, 2]  # the second attempt began at round index 2
-    assert clean.metrics_dataframe["start_round"].tolist() == [0, 0, 0, 0]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the same MLflow run, continued and finished
-    assert len(clean_runs) == 1
+
+    # the uninterrupted reference: the same config run in process (a trial runs the config it is given; a clean
+    # trial's start_round stays 0, checked by the grid sweep above through Tune's reports)
+    monkeypatch.delenv(FAULT_ENV)
+    ref_uri = f"sqlite:///{tmp_path / 'ref.db'}"
+    clean = run_experiment(load_config(ROOT / "configs" / "digits.yaml", {
+        **over, "tracking.uri": ref_uri, "tracking.output_dir": str(tmp_path / "ref"), "tracking.progress": False}))
+    ref_client = MlflowClient(ref_uri)
     for key in ("train_loss", "accuracy", "sim_time"):
         got = client.get_metric_history(runs[0].info.run_id, key)
         assert sorted(h.step for h in got) == [0, 1, 2, 3], key  # round index 2: logged before the death, once
-        want = {h.step: h.value for h in clean_client.get_metric_history(clean_runs[0].info.run_id, key)}
+        want = {h.step: h.value for h in ref_client.get_metric_history(clean["run_id"], key)}
         assert {h.step: h.value for h in got} == pytest.approx(want, rel=1e-6), key
-    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up", "round"):
-        assert hit.metrics[k] == pytest.approx(clean.metrics[k], rel=1e-6), k
+    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up"):
+        assert hit.metrics[k] == pytest.approx(clean[k], rel=1e-6), k
+    assert hit.metrics["round"] == 4
