@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs
+	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results
 
 bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -86,6 +86,11 @@ chaos:
 
 # Documented figures (issue 14): docs/quickstart.md's generated block comes from running configs/quickstart.yaml.
 # doc-figures rewrites it; check-docs (in CI, ~3 min on 2 cores) fails naming each figure that differs.
+# Stamps on result pages (scripts/stamps.py): check-results (in CI, no training) names every stamped page or
+# section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed.
+check-results:
+	$(PY) scripts/stamps.py check
+
 doc-figures:
 	$(PY) scripts/doc_figures.py
 

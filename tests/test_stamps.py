@@ -1,0 +1,85 @@
+"""Stamps on result pages (scripts/stamps.py, make check-results): a page made with a method's golden fingerprint
+fails the check, naming page and method, once that fingerprint changes; a page stamped stale on purpose is printed
+and does not fail; the repository's own pages pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def stamps(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("stamps", ROOT / "scripts" / "stamps.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    golden = tmp_path / "tests" / "golden"
+    golden.mkdir(parents=True)
+    for name in ("gas", "fedbuff"):
+        (golden / f"{name}.json").write_text(json.dumps({"algorithm": name, "rounds": [{"accuracy": 0.5}]}))
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    monkeypatch.setattr(mod, "GOLDEN", golden)
+    return mod
+
+
+def test_a_page_fails_the_check_once_a_method_it_reports_changes(stamps, tmp_path, capsys):
+    page = tmp_path / "docs" / "results" / "gas.md"
+    page.write_text("# GAS\n\nintro\n\n## Accuracy\n\n| a | b |\n\n## Buffers\n\ntext\n")
+    stamps.main(["stamp", str(page), "--methods", "gas,fedbuff", "--seeds", "0,1,2", "--rounds", "60",
+                 "--command", "python docs/results/run_gas.py"])
+    stamps.main(["stamp", str(page), "--section", "Buffers", "--methods", "gas", "--seeds", "0", "--rounds", "4",
+                 "--command", "python docs/results/run_gas.py --buffers"])
+    text = page.read_text()
+    assert text.count("<!-- stamp: ") == 2 and text.rstrip().endswith("-->")  # the page's stamp closes the page
+    assert "## Buffers\n\ntext\n\n*Stamp: stamped at" in text
+    assert stamps.main(["check"]) == 0
+    # restamping replaces the stamp rather than adding one
+    stamps.main(["stamp", str(page), "--methods", "gas,fedbuff", "--seeds", "0,1,2", "--rounds", "60",
+                 "--command", "python docs/results/run_gas.py"])
+    assert page.read_text().count("<!-- stamp: ") == 2
+    capsys.readouterr()
+
+    golden = tmp_path / "tests" / "golden" / "fedbuff.json"
+    golden.write_text(golden.read_text().replace("0.5", "0.51"))  # make golden: FedBuff's behaviour changed
+    assert stamps.main(["check"]) == 1
+    out = capsys.readouterr().out
+    changed = [ln for ln in out.splitlines() if ln.startswith("CHANGED")]
+    assert len(changed) == 1 and "docs/results/gas.md: fedbuff changed" in changed[0], out
+    assert "run_gas.py" in changed[0]
+
+
+def test_stale_on_purpose_is_printed_with_a_banner_at_the_top_and_does_not_fail(stamps, tmp_path, capsys):
+    page = tmp_path / "docs" / "results" / "hydra.md"
+    page.write_text("# Hydra\n\nintro\n\n## Table\n\nrows\n")
+    stamps.main(["stamp", str(page), "--methods", "gas", "--seeds", "0", "--rounds", "60", "--command", "x",
+                 "--stale", "made before the fork fix"])
+    lines = page.read_text().splitlines()
+    assert lines[2].startswith("> **Stale:** made before the fork fix")  # under the title
+    (tmp_path / "tests" / "golden" / "gas.json").write_text("{}")
+    capsys.readouterr()
+    assert stamps.main(["check"]) == 0
+    assert "stale on purpose: docs/results/hydra.md: made before the fork fix" in capsys.readouterr().out
+    page.write_text(page.read_text().replace("> **Stale:**", "Note:"))  # the banner removed by hand
+    assert stamps.main(["check"]) == 1
+
+
+def test_an_unknown_method_is_refused_naming_it(stamps, tmp_path):
+    page = tmp_path / "docs" / "results" / "x.md"
+    page.write_text("# X\n")
+    with pytest.raises(SystemExit, match="no golden fingerprint for method 'gsa'"):
+        stamps.main(["stamp", str(page), "--methods", "gsa", "--seeds", "0", "--rounds", "1", "--command", "x"])
+
+
+def test_the_repository_pages_pass_the_check():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stamps.py"), "check"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
