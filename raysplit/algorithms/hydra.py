@@ -13,7 +13,8 @@ Choices where paper and code (seed-code.md §2) differ or are silent:
   with K=1 Hydra is exactly SFLV2 (the second cut changes nothing). The code re-creates optimizers every epoch
   (plain SGD there, so nothing is lost); with momentum we keep the averaged state.
 - K defaults to the number of labels, each label its own group; ``label_groups`` (superclasses) gives K < labels,
-  e.g. Hydra's CIFAR-10 K=5 map ``[[0,2],[1,9],[8],[3,5,7],[4,6]]``. Algorithm 2's score of a client for a group is
+  e.g. Hydra's CIFAR-10 K=5 map ``[[0,2],[1,9],[8],[3,5,7],[4,6]]`` (the authors' code's; the paper states only the
+  principle, semantic superclasses). Algorithm 2's score of a client for a group is
   its number of samples of the group's labels.
 - ``cut_b`` defaults to the last two blocks as heads (the paper's "small heads": the last 2 layers).
 - The label vector (labels x 8 bytes) is counted as upload of every client in round 0.
