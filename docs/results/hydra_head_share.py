@@ -1,0 +1,49 @@
+"""Head share of raysplit's MobileNetV1 (CIFAR-sized inputs) at each candidate ``cut_b``: what fraction of the
+server part (part-2 = blocks[cut_a:]) the heads (part-2b = blocks[cut_b:]) hold, in parameters and in forward
+FLOPs per 32x32 image (torch.utils.flop_counter). No training; a few seconds.
+
+    python docs/results/hydra_head_share.py          # prints the Markdown table in hydra.md
+
+The paper calls its small heads "the last 2 layers"; Hydra's scripts use cut_a = 4, cut_b = 23, and the authors'
+model file, which fixes what their indices mean, was never committed (seed-code.md §2.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from raysplit.models import build_model
+
+CUT_A = 4
+
+
+def flops(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    with FlopCounterMode(display=False) as fc:
+        y = module(x)
+    return fc.get_total_flops(), y
+
+
+def main() -> None:
+    model = build_model("mobilenet_v1", num_classes=10, input_shape=(3, 32, 32)).eval()
+    names = model.block_names
+    per_block, x = [], torch.zeros(1, 3, 32, 32)
+    with torch.no_grad():
+        for block in model.blocks:
+            f, x = flops(block, x)
+            per_block.append((sum(p.numel() for p in block.parameters()), f))
+    server_p = sum(p for p, _ in per_block[CUT_A:])
+    server_f = sum(f for _, f in per_block[CUT_A:])
+    print(f"cut_a = {CUT_A}: server part = blocks {CUT_A}..{len(names) - 1} ({names[CUT_A]} .. {names[-1]}), "
+          f"{server_p / 1e6:.2f} M parameters, {server_f / 1e6:.1f} MFLOPs per image\n")
+    print("| cut_b | heads (part-2b) | head parameters | share of server parameters | share of server FLOPs |")
+    print("|---|---|---|---|---|")
+    for cut_b in range(19, len(names)):
+        hp = sum(p for p, _ in per_block[cut_b:])
+        hf = sum(f for _, f in per_block[cut_b:])
+        heads = ", ".join(n for n in names[cut_b:])
+        print(f"| {cut_b} | {heads} | {hp / 1e6:.3f} M | {100 * hp / server_p:.1f} % | {100 * hf / server_f:.1f} % |")
+
+
+if __name__ == "__main__":
+    main()
