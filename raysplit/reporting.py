@@ -101,6 +101,10 @@ class Reporter:
         # per metric key, the last step already in the tracking store (a resumed run, a round redone after an
         # actor died): those rounds are recomputed, identical, but a key is never logged twice for one step
         self.logged: dict[str, int] = tracker.last_steps() if history is not None else {}
+        # the last round handed to ``on_round`` (Tune's report, a caller's callback): not undone by ``restore``,
+        # so a round redone after it was reported (an actor that died after the run's last round) is not reported
+        # twice; its metrics are those already reported (a redone round reproduces them)
+        self.delivered = -1
 
     def begin(self) -> None:
         """The rounds start now (the runtime is up): wall time counts from here, the progress bar appears."""
@@ -156,8 +160,9 @@ class Reporter:
                 self.tracker.set_tags({f"raysplit.dropped.round_{rnd}": "; ".join(dropped.values())[:4000]})
             self.logged.update(dict.fromkeys(todo, rnd))
         self.final = m
-        if self.on_round is not None:
+        if self.on_round is not None and rnd > self.delivered:
             self.on_round(rnd, m)
+            self.delivered = rnd
         if self.progress is not None:
             self.progress.update(1)
             last_acc = hist.curves["accuracy"][-1][1] if hist.curves.get("accuracy") else float("nan")
