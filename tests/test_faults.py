@@ -259,3 +259,33 @@ def test_a_killed_driver_resumes_with_every_round_of_every_metric_logged_once(tm
         want = [(m.step, m.value) for m in client.get_metric_history(ref, k)]
         assert sorted(s for s, _ in got) == sorted(s for s, _ in want), k  # every step once, none missing
         assert [v for _, v in sorted(got)] == pytest.approx([v for _, v in sorted(want)], rel=1e-9), k
+
+
+@ray.remote(num_cpus=0)
+class _Peer:
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def fail(self):
+        raise RuntimeError("worker 0: round 2 ended with activations that never got a gradient")
+
+
+def test_a_host_error_caused_by_a_dead_peer_is_an_actor_failure(ray_session):
+    """A host's own error that a dead peer caused (found by `make chaos`, run 8 of its second run: CycleSFL's client
+    actor 1 killed, client actor 0's end of round raised RuntimeError first, and the run failed instead of
+    restarting) is reported as the death of that peer, which the guard survives; with every actor alive the host's
+    error is raised as it is."""
+    from raysplit.runtime.ray_backend import RayBackend
+
+    b = RayBackend.__new__(RayBackend)
+    b.get_timeout = 60.0
+    b.server, b.workers = _Peer.remote(), [_Peer.remote(), _Peer.remote()]
+    b.roles = {b.server._actor_id.hex(): "the server actor",
+               **{w._actor_id.hex(): f"client actor {i}" for i, w in enumerate(b.workers)}}
+    with pytest.raises(RuntimeError, match="never got a gradient"):
+        b.get(b.workers[0].fail.remote())
+    ray.kill(b.workers[1])
+    with pytest.raises(ActorFailure, match=r"^client actor 1 died"):
+        b.get(b.workers[0].fail.remote())
+    for a in (b.server, b.workers[0]):
+        ray.kill(a)

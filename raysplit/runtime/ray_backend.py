@@ -520,11 +520,31 @@ class RayBackend:
             if isinstance(cause, ActorFailure) and g is not None and g < len(self.workers):
                 role = self.roles.get(self.workers[g]._actor_id.hex(), f"client actor {g}")
                 raise ActorFailure(f"{role} is gone (its compiled graph's channel closed)") from None
+            dead = self._dead_actor()
+            if dead is not None:  # the host's error is what a dead peer left behind (its activations, its channel)
+                raise dead from None
             raise cause from None
         except RayActorError as e:
             raise self._actor_failure(e) from None
         except GetTimeoutError:
             raise TimeoutError(f"no result from the actors within {timeout or self.get_timeout} s") from None
+
+    def _dead_actor(self, timeout: float = 5.0) -> ActorFailure | None:
+        """The death of one of the run's actors, if one has died: a host's own error can be its consequence (a
+        client actor 0 whose round ended with activations the dead client actor 1's turn never let the server
+        answer), and which of the two surfaces first is a race. An actor that is busy past ``timeout`` counts as
+        alive."""
+        actors = [a for a in [self.server, *self.workers] if a is not None]
+        refs = [a.node_id.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as e:
+                return self._actor_failure(e)
+            except Exception:  # noqa: BLE001 - anything else: not a death
+                continue
+        return None
 
     def _actor_failure(self, e: RayActorError) -> ActorFailure:
         role = self.roles.get(getattr(e, "actor_id", None) or "", "an actor of this run")
