@@ -27,6 +27,10 @@ def train_flops(forward) -> int:
     return fc.get_total_flops()
 
 
+def _params(m: torch.nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
 def measure(name: str, cut: str, shape: tuple, batch: int, ratio: float) -> tuple:
     torch.manual_seed(0)
     model = build_model(name, num_classes=10, input_shape=shape)
@@ -36,8 +40,7 @@ def measure(name: str, cut: str, shape: tuple, batch: int, ratio: float) -> tupl
     act = device(x).detach()
     device_only = train_flops(lambda: device(x).mul(torch.randn_like(act)).sum())  # SplitFed: a gradient arrives
     whole = train_flops(lambda: F.cross_entropy(both(x), y))
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    return device_only, whole, count(device), count(both[1]), count(server)
+    return device_only, whole, _params(device), _params(both[1]), _params(server)
 
 
 def main() -> None:
