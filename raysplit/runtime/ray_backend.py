@@ -94,11 +94,11 @@ class RayKeeper:
 
     def __init__(self):
         ctx = ray.get_runtime_context()
-        here, at = ctx.get_node_id(), (ctx.get_job_id(), ctx.get_node_id())
-        if at not in _keepers:
-            _keepers[at] = KeeperActor.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
-        self.actor, self.key = _keepers[at], uuid.uuid4().hex
+        self.at = (ctx.get_job_id(), ctx.get_node_id())
+        if self.at not in _keepers:
+            _keepers[self.at] = KeeperActor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.at[1], soft=False)).remote()
+        self.actor, self.key = _keepers[self.at], uuid.uuid4().hex
 
     def add(self, rnd: int, server, workers: list, holders, global_msg) -> None:
         self.actor.add.remote(self.key, rnd, server, holders, global_msg, *workers)
@@ -112,9 +112,8 @@ class RayKeeper:
                 raise LookupError(str(e.cause)) from None
             raise
         except RayActorError as e:
-            for at, actor in list(_keepers.items()):  # the next run starts a keeper of its own
-                if actor == self.actor:
-                    del _keepers[at]
+            if _keepers.get(self.at) is self.actor:  # the next run starts a keeper of its own
+                del _keepers[self.at]
             raise LookupError(f"the snapshot keeper actor is gone ({type(e).__name__})") from None
         return rnd, holders, refs[2], list(refs[4:]), refs[3]
 
