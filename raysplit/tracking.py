@@ -83,7 +83,8 @@ def store_lock(uri: str):
     """For a sqlite store, an exclusive lock across this machine's processes while the store is opened (created and
     migrated, the first time) and the run's experiment is looked up or created: two runs started together on a new
     ``sqlite:///new.db`` otherwise both run MLflow's schema migration and one dies in it (``duplicate column name``),
-    or both create the experiment and one is refused. The lock is a ``flock`` on the database's directory (no file
+    or both create the experiment and one is refused; runs on one dataset likewise race to insert its row when they
+    log it as an input (``_apply``). The lock is a ``flock`` on the database's directory (no file
     is created; stores in one directory share it for these few calls). Other stores (a tracking server) serialize
     this themselves."""
     if not uri.startswith("sqlite:///"):
@@ -124,9 +125,19 @@ def _apply(client, op: dict) -> None:
         d = op["dataset"]
         source = json.dumps({"uri": d["source"]}) if d["source"] else json.dumps({"uri": f"raysplit:{d['name']}"})
         profile = json.dumps({k: d[k] for k in ("partition", "train_samples", "test_samples", "seed", "files")})
-        client.log_inputs(run_id, datasets=[DatasetInput(
-            Dataset(d["name"], d["digest"], "local", source, profile=profile),
-            tags=[InputTag("mlflow.data.context", "training")])])
+        inputs = [DatasetInput(Dataset(d["name"], d["digest"], "local", source, profile=profile),
+                               tags=[InputTag("mlflow.data.context", "training")])]
+        # MLflow inserts a dataset row unless one with this (experiment, name, digest) exists, with no lock between
+        # the look-up and the insert: runs started together on one dataset race, and the loser is refused with
+        # "UNIQUE constraint failed: datasets..." (found by tests/test_store_concurrency.py in CI). A sqlite store
+        # is locked across this machine's processes; any store is asked once more, when the row now exists.
+        with store_lock(op.get("uri") or ""):
+            try:
+                client.log_inputs(run_id, datasets=inputs)
+            except Exception as e:  # noqa: BLE001 - the other run's row is there now; a second failure is real
+                if "unique" not in str(e).lower() and "duplicate" not in str(e).lower():
+                    raise
+                client.log_inputs(run_id, datasets=inputs)
     elif kind == "artifact":
         client.log_artifact(run_id, op["path"], op.get("artifact_path"))
     elif kind == "terminate":

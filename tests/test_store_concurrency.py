@@ -56,3 +56,39 @@ def test_the_store_lock_excludes_other_holders_of_the_same_store_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]  # no lock file left behind
     with store_lock("http://127.0.0.1:5000"):  # a tracking server: no lock at all
         pass
+
+
+def test_a_dataset_row_inserted_by_another_run_meanwhile_does_not_fail_the_input(tmp_path):
+    """MLflow looks the dataset up, then inserts it; a run that loses that race is refused with a unique-constraint
+    error (seen in CI with four runs on digits). The input is asked for once more and then lands; any other error
+    still fails."""
+    from mlflow.exceptions import MlflowException
+
+    from raysplit.tracking import _apply
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("e"))
+    real, calls = client.log_inputs, []
+
+    def racing(run_id, datasets):
+        calls.append(run_id)
+        if len(calls) == 1:
+            real(run_id, datasets)  # the other run's insert, meanwhile: the row now exists
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id")
+        return real(run_id, datasets)
+
+    client.log_inputs = racing
+    op = {"op": "input", "run_id": run.info.run_id, "uri": uri,
+          "dataset": {"name": "digits", "digest": "abc", "source": "/x/digits.csv.gz", "partition": {},
+                      "train_samples": 1, "test_samples": 1, "seed": 0, "files": []}}
+    _apply(client, op)
+    assert len(calls) == 2
+    assert [d.dataset.digest for d in client.get_run(run.info.run_id).inputs.dataset_inputs] == ["abc"]
+
+    def broken(run_id, datasets):
+        raise MlflowException("disk I/O error")
+
+    client.log_inputs = broken
+    with pytest.raises(MlflowException, match="disk I/O"):
+        _apply(client, op)
