@@ -6,7 +6,11 @@ For each non-IID degree alpha (Ampere's device_dirichlet scheme) and seed: Amper
 and SplitFed+SCAFFOLD, each a full raysplit run logged to MLflow (experiment ampere-fmnist in ./mlflow.db) on the
 local backend with one torch thread, ``--jobs`` at a time. The SFL baselines run as many rounds as the config's
 ``train.rounds`` (60) with early stopping off; Ampere stops its phases on validation patience.
-``--ablations`` adds Ampere without consolidation (alpha 0.33).
+``--ablations`` adds Ampere without consolidation (alpha 0.33). ``--paired`` runs the consolidation ablation as
+issue 26 asks for it: Ampere with and without consolidation at each alpha and seed, both phases to their caps
+(patience = 30 = the caps, so both server blocks train exactly 30 epochs) and a loader cache (1,024 MB) that holds
+every activation (exact shuffling of the consolidated set); prints median [min, max] per arm and the difference
+paired by seed.
 
 Prints the markdown tables (final accuracy mean ± std over seeds; bytes per device split into model and
 activation/gradient traffic; on-device FLOPs per device; simulated time; device participation time) and writes
@@ -59,6 +63,30 @@ def _acc(rs: list) -> str:
     return cell + (f" (diverged: {bad}/{len(rs)} seeds)" if bad else "")
 
 
+ARMS = [("Ampere, equal epochs", True), ("Ampere without consolidation, equal epochs", False)]
+PAIRED = (("algorithm.patience", 30), ("algorithm.cache_mb", 1024.0))
+
+
+def _mmm(xs) -> str:
+    return f"{np.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
+
+
+def paired(res: dict, alphas, seeds) -> str:
+    """Per alpha: each arm's final accuracy and server epochs, median [min, max] over seeds, and consolidation minus
+    no consolidation paired by seed (positive: consolidation better, as the paper's section 5.2.4 finds)."""
+    lines = ["| alpha | consolidation | no consolidation | difference, paired by seed | per seed | server epochs |",
+             "|---|---|---|---|---|---|"]
+    for a in alphas:
+        c = [100 * res[(ARMS[0][0], a, s)]["accuracy"] for s in seeds]
+        n = [100 * res[(ARMS[1][0], a, s)]["accuracy"] for s in seeds]
+        d = [x - y for x, y in zip(c, n)]
+        ep = sorted({int(max(h.get("server_epochs", 0) for h in res[(arm, a, s)]["history"])) for arm, _ in ARMS
+                     for s in seeds})
+        lines.append(f"| {a} | {_mmm(c)} | {_mmm(n)} | {_mmm(d)} | {' '.join(f'{x:+.2f}' for x in d)} | "
+                     f"{'/'.join(map(str, ep))} |")
+    return "\n".join(lines)
+
+
 def table(results, alphas) -> str:
     lines = ["| method | " + " | ".join(f"acc. alpha={a}" for a in alphas) +
              " | MB/device model | MB/device act.+grad. | on-device GFLOP | sim. time (s) | rounds |",
@@ -108,11 +136,18 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--ablations", action="store_true")
+    ap.add_argument("--paired", action="store_true", help="only the equal-epoch consolidation ablation")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (table rows), e.g. SplitFed PiPar")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     todo = [(m, alg, a, s) for s in args.seeds for a in args.alphas for m, alg in METHODS
             if args.methods is None or m in args.methods]
+    if args.paired:
+        todo = [(arm, None, a, s, (("algorithm.consolidate", cons),) + PAIRED) for s in args.seeds
+                for a in args.alphas for arm, cons in ARMS]
+        done = run_all("ampere-fmnist", todo, one, args.jobs)
+        print(paired(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
+        return 0
     if args.ablations:
         todo += [("Ampere without consolidation", None, 0.33, s, (("algorithm.consolidate", False),))
                  for s in args.seeds]
