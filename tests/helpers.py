@@ -295,3 +295,47 @@ def capture_runtimes(monkeypatch) -> list:
 
     monkeypatch.setattr(experiment, "Runtime", Capture)
     return made
+
+
+def runtime_private_names(runtime_dir) -> set[str]:
+    """Every private (single-underscore) method or attribute name the runtime defines (``def _x`` or ``obj._x =``)."""
+    import ast
+
+    names = set()
+    from pathlib import Path
+
+    for path in Path(runtime_dir).glob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = n.name
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                name = n.attr
+            else:
+                continue
+            if name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    return names
+
+
+def contract_violations(source: str, private: set[str]) -> list[str]:
+    """Where an algorithm module steps outside the public runtime contract: it names the wire format (the
+    ``transport`` module), reads or writes a host's clock field (``self.clock``: the cost meter's ``now``,
+    ``wait_until``, ``charge_*`` and ``answer`` stamp time), or uses or overrides a private runtime name."""
+    import ast
+
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.ImportFrom) and any(a.name == "transport" for a in n.names) or (
+                isinstance(n, (ast.Import, ast.ImportFrom)) and "transport" in (getattr(n, "module", None) or "")):
+            out.append(f"line {n.lineno}: imports the transport module")
+        elif isinstance(n, ast.Import) and any(a.name.endswith(".transport") for a in n.names):
+            out.append(f"line {n.lineno}: imports the transport module")
+        elif isinstance(n, ast.Name) and n.id == "transport":
+            out.append(f"line {n.lineno}: names transport")
+        elif isinstance(n, ast.Attribute) and n.attr == "clock" and isinstance(n.value, ast.Name) and n.value.id == "self":
+            out.append(f"line {n.lineno}: self.clock")
+        elif isinstance(n, ast.Attribute) and n.attr in private:
+            out.append(f"line {n.lineno}: private runtime name .{n.attr}")
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in private:
+            out.append(f"line {n.lineno}: overrides private runtime name {n.name}")
+    return out

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import import_cycles, import_graph, imported_closure, make_config
+from helpers import (contract_violations, import_cycles, import_graph, imported_closure, make_config,
+                     runtime_private_names)
 from raysplit.experiment import prepare, run_experiment
 from raysplit.runtime import ClientHost, Gradient, NonFiniteLossError, Runtime, ServerHost, make_backend
 
@@ -213,6 +214,40 @@ def test_algorithms_import_no_private_runtime_names():
             if isinstance(node, ast.ImportFrom):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path.name} imports private {private} from {node.module}"
+
+
+def test_algorithms_keep_to_the_public_runtime_contract():
+    """No algorithm module names the wire format (``transport``), a host's clock field, or a private name of the
+    runtime (a ``_charge_*``, ``_draw``, ``_eval_client``...): hosts offer ``charge_*``, ``draw``, ``seeded``,
+    ``receive``, ``answer``, ``now``/``wait_until``, ``state_message`` and ``eval_client``, messages offer
+    ``features``, ``tensors``, ``packed`` and ``nbytes`` (issue 27's contract; checked on attribute access, not
+    only on imports)."""
+    root = Path(__file__).resolve().parent.parent / "raysplit"
+    private = runtime_private_names(root / "runtime")
+    assert {"_pool", "_dirty", "_new_module"} <= private  # what the runtime keeps to itself is seen
+    found = {p.name: v for p in sorted((root / "algorithms").glob("*.py"))
+             if (v := contract_violations(p.read_text(), private))}
+    assert not found, found
+
+
+def test_the_contract_check_finds_each_kind_of_breach():
+    src = """
+from ..runtime import ServerHost, transport
+import raysplit.runtime.transport as wire
+class S(ServerHost):
+    def _new_module(self):
+        return None
+    def step(self, a):
+        self.clock = max(self.clock, a.t_sent)
+        self._charge_upload(0, 1, "x")
+        return transport.pack(a)
+"""
+    got = contract_violations(src, {"_new_module", "_charge_upload"})
+    assert [g.split(": ", 1)[1] for g in got].count("self.clock") == 2
+    for what in ("imports the transport module", "names transport", "private runtime name ._charge_upload",
+                 "overrides private runtime name _new_module"):
+        assert any(what in g for g in got), (what, got)
+    assert contract_violations("def f(cfg):\n    return cfg.clock.charge_server, self_.clock\n", set()) == []
 
 
 @pytest.mark.parametrize("stop", [True, False])

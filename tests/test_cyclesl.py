@@ -78,14 +78,14 @@ def _hosts(tmp_path, mlflow_uri, algorithm, **extra):
 
 def test_pooled_dataset_holds_exactly_the_rounds_features(tmp_path, mlflow_uri, monkeypatch):
     cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "cyclepsl")
-    pool = type(server)._pool
+    receive = type(server).receive
 
-    def spy(self, acts):  # what the server pooled, seen from outside the host
-        feats, ys = pool(self, acts)
+    def spy(self, acts, **kw):  # what the server pooled, seen from outside the host
+        feats, ys = receive(self, acts, **kw)
         self.last_pool = {"tags": [a.tag for a in acts], "rows": int(sum(len(y) for y in ys))}
         return feats, ys
 
-    monkeypatch.setattr(type(server), "_pool", spy)
+    monkeypatch.setattr(type(server), "receive", spy)
     clients = [int(c) for c in p.sample_stream[0]]
     rt.begin_round(0, clients, 0.0)
     p.algorithm.run_round(rt, 0, clients, np.random.default_rng(0))

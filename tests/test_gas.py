@@ -122,7 +122,7 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
     server.flush()
     assert server.on_model_upload(0, server.global_model(), Job(0, 0, 0, 0.0))  # model buffer of 1: a global round
     assert server.round_metrics()["grad_dissimilarity"] > 0  # the buffer was random activations
-    client = server._eval_client
+    client = server.eval_client
     client.load_state_dict(transport.unpack_state(server.global_model().state))
     with torch.no_grad():
         x = client.eval()(to_tensor(np.asarray(server.test_x), server.spec.data_spec))

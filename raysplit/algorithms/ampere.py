@@ -45,7 +45,7 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..data.store import ActivationStore, ShuffledLoader, check_space
 from ..errors import ConfigError
 from ..models.auxiliary import UnsupportedLayer, auxiliary_net
-from ..runtime import ClientHost, ServerHost, transport
+from ..runtime import ClientHost, ServerHost
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import StateMsg, Tag
 from ..runtime.optim import make_optimizer
@@ -76,9 +76,7 @@ def aux_parts(spec) -> tuple[torch.nn.Sequential, torch.nn.Module]:
 class AuxClient(ClientHost):
     """A client whose model is (device block, auxiliary net); the device block alone encodes its activations."""
 
-    def _new_module(self) -> torch.nn.Module:
-        if self._pool:
-            return self._pool.pop()
+    def build_module(self) -> torch.nn.Module:
         return aux_parts(self.spec)[0]
 
     def encoder(self, tag: Tag, slot):
@@ -90,17 +88,17 @@ class AuxServer(ServerHost):
 
     def __init__(self, spec, init_state, client_init_state, *data):
         super().__init__(spec, init_state, client_init_state, *data)
-        self._eval_client = aux_parts(spec)[0].to(self.device)
-        self._eval_client.load_state_dict(transport.unpack_state(client_init_state))
+        self.eval_client = aux_parts(spec)[0].to(self.device)
+        self.eval_client.load_state_dict(StateMsg(client_init_state).tensors())
 
     def client_encoder(self) -> torch.nn.Module:
-        return self._eval_client[0]
+        return self.eval_client[0]
 
     @torch.no_grad()
     def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
         """The device block of the given client model with ``models[key]`` (the auxiliary net unused)."""
-        model, server = self._eval_client, self.models[key].module
-        model.load_state_dict(transport.unpack_state(client_state.state))
+        model, server = self.eval_client, self.models[key].module
+        model.load_state_dict(client_state.tensors())
         model.eval(), server.eval()
         out = self.predict(lambda x: server(model[0](x)))
         server.train()
@@ -131,7 +129,7 @@ class AmpereClient(AuxClient):
         validation), computed with the global device block, charged (FLOPs, activation bytes) from ``t_start`` on:
         ``(features, labels, device, split, time it reached the server)``."""
         if chunk == 0:
-            self.clock[cid] = max(self.clock[cid], t_start)
+            self.wait_until(cid, t_start)
         if self._export_model is None:  # the global device block, once per transfer
             self._export_model = aux_parts(self.spec)[0]
             self._export_model.load_state_dict(self.global_state)
@@ -140,9 +138,9 @@ class AmpereClient(AuxClient):
         idx = (self.train_idx if split == "train" else self.test_idx)[cid][chunk * rows:(chunk + 1) * rows]
         x, y = self.batch(idx)
         out, fl = self.flops.run(("export", tuple(x.shape)), lambda: device(x))
-        self._charge_compute(cid, fl)
-        feats = transport.pack(out)
-        t = self._charge_upload(cid, feats.nbytes + y.numpy().nbytes, "activations")
+        self.charge_compute(cid, fl)
+        feats = out.cpu().contiguous().numpy()  # to the server's activation store
+        t = self.charge_upload(cid, feats.nbytes + y.numpy().nbytes, "activations")
         return feats, y.numpy(), cid, split, t
 
     def set_global(self, msg: StateMsg, receivers=None, only=None) -> None:
@@ -194,7 +192,7 @@ class AmpereServer(AuxServer):
         if self.epochs_done == 0:  # the server block starts from scratch (its initial weights)
             slot.module.load_state_dict(self.server_init)
             slot.optimizer = make_optimizer(slot.module.parameters(), self.spec.server_optimizer)
-            self.clock = max(self.clock, min(self.arrivals))
+            self.wait_until(min(self.arrivals))
         store = self._store("train")
         if p.consolidate:
             self._train(slot, store.shards, "main")
@@ -206,7 +204,7 @@ class AmpereServer(AuxServer):
             rows = {d: sum(s["rows"] for s in store.shards if s["source"] == d) for d in sources}
             self.merge({d: float(rows[d]) for d in sources})
         if self.epochs_done == 0:  # the first epoch cannot end before the last activations have arrived
-            self.clock = max(self.clock, max(self.arrivals))
+            self.wait_until(max(self.arrivals))
         self.epochs_done += 1
 
     def _train(self, slot, shards: list[dict], key) -> None:
@@ -250,8 +248,8 @@ class AmpereServer(AuxServer):
         """Device block + auxiliary net (device phase) or device block + server block (server phase)."""
         if phase != "device":
             return self.evaluate(client_state)
-        model = self._eval_client
-        model.load_state_dict(transport.unpack_state(client_state.state))
+        model = self.eval_client
+        model.load_state_dict(client_state.tensors())
         model.eval()
         return self.predict(model)
 

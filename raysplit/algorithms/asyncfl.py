@@ -26,13 +26,12 @@ import torch
 from pydantic import Field
 
 from .base import AlgorithmParams, AsyncAlgorithm, register
-from ..runtime import transport
 from ..runtime.events import AsyncServer, Job
 from ..runtime.messages import StateMsg
 
 
-def _to_float(state: dict) -> dict[str, torch.Tensor]:
-    return {k: v.double() for k, v in transport.unpack_state(state).items()}
+def _to_float(msg: StateMsg) -> dict[str, torch.Tensor]:
+    return {k: v.double() for k, v in msg.tensors().items()}
 
 
 class UpdateServer(AsyncServer):
@@ -48,17 +47,17 @@ class UpdateServer(AsyncServer):
         self.start_of[cid] = self.global_model()
 
     def update_of(self, cid: int, msg: StateMsg) -> dict[str, torch.Tensor]:
-        start = _to_float(self.start_of.pop(cid).state)
-        return {k: v - start[k] for k, v in _to_float(msg.state).items()}
+        start = _to_float(self.start_of.pop(cid))
+        return {k: v - start[k] for k, v in _to_float(msg).items()}
 
     def move_global(self, step: dict[str, torch.Tensor], scale: float = 1.0) -> None:
         """x <- x + scale * step (integer buffers rounded back)."""
-        current = transport.unpack_state(self.global_model().state)
+        current = self.global_model().tensors()
         new = {}
         for k, v in current.items():
             moved = v.double() + scale * step[k]
             new[k] = (moved if v.is_floating_point() else moved.round()).to(v.dtype)
-        self.set_global(StateMsg(transport.pack_state(new), weight=1.0))
+        self.set_global(StateMsg.packed(new, weight=1.0))
 
     def state_dict(self) -> dict:
         st = super().state_dict()
@@ -86,7 +85,7 @@ class FedBuffServer(UpdateServer):
         p = self.params
         if p.aggregate == "models":
             self.start_of.pop(cid, None)
-            self.pending.append((cid, _to_float(msg.state)))
+            self.pending.append((cid, _to_float(msg)))
         else:
             self.pending.append((cid, self.update_of(cid, msg)))
         if len(self.pending) < self.buffer_size:
@@ -94,9 +93,9 @@ class FedBuffServer(UpdateServer):
         mean = {k: sum(u[k] for _, u in self.pending) / len(self.pending) for k in self.pending[0][1]}
         self.pending = []
         if p.aggregate == "models":
-            ref = transport.unpack_state(self.global_model().state)
+            ref = self.global_model().tensors()
             state = {k: (v if ref[k].is_floating_point() else v.round()).to(ref[k].dtype) for k, v in mean.items()}
-            self.set_global(StateMsg(transport.pack_state(state), weight=1.0))
+            self.set_global(StateMsg.packed(state, weight=1.0))
         else:
             self.move_global(mean, p.server_lr)
         return True
@@ -174,8 +173,8 @@ class FedAsyncServer(UpdateServer):
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
         p = self.params
         mix = p.alpha * (self.version - job.version + 1) ** (-p.staleness_power)
-        current = _to_float(self.global_model().state)
-        step = {k: v - current[k] for k, v in _to_float(msg.state).items()}
+        current = _to_float(self.global_model())
+        step = {k: v - current[k] for k, v in _to_float(msg).items()}
         self.move_global(step, mix)
         return True
 

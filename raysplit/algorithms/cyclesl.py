@@ -35,7 +35,7 @@ from pydantic import Field
 
 from .base import Algorithm, AlgorithmParams, register
 from ..errors import ConfigError
-from ..runtime import ServerHost, transport
+from ..runtime import ServerHost
 from ..runtime.messages import Activation, Gradient
 from ..runtime.optim import round_lr, set_lr
 
@@ -61,21 +61,15 @@ def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
 class CycleServer(ServerHost):
     """Server host with the CycleSL step and SGLR's server-side rules (``self.params``: the algorithm's Params)."""
 
-    def _pool(self, acts):
-        feats = [transport.unpack(a.x, self.device, writable=True) for a in acts]
-        ys = [torch.as_tensor(np.array(a.y), device=self.device) for a in acts]
-        return feats, ys
-
     def cycle_step(self, *acts: Activation) -> list[Gradient]:
         """Algorithm 1: pool the round's features, train the server for E epochs on resampled batches with
         client-size-weighted loss, freeze it, return each client's gradient on its original features."""
         p = self.params
         slot = self.models["main"]
         model, opt = slot.module, slot.optimizer
-        feats, ys = self._pool(acts)
+        feats, ys = self.receive(acts)
         x_all, y_all = torch.cat(feats), torch.cat(ys)
         w_all = torch.cat([torch.full((len(y),), float(a.weight), device=self.device) for a, y in zip(acts, ys)])
-        self.clock = max([self.clock] + [a.t_sent for a in acts])
         g = torch.Generator().manual_seed(self.spec.seed * 100003 + self.round)
         bs = p.server_batch_size or self.spec.batch_size
         n = len(y_all)
@@ -101,12 +95,10 @@ class CycleServer(ServerHost):
             for a, f, y in zip(acts, feats, ys):
                 x = f.detach().clone().requires_grad_(True)
                 lv = self.step_through(x, y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)), record=False)
-                out.append(Gradient(a.tag, transport.pack(x.grad), self.clock, lv))
+                out.append(self.answer(a, x.grad, lv))
         finally:
             for prm in model.parameters():
                 prm.requires_grad_(True)
-        for gr in out:
-            self.grad_norms.append(float(np.linalg.norm(gr.g)))
         return out
 
     def share_gradients(self, grads: list[Gradient], weights: list[float], active: int) -> list[Gradient]:
@@ -114,9 +106,7 @@ class CycleServer(ServerHost):
         if active < 1:
             return grads
         shared = sglr_shared_gradient([g.g for g in grads[:active]], weights[:active])
-        out = [Gradient(g.tag, np.broadcast_to(shared, g.g.shape).copy(), g.t_sent, g.loss) for g in grads[:active]]
-        self.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out + grads[active:]]
-        return out + grads[active:]
+        return self.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
 
     def cycle_sglr_step(self, *acts: Activation) -> list[Gradient]:
         grads = self.cycle_step(*acts)
@@ -131,20 +121,17 @@ class CycleServer(ServerHost):
             active = int(p.active_fraction * len(acts))
             return self.share_gradients(grads, [a.weight for a in acts], active)
         slot = self.models["main"]
-        feats, ys = self._pool(acts)
+        feats, ys = self.receive(acts)
         x = torch.cat(feats).requires_grad_(True)
         y = torch.cat(ys)
         set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round, self.spec.rounds) * len(acts) ** p.lr_pow)
-        self.clock = max([self.clock] + [a.t_sent for a in acts])
         lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("concat", tuple(x.shape)))
         sizes = np.cumsum([0] + [len(t) for t in ys])
-        slices = [transport.pack(x.grad[sizes[i]:sizes[i + 1]]) for i in range(len(acts))]
+        slices = [x.grad[sizes[i]:sizes[i + 1]] for i in range(len(acts))]
         if self.round < p.comm_fraction * self.spec.rounds:
-            mean = positionwise_mean(slices)
-            slices = [mean[:len(s)].copy() for s in slices]
-        out = [Gradient(a.tag, s, self.clock, lv) for a, s in zip(acts, slices)]
-        self.grad_norms.extend(float(np.linalg.norm(g.g)) for g in out)
-        return out
+            mean = torch.from_numpy(positionwise_mean([s.cpu().numpy() for s in slices]))
+            slices = [mean[:len(s)].clone() for s in slices]
+        return [self.answer(a, s, lv) for a, s in zip(acts, slices)]
 
 
 class CycleParams(AlgorithmParams):

@@ -47,7 +47,6 @@ from pydantic import Field
 from .base import AsyncAlgorithm, AlgorithmParams, SetupInfo, register
 from ..gaussian import LabelGaussian
 from ..data import to_tensor
-from ..runtime import transport
 from ..runtime.events import AsyncServer, EventSetup, Job
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
 
@@ -123,7 +122,7 @@ class GASServer(AsyncServer):
         c = act.tag.client
         w = self.weight_count[c] if self.params.weighting == "recency" else 1.0
         self.weight_count[c] += 1
-        x = transport.unpack(act.x, self.device, writable=True)
+        x = act.features(self.device, writable=True)
         y = torch.as_tensor(np.array(act.y), device=self.device)
         self.buffer.append((x.detach().clone(), y, w))
         model = self.models["main"].module
@@ -141,8 +140,7 @@ class GASServer(AsyncServer):
         finally:
             for prm in model.parameters():
                 prm.requires_grad_(True)
-        self.grad_norms.append(float(x.grad.norm()))
-        return Gradient(act.tag, transport.pack(x.grad), self.clock, lv)
+        return self.answer(act, x.grad, lv)
 
     def should_flush(self) -> bool:
         return len(self.buffer) >= self.buffer_size
@@ -175,7 +173,7 @@ class GASServer(AsyncServer):
                 self.generated += len(g)
         slot = self.models["main"]
         self.step_through(xs, ys, slot.module, [slot.optimizer], tag=Tag(-1, self.round, self.server_updates),
-                          flop_key=("gas_server",), ready_at=self.clock, varying_batch=True)
+                          flop_key=("gas_server",), varying_batch=True)
         if self.params.dissimilarity_batches:
             self.last_update = (xs.detach(), ys)
         self.buffer = []
@@ -203,8 +201,8 @@ class GASServer(AsyncServer):
         the test batches through whichever client's weights its shared client module last held; here it is the
         global model, the paper's intent.) A diagnostic: it changes no model and no clock."""
         server = self.models["main"].module
-        client = self._eval_client
-        client.load_state_dict(transport.unpack_state(self.global_model().state))
+        client = self.eval_client
+        client.load_state_dict(self.global_model().tensors())
         client.eval()
         params = [q for q in server.parameters() if q.requires_grad]
         rng = np.random.default_rng([self.spec.seed, 0xD15, self.version])

@@ -41,7 +41,7 @@ from .base import SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
-from ..runtime import ClientHost, ModelSlot, ServerHost, transport
+from ..runtime import ClientHost, ModelSlot, ServerHost
 from ..runtime.aggregation import average_optimizer_states, average_states
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import Activation, Gradient, StateMsg
@@ -75,13 +75,13 @@ class LabelClient(ClientHost):
         for c, idx in self.train_idx.items():
             v = np.bincount(np.asarray(self.y[idx], dtype=np.int64), minlength=num_classes)
             if charge:
-                self._charge_upload(c, v.nbytes, "labels")
+                self.charge_upload(c, v.nbytes, "labels")
             out[c] = v
         return out
 
-    def own_states(self) -> dict[int, dict]:
-        """Packed own model of every hosted client that has one (evaluation only: not charged)."""
-        return {c: transport.pack_state(st) for c, st in self.own.items()}
+    def own_states(self) -> dict[int, StateMsg]:
+        """The own model of every hosted client that has one (evaluation only: not charged)."""
+        return {c: StateMsg.packed(st) for c, st in self.own.items()}
 
 
 class ConfidentServer(ServerHost):
@@ -104,7 +104,7 @@ class ConfidentServer(ServerHost):
             s.train()
         return np.asarray(self.test_y), tally.result()[1], tally.loss
 
-    def evaluate_client_models(self, *parts: dict) -> tuple[np.ndarray, np.ndarray, float]:
+    def evaluate_client_models(self, *parts: dict[int, StateMsg]) -> tuple[np.ndarray, np.ndarray, float]:
         """SplitFedV3: every client's own part-1 (from ``LabelClient.own_states``) with the server part."""
         states = {c: st for p in parts for c, st in p.items()}
         if not states:
@@ -112,9 +112,9 @@ class ConfidentServer(ServerHost):
         server = self.models["main"].module
         pairs = []
         for c, st in sorted(states.items()):
-            client = copy.deepcopy(self._eval_client)
+            client = copy.deepcopy(self.eval_client)
             if st is not None:
-                client.load_state_dict(transport.unpack_state(st))
+                client.load_state_dict(st.tensors())
             pairs.append((client, server))
         return self._confident(pairs)
 
@@ -124,9 +124,9 @@ class ConfidentServer(ServerHost):
 
     def evaluate_heads(self, client_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """MultiHead: the global part-1 with every client head (the initial part if no head exists yet)."""
-        self._eval_client.load_state_dict(transport.unpack_state(client_state.state))
+        self.eval_client.load_state_dict(client_state.tensors())
         heads = [s.module for k, s in sorted(self.models.items(), key=lambda kv: str(kv[0])) if k != "main"]
-        return self._confident([(self._eval_client, h) for h in heads or [self.models["main"].module]])
+        return self._confident([(self.eval_client, h) for h in heads or [self.models["main"].module]])
 
 
 class HydraServer(ServerHost):

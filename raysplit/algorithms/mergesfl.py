@@ -52,7 +52,7 @@ from pydantic import Field
 from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..clock import FlopCache
 from ..errors import ConfigError
-from ..runtime import ServerHost, transport
+from ..runtime import ServerHost
 from ..runtime.messages import Activation, Gradient
 
 LABEL_BYTES = 8  # an int64 label travels with every sample
@@ -110,17 +110,16 @@ class MergeServer(ServerHost):
         """Feature merging: one step of the server model on the concatenated activations (mean cross-entropy over
         the merged batch); each client gets its slice of the gradient times ``D / d_i`` (module docstring)."""
         slot = self.models["main"]
-        feats = [transport.unpack(a.x, self.device, writable=True) for a in acts]
+        feats, ys = self.receive(acts, stamp=False)  # the step below starts when the last one has arrived
         x = torch.cat(feats).requires_grad_(True)
-        y = torch.cat([torch.as_tensor(np.array(a.y), device=self.device) for a in acts])
+        y = torch.cat(ys)
         lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("merge",),
                                ready_at=max(a.t_sent for a in acts), varying_batch=True)
         bounds = np.cumsum([0] + [len(f) for f in feats])
         out = []
         for a, lo, hi in zip(acts, bounds[:-1], bounds[1:]):
             g = x.grad[lo:hi] * (float(bounds[-1]) / float(hi - lo))
-            self.grad_norms.append(float(g.norm()))
-            out.append(Gradient(a.tag, transport.pack(g), self.clock, lv))
+            out.append(self.answer(a, g, lv))
         mix: LabelMix = self.spec.host_setup
         merged = sum(len(f) * mix.per_client[a.tag.client] for a, f in zip(acts, feats)) / bounds[-1]
         from scipy.stats import entropy  # here, not at import: scipy.stats costs every process ~0.6 s

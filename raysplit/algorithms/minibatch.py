@@ -69,8 +69,7 @@ class MiniBatchServer(CycleServer):
     def minibatch_step(self, key, *acts: Activation) -> list[Gradient]:
         """Each client's gradient from the current server model (frozen), then one step of ``models[key]`` on
         the concatenated activations."""
-        feats, ys = self._pool(acts)
-        self.clock = max([self.clock] + [a.t_sent for a in acts])
+        feats, ys = self.receive(acts)
         main = self.models["main"].module
         grads = self._frozen_gradients(main, acts, feats, ys)
         slot = self.models[key]

@@ -56,7 +56,7 @@ from ..data.augment import Augmenter
 from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
 from ..models.core import ProjectionHead
-from ..runtime import ClientHost, ServerHost, transport
+from ..runtime import ClientHost, ServerHost
 from ..runtime.hosts import build_parts
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
 from ..runtime.optim import make_optimizer, round_lr
@@ -133,18 +133,17 @@ class SemiClient(ClientHost):
 
     def set_teacher(self, msg: StateMsg, receivers: list[int]) -> None:
         """The round's teacher encoder (download charged to the round's clients this worker hosts)."""
-        state = transport.unpack_state(msg.state)
-        self.teacher.load_state_dict(state)
+        self.teacher.load_state_dict(msg.tensors())
         self.teacher.train()
         for c in receivers:
             if int(c) in self.train_idx:
-                self._charge_download(int(c), transport.state_nbytes(state), msg.t_sent, "model")
+                self.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
 
     def batch_indices(self, tag: Tag, batch_size):
         key = (tag.client, tag.round, tag.step)
         if tag.stream == "teacher":
             return self._batch_of.pop(key)
-        self._batch_of[key] = idx = self._draw(tag.client, batch_size)
+        self._batch_of[key] = idx = self.draw(tag.client, batch_size)
         return idx
 
     def inputs(self, tag: Tag, idx):
@@ -209,7 +208,7 @@ class SemiServer(ServerHost):
         p = self.params
         self.cluster_reg = spec.host_setup.cluster_reg
         client, _ = build_parts(spec)
-        client.load_state_dict(transport.unpack_state(data[1]))
+        client.load_state_dict(StateMsg(data[1]).tensors())
         self.encoder = client.to(self.device).train()
         self.classifier = self.models["main"].module
         with torch.no_grad():
@@ -226,8 +225,8 @@ class SemiServer(ServerHost):
         self.history: dict[str, list] = {"loss_x": [], "loss_u": [], "lr": [], "ks": []}
         self._opt_u = None
 
-    def _reset_round(self):
-        super()._reset_round()
+    def reset_round(self):
+        super().reset_round()
         self.round_loss = {"x": [], "u": [], "mask": []}
         self._opt_u = None
 
@@ -272,15 +271,16 @@ class SemiServer(ServerHost):
 
     def encoders(self) -> list[StateMsg]:
         """The student and the teacher encoder, sent to the round's clients."""
-        return [StateMsg(transport.pack_state(m.state_dict()), t_sent=self.clock) for m in (self.encoder, self.t_encoder)]
+        return [self.state_message(m.state_dict()) for m in (self.encoder, self.t_encoder)]
 
     # ---- 3. cross-entity phase ---------------------------------------------------------------------------------
     def semi_step(self, *acts: Activation) -> list[Gradient]:
         """One cross-entity step over every active client's (student, teacher) pair (module docstring)."""
         p, rnd = self.params, self.round
         students, teachers = acts[0::2], acts[1::2]
-        e = torch.cat([transport.unpack(a.x, self.device, writable=True) for a in students]).requires_grad_(True)
-        e_t = torch.cat([transport.unpack(a.x, self.device) for a in teachers])
+        feats, _ = self.receive(acts)  # the server waits for the last of them
+        e = torch.cat(feats[0::2]).requires_grad_(True)
+        e_t = torch.cat(feats[1::2])
         with torch.no_grad():
             t_logits, _ = self.t_heads(e_t)
             k = F.normalize(self.t_heads.proj(e_t), dim=1)
@@ -297,7 +297,6 @@ class SemiServer(ServerHost):
                 return ce
             return ce + queue_contrastive_loss(q, k, labels, mask, self.queue, p.temperature)
 
-        self.clock = max([self.clock] + [a.t_sent for a in acts])
         step = len(self.round_loss["u"])
         lv = self.step_through(e, torch.zeros(len(e)), self.heads, [self._opt_u], tag=Tag(-1, rnd, step, "unsupervised"),
                                flop_key=("semi", len(e)), loss_fn=loss_fn,
@@ -310,14 +309,13 @@ class SemiServer(ServerHost):
             n = s.x.shape[0]
             g = grad[start:start + n]
             start += n
-            self.grad_norms.append(float(g.norm()))
-            out += [Gradient(s.tag, transport.pack(g), self.clock, lv), Gradient(t.tag, None, self.clock, lv)]
+            out += [self.answer(s, g, lv), self.answer(t, None, lv)]
         return out
 
     # ---- 4-6 -------------------------------------------------------------------------------------------------------
     def set_encoder(self, msg: StateMsg) -> None:
         """The aggregate of the clients' encoders becomes the server's student encoder."""
-        self.encoder.load_state_dict(transport.unpack_state(msg.state))
+        self.encoder.load_state_dict(msg.tensors())
 
     @torch.no_grad()
     def evaluate_teacher(self) -> tuple[np.ndarray, np.ndarray, float]:
@@ -480,8 +478,8 @@ class SemiFLClient(SemiClient):
         teacher = copy.deepcopy(slot.module).eval()  # the global model of the round, frozen
         losses = []
         for step in range(steps):
-            idx = self._draw(cid)
-            with self._rng(cid, 2, self.round, step):
+            idx = self.draw(cid)
+            with self.seeded(cid, 2, self.round, step):
                 xw, xs = self.augment(self.x[idx], "weak"), self.augment(self.x[idx], "strong")
                 lam = float(np.random.default_rng([self.spec.seed, cid, self.round, step]).beta(mixup_alpha,
                                                                                                  mixup_alpha))
@@ -502,9 +500,9 @@ class SemiFLClient(SemiClient):
                     return loss
 
                 loss, fl = self.flops.run(("semifl", len(idx)), fwd_bwd)
-            self._clip(slot.module)
+            self.clip_grads(slot.module)
             slot.optimizer.step()
-            self._charge_compute(cid, fl)
+            self.charge_compute(cid, fl)
             self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
             losses.append(loss.item())
         return float(np.mean(losses))
@@ -524,8 +522,8 @@ class SemiFLServer(ServerHost):
     def supervised_global(self) -> StateMsg:
         """The global model after ``ks_initial`` supervised steps on the labelled set (weak views)."""
         p, rnd = self.params, self.round
-        model = self._eval_client
-        model.load_state_dict(transport.unpack_state(self.global_state))
+        model = self.eval_client
+        model.load_state_dict(StateMsg(self.global_state).tensors())
         model.train()
         lr = round_lr(self.spec.server_optimizer, rnd, self.spec.rounds)
         opt = make_optimizer(model.parameters(), {**self.spec.server_optimizer, "lr": lr})
@@ -539,7 +537,7 @@ class SemiFLServer(ServerHost):
             self.step_through(x, torch.as_tensor(y_all[idx], device=self.device), model, [opt],
                               tag=Tag(-1, rnd, step, "supervised"), flop_key=("semifl_server", len(idx)),
                               where=f"the supervised phase, round {rnd}, step {step}")
-        return StateMsg(transport.pack_state(model.state_dict()), t_sent=self.clock)
+        return self.state_message(model.state_dict())
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "global_state": self.global_state}

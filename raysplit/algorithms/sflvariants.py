@@ -28,7 +28,7 @@ from pydantic import Field
 from .ampere import AuxClient, AuxServer, with_auxiliary
 from .base import AlgorithmParams, register
 from .baselines import SFLV1
-from ..runtime import ClientHost, ServerHost, transport
+from ..runtime import ClientHost, ServerHost
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
 
 
@@ -42,7 +42,7 @@ class PiParClient(ClientHost):
 
     def forward(self, tag: Tag, batch_size=None) -> Activation:
         cid = tag.client
-        t0 = self.clock.get(cid, 0.0)
+        t0 = self.now(cid)
         msg = super().forward(tag, batch_size)
         upload = msg.nbytes / self.profiles[cid].up
         self._stages[tag] = (t0, msg.t_sent - t0 - upload, upload, msg.t_sent)
@@ -53,12 +53,11 @@ class PiParClient(ClientHost):
         t0, f, u, arrival = self._stages.pop(tag)
         d = grad.nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
         s = max(grad.t_sent - arrival, 0.0)
-        t_back = max(self.clock[cid], grad.t_sent) + d
+        t_back = max(self.now(cid), grad.t_sent) + d
         end = super().backward(grad)
         b = end - t_back
         m = self.spec.params.micro_batches
-        self.clock[cid] = t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m
-        return self.clock[cid]
+        return self.set_clock(cid, t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m)
 
 
 class PiParParams(AlgorithmParams):
@@ -151,11 +150,11 @@ class ScaffoldClient(ClientHost):
 
     def set_control(self, msg: StateMsg, receivers: list[int]) -> None:
         """The server's control variate for the round (download charged to the round's clients)."""
-        state = transport.unpack_state(msg.state)
+        state = msg.tensors()
         self.c_global = [state[str(i)] for i in range(len(state))] if state else None
         for c in receivers:
             if int(c) in self.train_idx:
-                self._charge_download(int(c), transport.state_nbytes(state), msg.t_sent, "model")
+                self.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
 
     def control_deltas(self, clients: list[int]) -> StateMsg | None:
         """Option II update of each hosted round client's ``c_i``; the sum of the changes goes to the server."""
@@ -172,11 +171,11 @@ class ScaffoldClient(ClientHost):
             new = [ci - cg + (x0 - x) / (steps * lr) for ci, cg, x0, x in zip(own, glob, self.x_start[c], params)]
             delta = {str(i): (n - o) for i, (n, o) in enumerate(zip(new, own))}
             self.c_own[c] = new
-            t = max(t, self._charge_upload(c, transport.state_nbytes(delta), "model"))
+            t = max(t, self.charge_upload(c, sum(v.nbytes for v in delta.values()), "model"))
             total = delta if total is None else {k: total[k] + delta[k] for k in total}
         if total is None:
             return None
-        return StateMsg(transport.pack_state(total), t_sent=t)
+        return StateMsg.packed(total, t_sent=t)
 
     def state_dict(self, clients=None) -> dict:
         return {**super().state_dict(clients), "scaffold": self.c_global}
@@ -192,11 +191,11 @@ class ScaffoldServer(ServerHost):
         self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
 
     def control_msg(self) -> StateMsg:
-        return StateMsg(transport.pack_state(self.control), t_sent=self.clock)
+        return self.state_message(self.control)
 
     def update_control(self, num_clients: int, *partials: StateMsg | None) -> None:
         """c <- c + sum(delta c_i) / N."""
-        parts = [transport.unpack_state(p.state) for p in partials if p is not None]
+        parts = [p.tensors() for p in partials if p is not None]
         step = {k: sum(p[k] for p in parts) / num_clients for k in parts[0]}
         self.control = {k: self.control.get(k, 0) + step[k] for k in step}
 

@@ -77,7 +77,7 @@ class Ready:
 
 
 class ClientCosts:
-    """Predicts client clocks: the same arithmetic as the client hosts (``ClientHost._charge_*``), on FLOPs counted
+    """Predicts client clocks: the same arithmetic as the client hosts (``ClientHost.charge_*``), on FLOPs counted
     once per input shape on a copy of the client part and on message sizes derived from the shapes."""
 
     def __init__(self, client_part: torch.nn.Module, setup: EventSetup, batch_size: int, input_shape: tuple,
@@ -122,7 +122,7 @@ class ClientCosts:
         epoch, start, stop = advance_cursor(self.setup.client_sizes[cid], self.batch_size, cursor)
         return stop - start, (epoch, stop)
 
-    # the steps below mirror ClientHost: join (_charge_download), forward, backward, local steps, leave
+    # the steps below mirror ClientHost: join (charge_download), forward, backward, local steps, leave
     def download(self, cid: int, t: float, t_sent: float, nbytes: int) -> float:
         cost = nbytes / self.setup.profiles[cid].down if self.charge_downloads else 0.0
         return max(t, t_sent) + cost
@@ -317,7 +317,7 @@ class AsyncServer(ServerHost):
         self.version = 0
         self._global = StateMsg(client_init_state, t_sent=0.0, weight=1.0)
         self.uploads: list[StateMsg] = []
-        costs = ClientCosts(self._eval_client, setup, spec.batch_size, spec.input_shape,
+        costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
                             transport.state_nbytes(client_init_state), spec.charge_server)
         self.events = EventLoop(setup, costs, spec.seed)
 
@@ -363,8 +363,8 @@ class AsyncServer(ServerHost):
         self.version += 1
 
     # ---- driving ----------------------------------------------------------------------------------------------
-    def _reset_round(self):
-        super()._reset_round()
+    def reset_round(self):
+        super().reset_round()
         self.staleness: list[int] = []  # global models made while each uploaded job ran
 
     def round_metrics(self) -> dict:

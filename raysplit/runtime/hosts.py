@@ -298,6 +298,11 @@ class ClientHost:
     def _new_module(self) -> torch.nn.Module:
         if self._pool:
             return self._pool.pop()
+        return self.build_module()
+
+    def build_module(self) -> torch.nn.Module:
+        """A fresh client model (its weights are loaded after); a host whose clients hold more than the client part
+        (Ampere's auxiliary net) overrides this. Released models are pooled and reused."""
         client, _ = build_parts(self.spec)
         return client
 
@@ -331,7 +336,7 @@ class ClientHost:
                 self.opt_state[cid] = copy.deepcopy(st)
         self._pool.append(slot.module)
 
-    def _draw(self, cid: int, batch_size: int | None = None) -> np.ndarray:
+    def draw(self, cid: int, batch_size: int | None = None) -> np.ndarray:
         """Indices of the client's next batch; advances its cursor (:func:`advance_cursor`)."""
         idx_all = self.train_idx[cid]
         epoch, start, stop = advance_cursor(len(idx_all), batch_size or self.spec.batch_size, self.cursor[cid])
@@ -350,10 +355,10 @@ class ClientHost:
         return x, y
 
     def next_batch(self, cid: int, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batch(self._draw(cid, batch_size))
+        return self.batch(self.draw(cid, batch_size))
 
     @contextlib.contextmanager
-    def _rng(self, cid: int, *salt: int):
+    def seeded(self, cid: int, *salt: int):
         """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,
         augmentation) does not depend on which worker hosts the client or what ran before on it."""
         with torch.random.fork_rng(devices=[]):
@@ -369,23 +374,41 @@ class ClientHost:
                 self.clock[c] = t0
                 self._dirty.add(int(c))
 
-    def _clip(self, module: torch.nn.Module) -> None:
+    # ---- the cost meter: a client's simulated clock, charged by what it computes and sends ---------------------
+    def now(self, cid: int) -> float:
+        """Client ``cid``'s simulated clock."""
+        return self.clock.get(cid, 0.0)
+
+    def wait_until(self, cid: int, t: float) -> float:
+        """Client ``cid`` cannot go on before ``t`` (e.g. the moment a message it waits for was sent)."""
+        self._dirty.add(cid)
+        self.clock[cid] = max(self.clock[cid], t)
+        return self.clock[cid]
+
+    def set_clock(self, cid: int, t: float) -> float:
+        """Replace client ``cid``'s clock by a timing model's result (PiPar's pipelined step takes less than the sum
+        of the charges made during it)."""
+        self._dirty.add(cid)
+        self.clock[cid] = t
+        return t
+
+    def clip_grads(self, module: torch.nn.Module) -> None:
         if self.spec.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
 
-    def _charge_compute(self, cid: int, flops: float) -> None:
+    def charge_compute(self, cid: int, flops: float) -> None:
         self._dirty.add(cid)
         self.clock[cid] += flops / self.profiles[cid].flops
         self.round_stats[cid].add(flops=flops)
 
-    def _charge_upload(self, cid: int, nbytes: int, kind: str) -> float:
+    def charge_upload(self, cid: int, nbytes: int, kind: str) -> float:
         """Client ``cid`` sends ``nbytes`` of ``kind`` (activations, model, labels): counted in total and by kind."""
         self._dirty.add(cid)
         self.clock[cid] += nbytes / self.profiles[cid].up
         self.round_stats[cid].add(bytes_up=nbytes, **{f"bytes_up_{kind}": nbytes})
         return self.clock[cid]
 
-    def _charge_download(self, cid: int, nbytes: int, t_sent: float, kind: str) -> float:
+    def charge_download(self, cid: int, nbytes: int, t_sent: float, kind: str) -> float:
         """A message of ``nbytes`` of ``kind`` (gradients, model) sent at ``t_sent`` reaches client ``cid`` (which
         may still be busy); with ``charge_server`` off (GAS's code) the transfer takes no time."""
         cost = nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
@@ -403,20 +426,20 @@ class ClientHost:
         idx = self.batch_indices(tag, batch_size)
         if self.spec.asynchronous:  # what a checkpoint needs to rebuild this forward's graph (load_state_dict)
             self._replay[tag] = (idx, {k: b.detach().clone() for k, b in slot.module.named_buffers()})
-        with self._rng(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+        with self.seeded(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
             x, y = self.inputs(tag, idx)
             encode = self.encoder(tag, slot)
             out, fl = self.flops.run(("fwd", tuple(x.shape)), lambda: encode(x))
         self.pending[tag] = out
-        self._charge_compute(cid, fl)
+        self.charge_compute(cid, fl)
         msg = Activation(tag, transport.pack(out), y, 0.0, float(len(self.train_idx[cid])))
-        msg.t_sent = self._charge_upload(cid, msg.nbytes, "activations")
+        msg.t_sent = self.charge_upload(cid, msg.nbytes, "activations")
         return msg
 
     # hooks of forward (a semi-supervised host draws one batch for two streams, augments, has a teacher encoder)
     def batch_indices(self, tag: Tag, batch_size: int | None) -> np.ndarray:
         """The samples of this forward: the client's next batch."""
-        return self._draw(tag.client, batch_size)
+        return self.draw(tag.client, batch_size)
 
     def inputs(self, tag: Tag, idx: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """Model input and the labels sent with the activation."""
@@ -445,7 +468,7 @@ class ClientHost:
         self._replay.pop(tag, None)
         cid = tag.client
         slot = self.slots[cid]
-        self._charge_download(cid, grad.nbytes, grad.t_sent, "gradients")
+        self.charge_download(cid, grad.nbytes, grad.t_sent, "gradients")
         self.round_stats[cid].add(steps=1)
         why = grad.rejected
         if not why and grad.g is not None:
@@ -454,7 +477,7 @@ class ClientHost:
             if self.spec.on_bad_client == "fail":
                 raise _bad_input(where_of(tag), f"rejected by the client: {why}")
             # the backward pass is charged as if it had run (the event loop predicts the client's clock so)
-            self._charge_compute(cid, self.backward_pass(tag, out, torch.zeros_like(out)))
+            self.charge_compute(cid, self.backward_pass(tag, out, torch.zeros_like(out)))
         if why:
             self.drop(cid, why)
         if grad.g is None or cid in self.dropped:
@@ -464,7 +487,7 @@ class ClientHost:
         fl = self.backward_pass(tag, out, g)
         self.before_step(cid, slot)
         slot.optimizer.step()
-        self._charge_compute(cid, fl)
+        self.charge_compute(cid, fl)
         return self.clock[cid]
 
     def drop(self, cid: int, why: str) -> None:
@@ -481,13 +504,13 @@ class ClientHost:
 
     def before_step(self, cid: int, slot: ModelSlot) -> None:
         """Last touch on the gradients before the optimizer steps: clipping (``train.clip_grad_norm``)."""
-        self._clip(slot.module)
+        self.clip_grads(slot.module)
 
     def local_train(self, cid: int, steps: int) -> float:
         """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss."""
         slot = self.activate(cid)
         losses = []
-        with self._rng(cid, 1, self.round):
+        with self.seeded(cid, 1, self.round):
             for _ in range(steps):
                 losses.append(self._local_step(cid, slot))
         return float(np.mean(losses))
@@ -505,7 +528,7 @@ class ClientHost:
         check_finite(loss.item(), self.spec.stop_on_nonfinite, f"round {self.round}, client {cid}")
         self.before_step(cid, slot)
         slot.optimizer.step()
-        self._charge_compute(cid, fl)
+        self.charge_compute(cid, fl)
         self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
         return loss.item()
 
@@ -521,7 +544,7 @@ class ClientHost:
         if not mine:
             return None
         states = [self._state_of(c) for c, _ in mine]
-        t = max(self._charge_upload(c, transport.state_nbytes(st), "model") for (c, _), st in zip(mine, states))
+        t = max(self.charge_upload(c, transport.state_nbytes(st), "model") for (c, _), st in zip(mine, states))
         acc = weighted_sum(states, [w for _, w in mine])
         return StateMsg(transport.pack_state(acc), t_sent=t, weight=float(sum(w for _, w in mine)))
 
@@ -545,12 +568,12 @@ class ClientHost:
             if c in self.train_idx:
                 if c in self.slots:
                     self.slots[c].module.load_state_dict(state)
-                self._charge_download(c, nb, msg.t_sent, "model")
+                self.charge_download(c, nb, msg.t_sent, "model")
 
     def get_state(self, cid: int) -> StateMsg:
         """Client ``cid`` sends its current model (upload charged)."""
         st = self._state_of(cid)
-        t = self._charge_upload(cid, transport.state_nbytes(st), "model")
+        t = self.charge_upload(cid, transport.state_nbytes(st), "model")
         return StateMsg(transport.pack_state(st), t_sent=t, weight=float(len(self.train_idx[cid])))
 
     def load_state(self, cid: int, msg: StateMsg) -> None:
@@ -560,7 +583,7 @@ class ClientHost:
         self._dirty.add(cid)
         if cid in self.slots:
             self.slots[cid].module.load_state_dict(state)
-        self._charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
+        self.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
 
     # ---- asynchronous jobs (the event driver) ---------------------------------------------------------------------
     def join(self, cid: int, msg: StateMsg, t0: float, rnd: int) -> float:
@@ -575,12 +598,12 @@ class ClientHost:
         self._dirty.add(cid)
         self.dropped.pop(cid, None)
         self.activate(cid, state=state, rnd=rnd)
-        return self._charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
+        return self.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
 
     def local_job(self, cid: int, steps: int) -> float:
         """``steps`` local SGD batches of the client's whole part (asynchronous FL); returns the mean loss."""
         slot = self.slots[cid]
-        with self._rng(cid, 1, self.job_round.get(cid, 0)):
+        with self.seeded(cid, 1, self.job_round.get(cid, 0)):
             self.job_loss[cid] = float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
         return self.job_loss[cid]
 
@@ -710,7 +733,7 @@ class ClientHost:
             after = {k: b.detach().clone() for k, b in module.named_buffers()}
             module.load_state_dict(buffers, strict=False)
             x, _ = self.batch(idx)
-            with self._rng(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+            with self.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
                 self.pending[tag] = module(x)
             module.load_state_dict(after, strict=False)
             self._replay[tag] = (idx, buffers)
@@ -740,7 +763,7 @@ class ServerHost:
         server.load_state_dict(transport.unpack_state(init_state))
         server.to(self.device).train()
         self.models: dict = {"main": ModelSlot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
-        self._eval_client = client.to(self.device)
+        self.eval_client = client.to(self.device)
         self.test_x, self.test_y = test["x"], test["y"]
         self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
         self.flops = FlopCache()
@@ -750,9 +773,9 @@ class ServerHost:
         self._act_form: tuple | None = None  # (per-sample shape, dtype) of a valid activation
         self._varargs: dict[str, bool] = {}
         self._unbatched: str | None = None  # why vmap refused the server model (batched_copies falls back)
-        self._reset_round()
+        self.reset_round()
 
-    def _reset_round(self):
+    def reset_round(self):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.round_flops = 0.0
@@ -765,7 +788,7 @@ class ServerHost:
     def begin_round(self, rnd: int, t0: float) -> None:
         self.round = rnd
         self.clock = max(self.clock, t0)
-        self._reset_round()
+        self.reset_round()
         for slot in self.models.values():
             set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
 
@@ -837,7 +860,7 @@ class ServerHost:
 
     def client_encoder(self) -> torch.nn.Module:
         """The module whose output a client sends (the client part)."""
-        return self._eval_client
+        return self.eval_client
 
     # ---- the one training step ---------------------------------------------------------------------------------
     def step_through(self, x: torch.Tensor, y: torch.Tensor, module, optimizers: list, *, tag: Tag, flop_key: tuple,
@@ -887,12 +910,49 @@ class ServerHost:
         y = torch.tensor(act.y, device=self.device)
         lv = self.step_through(x, y, module, optimizers, tag=act.tag, flop_key=("train", flop_key, tuple(x.shape)),
                                ready_at=act.t_sent)
-        return self._answer(act, x.grad, lv)
+        return self.answer(act, x.grad, lv)
 
-    def _answer(self, act: Activation, g: torch.Tensor, lv: float) -> Gradient:
-        """The client's gradient for ``act``, sent at the server's clock (its norm logged)."""
+    def answer(self, act: Activation | Tag, g: torch.Tensor | None, lv: float) -> Gradient:
+        """The client's gradient for ``act`` (an activation or its tag), sent at the server's clock, its norm
+        logged; ``g`` None: nothing goes back for this activation (e.g. a teacher stream)."""
+        tag = act.tag if isinstance(act, Activation) else act
+        if g is None:
+            return Gradient(tag, None, self.clock, lv)
         self.grad_norms.append(float(g.norm()))
-        return Gradient(act.tag, transport.pack(g), self.clock, lv)
+        return Gradient(tag, transport.pack(g), self.clock, lv)
+
+    def revise(self, grads: list[Gradient], values: list) -> list[Gradient]:
+        """A rule applied on top of the gradients just answered (SGLR's sharing): the first ``len(values)`` of
+        ``grads`` carry ``values`` instead (same tags, times and losses), the rest are kept; the logged gradient
+        norms follow."""
+        new = [Gradient(g.tag, v.detach().cpu().contiguous().numpy() if isinstance(v, torch.Tensor) else v,
+                        g.t_sent, g.loss) for g, v in zip(grads, values)]
+        out = new + list(grads[len(values):])
+        self.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out]
+        return out
+
+    def receive(self, acts: list[Activation] | tuple, writable: bool = True, stamp: bool = True
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The activations' features and labels as tensors on the server's device (``writable``: owned copies a
+        step may change); ``stamp``: the server waits for the last of them to arrive (its clock)."""
+        feats = [transport.unpack(a.x, self.device, writable=writable) for a in acts]
+        ys = [torch.as_tensor(np.array(a.y), device=self.device) for a in acts]
+        if stamp:
+            self.wait_until(max(a.t_sent for a in acts))
+        return feats, ys
+
+    def now(self) -> float:
+        """The server's simulated clock."""
+        return self.clock
+
+    def wait_until(self, t: float) -> float:
+        """The server cannot go on before ``t``."""
+        self.clock = max(self.clock, t)
+        return self.clock
+
+    def state_message(self, state: dict[str, torch.Tensor], **kw) -> StateMsg:
+        """``state`` as a message sent now (at the server's clock)."""
+        return StateMsg.packed(state, t_sent=self.clock, **kw)
 
     def train_step(self, act: Activation, key="main") -> Gradient:
         """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
@@ -930,7 +990,7 @@ class ServerHost:
             lv, g, fl = done[i]
             slot = self.models[a.tag.client]
             self.settle_step(lv, fl, slot.module, [slot.optimizer], tag=a.tag, ready_at=a.t_sent)
-            out.append(self._answer(a, g, lv))
+            out.append(self.answer(a, g, lv))
             self.busy_wall += time.perf_counter() - t_wall
         return out
 
@@ -998,7 +1058,7 @@ class ServerHost:
             raise BadClientInput(f"round {self.round}: every client of the round was dropped "
                                  f"(runtime.on_bad_client: drop), nothing to aggregate: {self.drops}")
         total = sum(p.weight for p in parts)
-        state = finish_average([p.state for p in parts], total, self._eval_client.state_dict())
+        state = finish_average([p.state for p in parts], total, self.eval_client.state_dict())
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
 
     def get_state(self, key="main") -> StateMsg:
@@ -1015,7 +1075,7 @@ class ServerHost:
     @torch.no_grad()
     def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
         """The given client model and ``models[key]`` on the global test set."""
-        client, server = self._eval_client, self.models[key].module
+        client, server = self.eval_client, self.models[key].module
         client.load_state_dict(transport.unpack_state(client_state.state))
         client.eval(), server.eval()
         out = self.predict(lambda x: server(client(x)))

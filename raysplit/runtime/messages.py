@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from raysplit.runtime import transport
 
 
 @dataclass(frozen=True, order=True)
@@ -26,6 +29,10 @@ class Activation:
     @property
     def nbytes(self) -> int:
         return int(self.x.nbytes + self.y.nbytes)
+
+    def features(self, device: torch.device | str = "cpu", writable: bool = False) -> torch.Tensor:
+        """The smashed data as a tensor (``writable``: an owned copy)."""
+        return transport.unpack(self.x, device, writable=writable)
 
 
 @dataclass
@@ -50,3 +57,16 @@ class StateMsg:
     weight: float = 0.0
     loss: float = float("nan")  # an asynchronous client's mean training loss over the job it just finished
     rejected: str = ""  # the client was dropped during the job that produced this model: the server ignores it
+
+    @classmethod
+    def packed(cls, state: dict[str, torch.Tensor], **kw) -> StateMsg:
+        """A message carrying ``state`` (tensors) in the wire format."""
+        return cls(transport.pack_state(state), **kw)
+
+    def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The carried state as tensors."""
+        return transport.unpack_state(self.state, device)
+
+    @property
+    def nbytes(self) -> int:
+        return transport.state_nbytes(self.state)
