@@ -19,6 +19,8 @@ from raysplit.runtime import ClientHost
     {"name": "psl"},  # per-client server copies (SFLV1 is PSL plus the client models' FedAvg on the driver)
     {"name": "sflv2", "order": "random"},  # steps of different clients interleaved
     {"name": "hydra", "order": "cyclic_reverse", "phi": 2},
+    {"name": "cyclesglr"},  # pooled steps: frozen-server gradients, SGLR's sharing revised on the server
+    {"name": "s2fl"},  # pooled steps over groups, a server copy per group forked and merged every iteration
 ], ids=lambda a: "-".join(map(str, a.values())))
 def test_direct_steps_bit_identical_to_driver_chained(ray_session, tmp_path, mlflow_uri, algorithm):
     over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
@@ -101,3 +103,23 @@ def test_server_aggregate_handles_zero_dim_buffers(tmp_path, mlflow_uri):
     out = host.aggregate(StateMsg(a, weight=1.0), StateMsg(b, weight=1.0))
     st = transport.unpack_state(out.state)
     assert st[nbt].dtype == torch.int64 and int(st[nbt]) == 3  # (2*1 + 4*1) / 2
+
+
+@pytest.mark.parametrize("algorithm", [
+    {"name": "sflv2", "order": "random"},  # split steps, clients interleaved
+    {"name": "psl"},  # split steps on per-client copies
+    {"name": "splitnn"},  # one client's split steps after another's, the client model handed on
+    {"name": "cyclesglr"},  # pooled steps
+    {"name": "s2fl"},  # pooled steps over groups with server copies
+], ids=lambda a: "-".join(map(str, a.values())))
+def test_the_driver_chained_port_runs_the_same_loops_bit_for_bit(tmp_path, mlflow_uri, monkeypatch, algorithm):
+    """One loop per kind of step (runtime/stepping.py): run where the server lives (``LocalPort``) or from the
+    driver with every call a handle (``DriverPort``, what ``runtime.direct_steps: false`` uses), the clients get
+    the same calls in the same order: same weights bit for bit, clocks, losses and steps."""
+    from raysplit.runtime import LocalBackend
+
+    over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
+            "train.optimizer.momentum": 0.9, "runtime.backend": "local"}
+    direct = run_rounds(make_config(tmp_path, mlflow_uri, **over))
+    monkeypatch.setattr(LocalBackend, "direct_steps", False)
+    assert_identical_runs(direct, run_rounds(make_config(tmp_path, mlflow_uri, **over)))

@@ -3,7 +3,8 @@
 
 from .base import (ALGORITHMS, Algorithm, AlgorithmParams, AsyncAlgorithm, SetupInfo, algorithm_params,
                    get_algorithm, register)
-from . import ampere, asyncfl, baselines, cyclesl, gas, hydra, mergesfl, minibatch, semisfl, sflvariants  # noqa: F401
+from . import (ampere, asyncfl, baselines, cyclesl, gas, hydra, mergesfl, minibatch, semisfl, sflprox,  # noqa: F401
+               sflvariants)
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "AsyncAlgorithm", "SetupInfo", "algorithm_params", "get_algorithm",
            "register"]

@@ -43,8 +43,7 @@ class SplitNN(Algorithm):
         for c in orders.client_order(self.params.order, clients, rng):
             if prev is not None:
                 rt.client(c).load_state(prev)
-            for s in range(self.steps_for(rt, c)):
-                rt.backward(c, rt.server.train_step(rt.forward(c, s)))
+            rt.split_steps([c] * self.steps_for(rt, c))
             prev = rt.client(c).get_state()
         rt.install(prev)
         return prev

@@ -170,11 +170,9 @@ class PooledRound(Algorithm):
                               "train.local_epochs is not supported")
 
     def pooled_steps(self, rt, clients) -> None:
-        serve = getattr(rt.server.returning(len(clients)), self.server_method)
-        for s in range(self.local_steps):
-            acts = [rt.forward(c, s) for c in clients]
-            for c, g in zip(clients, serve(*acts)):
-                rt.backward(c, g)
+        """The round's ``local_steps`` pooled steps through the runtime's one engine (server-driven, over the
+        compiled transport where the backend offers it)."""
+        rt.pooled_steps(clients, self.local_steps, self.server_method)
 
 
 @register

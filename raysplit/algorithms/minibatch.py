@@ -66,6 +66,27 @@ def balanced_groups(clients: list[int], counts: np.ndarray, num_groups: int, max
 
 
 class MiniBatchServer(CycleServer):
+    def set_groups(self, keys: list, group_of: dict[int, object]) -> None:
+        """This round's groups: client -> the server model (``keys``: ``main``, or one copy per group) it trains."""
+        self.keys, self.group_of = list(keys), {int(c): k for c, k in group_of.items()}
+
+    def grouped_step(self, *acts: Activation) -> list[Gradient]:
+        """One iteration of every group (``set_groups``): with several groups the copies are forked from the
+        server model, each group steps its copy on its activations (its clients' gradients from the frozen server
+        model) and the copies are averaged; one group steps the server model itself. Gradients in ``acts``'
+        order."""
+        copies = self.keys != ["main"]
+        if copies:
+            self.fork(self.keys)
+        grads = {}
+        for key in self.keys:
+            mine = [a for a in acts if self.group_of[a.tag.client] == key]
+            if mine:  # a group whose every activation was withheld (on_bad_client: drop) does not step
+                grads.update(zip((a.tag for a in mine), self.minibatch_step(key, *mine)))
+        if copies:
+            self.merge({k: 1.0 for k in self.keys})
+        return [grads[a.tag] for a in acts]
+
     def minibatch_step(self, key, *acts: Activation) -> list[Gradient]:
         """Each client's gradient from the current server model (frozen), then one step of ``models[key]`` on
         the concatenated activations."""
@@ -106,17 +127,9 @@ class MiniBatchSFL(PooledRound):
     def iterate(self, rt, groups: list[list[int]], keys: list) -> None:
         """``local_steps`` iterations; several groups train server copies (``keys``) that are averaged after
         every iteration, a single group trains the server model itself (key ``main``)."""
-        copies = keys != ["main"]
-        bs = self.batch_sizes(rt, [c for g in groups for c in g])
-        for s in range(self.local_steps):
-            if copies:
-                rt.server.fork(keys)
-            for group, key in zip(groups, keys):
-                acts = [rt.forward(c, s, batch_size=bs[c]) for c in group]
-                for c, g in zip(group, rt.server.returning(len(group)).minibatch_step(key, *acts)):
-                    rt.backward(c, g)
-            if copies:
-                rt.server.merge({k: 1.0 for k in keys})
+        order = [c for g in groups for c in g]
+        rt.server.set_groups(keys, {c: k for g, k in zip(groups, keys) for c in g})
+        rt.pooled_steps(order, self.local_steps, "grouped_step", batch_sizes=self.batch_sizes(rt, order))
 
     def run_round(self, rt, rnd, clients, rng):
         self.iterate(rt, [list(clients)], ["main"])

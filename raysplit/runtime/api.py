@@ -210,39 +210,25 @@ class Runtime:
         if self.backend.direct_steps:
             self.backend.drive("steps", route, plan, method, batch_size, self.window)
             return
-        b, pending = self.backend, {}
-        for action in stepping.schedule(plan, route.__getitem__, self.window):
-            s = plan[action[1]]
-            k = (s.client, s.tag.stream)
-            if action[0] == "fwd":
-                pending[k] = b.call(self.worker_of(s.client), "forward", s.tag, batch_size)
-                continue
-            self.backward(s.client, b.call(b.server, "serve", method, pending.pop(k), s.key))
-            if action[2]:  # the server-driven loop sends these two calls as one message
-                pending[k] = b.call(self.worker_of(s.client), "forward", s.next, batch_size)
+        stepping.drive_steps(DriverServer(self.backend), plan, method, batch_size, self.window, DriverPort(self, route))
 
     def pooled_steps(self, clients: list[int], steps: int | dict[int, int], method: str,
                      streams: tuple[str, ...] = ("main",), batch_sizes: dict | None = None) -> None:
         """Pooled steps of the round's ``clients`` (``steps``: a count for all, or per client; client ``c`` takes
         part in steps ``0 .. steps[c] - 1``): per step each client forwards one batch per stream, the server
         method receives all activations at once (clients in order, streams in order within a client) and returns
-        one gradient per activation (CycleSL-style pooling, Semi-SFL's two streams, batched server copies).
-        Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise chained through the
-        driver with each client host receiving the same calls in the same order."""
+        one gradient per activation (CycleSL-style pooling, MiniBatch-SFL's groups, Semi-SFL's two streams,
+        batched server copies). Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise
+        the same loop chained through the driver (:class:`DriverPort`)."""
         getattr(self.server.returning(1), method)  # an unknown server method fails here, on the driver
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
+        route = self.route(clients)
         if self.backend.direct_steps:
-            self.backend.drive("pooled", self.route(clients), clients, tuple(streams), steps, self.round, method,
-                               sizes)
+            self.backend.drive("pooled", route, clients, tuple(streams), steps, self.round, method, sizes)
             return
-        count = stepping.step_counts(clients, steps)
-        for k in range(max(count.values(), default=0)):
-            here = [c for c in clients if count[c] > k]
-            acts = [self.forward(c, k, s, sizes[c]) for c in here for s in streams]
-            grads = getattr(self.server.returning(len(acts)), method)(*acts)
-            for i, g in enumerate(grads):
-                self.backward(here[i // len(streams)], g)
+        stepping.drive_pooled(DriverServer(self.backend, many=True), clients, tuple(streams), steps, self.round,
+                              method, sizes, DriverPort(self, route))
 
     def run_events(self, rnd: int) -> RoundStats:
         """One global round of an asynchronous algorithm: the server host's event loop
@@ -343,6 +329,52 @@ class Runtime:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+class DriverPort:
+    """:class:`stepping.ClientPort` of the driver-chained path (``runtime.direct_steps: false``): the step loops of
+    runtime/stepping.py run on the driver, every call goes out at once and returns a handle, and nothing blocks
+    here (a handle passed as an argument is resolved where the call runs), so forward -> server -> backward are
+    chained without the driver waiting. The backward handles are bounded by ``Runtime.max_in_flight`` and awaited
+    by ``end_round``. ``forward_many`` goes out as one ``forward`` per stream, each result its own handle."""
+
+    def __init__(self, rt: "Runtime", route: dict[int, int]):
+        self.rt, self.route = rt, route
+
+    def worker(self, cid: int) -> int:
+        return self.route[cid]
+
+    def submit(self, cid: int, calls: list[tuple[str, tuple]]):
+        b, host, out = self.rt.backend, self.rt.worker_of(cid), None
+        for method, args in calls:
+            if method == "backward":
+                out = self.rt.backward(cid, *args)
+            elif method == "forward_many":
+                tags, batch_size = args
+                out = [b.call(host, "forward", tag, batch_size) for tag in tags]
+            else:
+                out = b.call(host, method, *args)
+        return out
+
+    def fetch(self, handle):
+        return handle
+
+    def wait(self, handles: list) -> None:
+        pass  # Runtime.backward keeps them; end_round awaits them
+
+
+class DriverServer:
+    """The server host as the step loops see it from the driver: ``serve`` returns a handle (``many``: one handle
+    per activation it is given, for a method returning one gradient each)."""
+
+    def __init__(self, backend, many: bool = False):
+        self.backend, self.many = backend, many
+
+    def serve(self, method: str, *args):
+        b = self.backend
+        if self.many:
+            return b.call_n(b.server, len(args), "serve", method, *args)
+        return b.call(b.server, "serve", method, *args)
 
 
 class LocalPort:
