@@ -96,7 +96,7 @@ def main():
     a = ap.parse_args()
     import ray
 
-    from raysplit.runtime.ray_backend import HostActor
+    from raysplit.runtime.ray_actors import HostActor
 
     sysc = {"max_direct_call_object_size": a.inline_bytes} if a.inline_bytes else None
     ray.init(num_cpus=4, object_store_memory=1024**3, include_dashboard=False, log_to_driver=True, _system_config=sysc)

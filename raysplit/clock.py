@@ -98,29 +98,3 @@ def nbytes(t) -> int:
     if isinstance(t, torch.Tensor):
         return t.element_size() * t.nelement()
     return int(np.asarray(t).nbytes)
-
-
-class EventQueue:
-    """Events ordered by simulated time for asynchronous algorithms (GAS, FedBuff-style buffers).
-
-    Ties are broken by insertion order, so the processing order is a pure function of the seed-drawn profiles
-    and the algorithm's actions, never of the machine running the simulation.
-    """
-
-    def __init__(self):
-        import heapq
-
-        self._heapq = heapq
-        self._heap: list[tuple[float, int, object]] = []
-        self._seq = 0
-
-    def push(self, time: float, item) -> None:
-        self._heapq.heappush(self._heap, (float(time), self._seq, item))
-        self._seq += 1
-
-    def pop(self) -> tuple[float, object]:
-        t, _, item = self._heapq.heappop(self._heap)
-        return t, item
-
-    def __len__(self) -> int:
-        return len(self._heap)

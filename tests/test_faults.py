@@ -30,7 +30,7 @@ def _closed_channel(g):
     """What a compiled port raises in the server actor when client actor ``g``'s channel closes."""
     from ray.exceptions import RayChannelError
 
-    from raysplit.runtime.ray_backend import _channel_closed
+    from raysplit.runtime.ray_actors import _channel_closed
     raise _channel_closed(g, RayChannelError("Channel closed."))
 
 

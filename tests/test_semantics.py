@@ -149,15 +149,6 @@ def test_gradient_pairs_by_tag_not_arrival(tmp_path, mlflow_uri):
         host.backward(Gradient(Tag(0, 0, 5), np.zeros_like(a0.x), 0.0))
 
 
-def test_event_queue_orders_by_simulated_time_then_insertion():
-    from raysplit.clock import EventQueue
-
-    q = EventQueue()
-    for t, item in [(3.0, "c"), (1.0, "a"), (2.0, "b1"), (2.0, "b2"), (0.5, "z")]:
-        q.push(t, item)
-    assert [q.pop()[1] for _ in range(len(q))] == ["z", "a", "b1", "b2", "c"]
-
-
 def test_gas_cell_profile_matches_the_formula():
     from raysplit.clock import draw_profiles, gas_cell_rate
     from raysplit.config import ClockConfig
@@ -174,7 +165,7 @@ def test_gas_cell_profile_matches_the_formula():
 
 
 def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_uri):
-    from raysplit.runtime.hosts import round_lr
+    from raysplit.runtime.optim import round_lr
 
     cfg = {"lr": 0.05, "decay": 0.5, "min_lr": 0.01}
     assert [round_lr(cfg, r) for r in range(4)] == pytest.approx([0.05, 0.025, 0.0125, 0.01])

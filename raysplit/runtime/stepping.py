@@ -120,7 +120,7 @@ def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | No
     ``window`` per client worker, so the clients compute in parallel), per step the server method
     ``method(activation, key)`` runs here and its gradient goes back, with that client's next forward in the same
     message where the schedule bundles them. Each client host receives the same calls in the same order as the
-    driver-chained path (the same loop on the driver: ``api.DriverPort``), so both give the same results bit for
+    driver-chained path (the same loop on the driver: ``ports.DriverPort``), so both give the same results bit for
     bit. Activations reach ``method`` through ``ServerHost.serve`` (screened)."""
     pending = {}
     last = []
@@ -149,7 +149,7 @@ def drive_pooled(server_host, clients: list[int], streams: tuple[str, ...], step
     for all, or per client: client ``c`` takes part in steps ``0 .. steps[c] - 1``) sends one activation per
     stream (``ClientHost.forward_many``), the server method gets all of them at once (clients in the given order,
     each client's streams in order) and returns one gradient per activation, which goes back with the client's
-    next forwards (one message). Run on the driver (``api.DriverPort``) it is the driver-chained path."""
+    next forwards (one message). Run on the driver (``ports.DriverPort``) it is the driver-chained path."""
 
     def serve(*args):
         return server_host.serve(method, *args)

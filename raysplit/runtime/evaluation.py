@@ -1,0 +1,41 @@
+"""The one evaluation loop (predictions and loss over a test set in batches)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raysplit.data import DataSpec, to_tensor
+
+
+
+class EvalTally:
+    """Labels, predictions and summed loss of an evaluation, accumulated batch by batch."""
+
+    def __init__(self):
+        self.ys: list[np.ndarray] = []
+        self.preds: list[np.ndarray] = []
+        self.loss = 0.0
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, float]:
+        if not self.ys:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0
+        return np.concatenate(self.ys), np.concatenate(self.preds), self.loss
+
+
+@torch.no_grad()
+def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_size: int,
+                    logits: Callable[[torch.Tensor], torch.Tensor], tally: EvalTally, device="cpu") -> EvalTally:
+    """The one evaluation loop: ``logits`` of every batch of ``x``, cross-entropy summed into ``tally``."""
+    for i in range(0, len(y), batch_size):
+        xb = to_tensor(x[i:i + batch_size], data_spec).to(device)
+        yb = torch.tensor(np.asarray(y[i:i + batch_size]), dtype=torch.long, device=device)  # a copy: y may be read-only
+        out = logits(xb)
+        tally.loss += F.cross_entropy(out, yb, reduction="sum").item()
+        tally.ys.append(yb.cpu().numpy())
+        tally.preds.append(out.argmax(1).cpu().numpy())
+    return tally
+

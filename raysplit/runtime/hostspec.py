@@ -1,0 +1,141 @@
+"""What every host is built from: its spec, a client's model slot, the parts of the model, a client's data
+cursor, the finite-loss rule, and the small helpers hosts share (thread limits, owned copies, host calls)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import threadpoolctl
+import torch
+
+from raysplit.errors import BadClientInput
+from raysplit.data import DataSpec
+
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss became NaN or inf; the message names the round and client."""
+
+
+class NonFiniteInput(NonFiniteLossError, BadClientInput):
+    """A NaN or inf activation or gradient under ``on_bad_client: fail``: a client's fault and, like a non-finite
+    loss, what a diverged run shows (a sweep reports it as diverged, not as a failure to retry)."""
+
+
+def _bad_input(where: str, why: str) -> BadClientInput:
+    return (NonFiniteInput if "NaN or inf" in why else BadClientInput)(f"{where}: {why}")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Everything a host needs to build itself; prepared once on the driver and shipped to every actor."""
+
+    model: str
+    num_classes: int
+    input_shape: tuple
+    model_options: dict
+    cut: int | None  # None: the client holds the whole model (FedAvg)
+    client_optimizer: dict
+    server_optimizer: dict
+    data_spec: DataSpec
+    batch_size: int
+    seed: int
+    eval_batch_size: int = 1000
+    torch_threads: int | None = 1
+    device: str = "cpu"
+    server_flops: float = 1e12
+    persist_client_models: bool = False  # no global client model: every client keeps its own
+    stop_on_nonfinite: bool = True  # train.stop_on_nonfinite, on the client and the server path alike
+    rounds: int = 1  # train.rounds (schedules that depend on the run's length, e.g. SGLR's comm_fraction)
+    params: Any = None  # the algorithm's validated Params (``algorithm:`` section)
+    host_setup: Any = None  # what the algorithm derived at setup for its hosts (``Algorithm.host_setup``)
+    clip_grad_norm: float | None = None  # train.clip_grad_norm: clip every step's gradients (clients and server)
+    asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
+    charge_server: bool = True  # server compute and downloads cost simulated time (False: GAS's code)
+    on_bad_client: str = "fail"  # runtime.on_bad_client: a rejected activation/gradient fails the run or drops
+    client_state_bytes: int | None = None  # runtime.client_state_mb: per client host, the rest spills to disk
+    spill_dir: str | None = None  # runtime.spill_dir: where (None: the system's temporary directory)
+    batched_copies: bool = False  # runtime.batched_copies: per-client server copies step in one batched computation
+
+
+@dataclass
+class ModelSlot:
+    """A module with its optimizer: a client being trained this round, the server model, a copy or a head."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Client part and server part of the configured model (random init; callers load states)."""
+    from raysplit.models import build_model
+
+    model = build_model(spec.model, spec.num_classes, tuple(spec.input_shape), **spec.model_options)
+    if spec.cut is None:
+        return model, torch.nn.Identity()
+    return model.split(spec.cut)
+
+
+def advance_cursor(n: int, batch_size: int, cursor: tuple[int, int]) -> tuple[int, int, int]:
+    """A client's next batch from its data cursor ``(epoch, position)``: ``(epoch, start, stop)`` in the epoch's
+    permutation. A new epoch starts once the last (possibly short) batch is drawn."""
+    epoch, pos = cursor
+    if pos >= n:
+        epoch, pos = epoch + 1, 0
+    return epoch, pos, min(pos + batch_size, n)
+
+
+def check_finite(loss: float, stop: bool, where: str) -> bool:
+    """True if ``loss`` is finite; otherwise raise (``stop``, i.e. ``train.stop_on_nonfinite``) or return False."""
+    if math.isfinite(loss):
+        return True
+    if stop:
+        raise NonFiniteLossError(f"non-finite loss {loss} at {where}")
+    return False
+
+
+# host methods that take state over (a snapshot, a checkpoint, clients moving in): what they are given is copied first
+RESTORES = frozenset({"load_state_dict", "import_clients"})
+
+
+def owned(value: Any) -> Any:
+    """``value`` as state a host owns: containers rebuilt, every numpy array a writable copy, every tensor a clone.
+    State that reaches a host through Ray's object store is deserialized zero-copy, so its numpy arrays are read-only
+    views of shared memory; in process it is the very object the caller keeps (a :class:`RoundGuard` snapshot that
+    may be restored again). A host that updated either in place would fail ("output array is read-only") or change
+    the snapshot under its keeper."""
+    return copy.deepcopy(value)
+
+
+def invoke(host: Any, method: str, *args, **kwargs) -> Any:
+    """Every backend's way into a host method: ``host.method(*args, **kwargs)``, with the arguments of a restoring
+    method (:data:`RESTORES`, also when it is reached through :meth:`ServerHost.serve`) made :func:`owned` first."""
+    if method in RESTORES or (method == "serve" and args and args[0] in RESTORES):
+        args, kwargs = owned(args), owned(kwargs)
+    return getattr(host, method)(*args, **kwargs)
+
+
+def limit_threads(n: int) -> None:
+    """``n`` threads for torch and for the BLAS libraries under numpy and scipy (threadpoolctl). Ray sets
+    OMP_NUM_THREADS only in actors, so an in-process host (the local backend) would otherwise run OpenBLAS with a
+    thread per core, and OpenBLAS threads that meet busy cores spin: GAS's factor update (``stpqrt`` on a 3,136 x
+    3,136 factor) took 64 s with 2 threads on the loaded 2-core machine and 0.13 s with 1."""
+    torch.set_num_threads(n)
+    threadpoolctl.threadpool_limits(n)
+
+
+def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class _Counters:
+    def __init__(self):
+        self.v = defaultdict(float)
+
+    def add(self, **kw):
+        for k, x in kw.items():
+            self.v[k] += x

@@ -1,0 +1,392 @@
+"""The server host: the server model, its per-client copies, FedAvg sums and evaluation (see
+:mod:`raysplit.runtime.hosts`)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import time
+import warnings
+from collections import Counter, defaultdict
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raysplit.clock import FlopCache
+from raysplit.errors import BadClientInput
+from raysplit.runtime import batched, transport
+from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average
+from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
+
+from raysplit.runtime.hostspec import (HostSpec, ModelSlot, NonFiniteLossError, _bad_input,
+                                       build_parts, check_finite, limit_threads)
+from raysplit.runtime.screening import activation_fault, screens_nonfinite, where_of
+from raysplit.runtime.evaluation import EvalTally, predict_batches
+
+
+class ServerHost:
+    """Owns the server-side model(s) and optimizer(s). ``models['main']`` is the server model; per-client copies
+    (PSL, SFLV1) are forked from it and merged back by weighted averaging."""
+
+    def __init__(self, spec: HostSpec, init_state: dict, client_init_state: dict, test: dict,
+                 labeled: dict | None = None):
+        if spec.torch_threads:
+            limit_threads(spec.torch_threads)
+        torch.manual_seed(spec.seed * 1009 + 7919)
+        self.spec = spec
+        self.params = spec.params
+        want = spec.device
+        self.device = torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        client, server = build_parts(spec)
+        server.load_state_dict(transport.unpack_state(init_state))
+        server.to(self.device).train()
+        self.models: dict = {"main": ModelSlot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
+        self.eval_client = client.to(self.device)
+        self.test_x, self.test_y = test["x"], test["y"]
+        self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
+        self.flops = FlopCache()
+        self.clock = 0.0
+        self.round = -1
+        self.dropped: dict[int, str] = {}  # clients whose activations are withheld this round (on_bad_client: drop)
+        self._act_form: tuple | None = None  # (per-sample shape, dtype) of a valid activation
+        self._varargs: dict[str, bool] = {}
+        self._unbatched: str | None = None  # why vmap refused the server model (batched_copies falls back)
+        self.reset_round()
+
+    def reset_round(self):
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.round_flops = 0.0
+        self.nonfinite: Tag | None = None
+        self.busy_wall = 0.0
+        self.drops: dict[int, str] = {}  # this round's dropped clients: "client c, round r, step s: why"
+        if not self.spec.asynchronous:  # under events a client stays dropped until its job ends
+            self.dropped.clear()
+
+    def begin_round(self, rnd: int, t0: float) -> None:
+        self.round = rnd
+        self.clock = max(self.clock, t0)
+        self.reset_round()
+        for slot in self.models.values():
+            set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
+
+    def charge(self, flops: float, ready_at: float = 0.0) -> float:
+        """Advance the server clock by a computation that can start once ``ready_at`` has passed (instantly with
+        ``charge_server`` off, as in GAS's code)."""
+        cost = flops / self.spec.server_flops if self.spec.charge_server else 0.0
+        self.clock = max(self.clock, ready_at) + cost
+        self.round_flops += flops
+        return self.clock
+
+    # ---- what arrives from clients -------------------------------------------------------------------------------
+    def serve(self, method: str, *args, **kwargs):
+        """Every runtime call of a server method enters here (``Runtime.server``, the step loops, the event loop):
+        the activations among its arguments are screened (:meth:`screen`) before ``method`` sees them. With
+        ``runtime.on_bad_client: drop`` a rejected activation is answered with an empty gradient marked
+        ``rejected`` and the method gets the others; every activation of a rejected client is withheld (its
+        streams are paired). ``method`` returns one gradient per activation: a list when it takes ``*acts``."""
+        fn = getattr(self, method)
+        pos = [i for i, a in enumerate(args) if isinstance(a, Activation)]
+        bad = {}
+        for i in pos:
+            why = self.screen(args[i])
+            if why:
+                bad[args[i].tag.client] = why
+        if not bad:
+            return fn(*args, **kwargs)
+        keep = [a for a in args if not (isinstance(a, Activation) and a.tag.client in bad)]
+        served = iter(fn(*keep, **kwargs) if len(keep) > len(args) - len(pos) else [])
+        grads = [Gradient(args[i].tag, None, self.clock, rejected=bad[args[i].tag.client])
+                 if args[i].tag.client in bad else next(served) for i in pos]
+        if method not in self._varargs:
+            self._varargs[method] = any(q.kind == q.VAR_POSITIONAL for q in inspect.signature(fn).parameters.values())
+        return grads if self._varargs[method] else grads[0]
+
+    def screen(self, act: Activation) -> str:
+        """'' if ``act`` may be used; otherwise why not (:func:`activation_fault`). Under ``on_bad_client: fail``
+        a fault raises :class:`BadClientInput` naming client, round and step; under ``drop`` the client is
+        dropped for the round (for its job, under events) and its later activations are withheld too."""
+        c = act.tag.client
+        if c in self.dropped:
+            return self.dropped[c]
+        shape, dtype = self.activation_form()
+        why = activation_fault(act, shape, dtype, self.spec.num_classes, self.expected_round(act.tag),
+                               screens_nonfinite(self.spec))
+        if not why:
+            return ""
+        if self.spec.on_bad_client == "fail":
+            raise _bad_input(where_of(act.tag), f"activation rejected by the server: {why}")
+        self.dropped[c] = why
+        self.drops[c] = f"{where_of(act.tag)}: {why}"
+        return why
+
+    def expected_round(self, tag: Tag) -> int | None:
+        """The round an arriving activation must carry."""
+        return self.round
+
+    def activation_form(self) -> tuple[tuple, np.dtype]:
+        """Per-sample shape and dtype of what the client part sends (probed once on zeros)."""
+        if self._act_form is None:
+            enc = self.client_encoder()
+            mode = enc.training
+            enc.eval()
+            with torch.no_grad():
+                out = transport.pack(enc(torch.zeros((2, *self.spec.input_shape), device=self.device)))
+            enc.train(mode)
+            self._act_form = (tuple(out.shape[1:]), out.dtype)
+        return self._act_form
+
+    def client_encoder(self) -> torch.nn.Module:
+        """The module whose output a client sends (the client part)."""
+        return self.eval_client
+
+    # ---- the one training step ---------------------------------------------------------------------------------
+    def step_through(self, x: torch.Tensor, y: torch.Tensor, module, optimizers: list, *, tag: Tag, flop_key: tuple,
+                     ready_at: float = 0.0, loss_fn: Callable | None = None, record: bool = True,
+                     varying_batch: bool = False, where: str | None = None) -> float:
+        """Forward ``x`` through ``module``, ``loss_fn(logits, y)`` (default: mean cross-entropy), backward, then
+        step ``optimizers`` (none: a gradient pass, e.g. through a frozen server); the FLOPs (counted once per
+        ``flop_key``) are charged to the server clock from ``ready_at`` on and the wall time to ``busy_wall``.
+        ``record``: the loss counts as a training loss (checked for finiteness, logged). Returns the loss; the
+        caller reads ``x.grad`` when it needs the gradient for the client. ``varying_batch``: FLOPs counted once
+        per sample for a computation whose batch size changes every call (``FlopCache.run``). ``where``: how a
+        non-finite loss names the step (default: round, client and step of ``tag``)."""
+        t_wall = time.perf_counter()
+        loss_fn = loss_fn or F.cross_entropy
+
+        def step():
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss = loss_fn(module(x), y)
+            loss.backward()
+            return loss
+
+        loss, fl = self.flops.run(flop_key, step, batch=len(y) if varying_batch else None)
+        lv = self.settle_step(float(loss.item()), fl, module, optimizers, tag=tag, ready_at=ready_at, record=record,
+                              where=where)
+        self.busy_wall += time.perf_counter() - t_wall
+        return lv
+
+    def settle_step(self, lv: float, flops: int, module, optimizers: list, *, tag: Tag, ready_at: float = 0.0,
+                    record: bool = True, where: str | None = None) -> float:
+        """The rest of a training step once its gradients are in ``module``'s parameters: the finite check,
+        clipping (``train.clip_grad_norm``), the optimizer steps, ``flops`` on the server clock, the loss logged."""
+        if record:
+            self._check(lv, tag, where)
+        if optimizers and self.spec.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
+        for opt in optimizers:
+            opt.step()
+        self.charge(flops, ready_at)
+        if record:
+            self.losses.append(lv)
+        return lv
+
+    def step_activation(self, act: Activation, module, optimizers: list, flop_key="main") -> Gradient:
+        """One SGD step of ``module`` (and its ``optimizers``) on an activation; returns the client's gradient."""
+        x = transport.unpack(act.x, self.device, writable=True).requires_grad_(True)
+        y = torch.tensor(act.y, device=self.device)
+        lv = self.step_through(x, y, module, optimizers, tag=act.tag, flop_key=("train", flop_key, tuple(x.shape)),
+                               ready_at=act.t_sent)
+        return self.answer(act, x.grad, lv)
+
+    def answer(self, act: Activation | Tag, g: torch.Tensor | None, lv: float) -> Gradient:
+        """The client's gradient for ``act`` (an activation or its tag), sent at the server's clock, its norm
+        logged; ``g`` None: nothing goes back for this activation (e.g. a teacher stream)."""
+        tag = act.tag if isinstance(act, Activation) else act
+        if g is None:
+            return Gradient(tag, None, self.clock, lv)
+        self.grad_norms.append(float(g.norm()))
+        return Gradient(tag, transport.pack(g), self.clock, lv)
+
+    def revise(self, grads: list[Gradient], values: list) -> list[Gradient]:
+        """A rule applied on top of the gradients just answered (SGLR's sharing): the first ``len(values)`` of
+        ``grads`` carry ``values`` instead (same tags, times and losses), the rest are kept; the logged gradient
+        norms follow."""
+        new = [Gradient(g.tag, v.detach().cpu().contiguous().numpy() if isinstance(v, torch.Tensor) else v,
+                        g.t_sent, g.loss) for g, v in zip(grads, values)]
+        out = new + list(grads[len(values):])
+        self.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out]
+        return out
+
+    def receive(self, acts: list[Activation] | tuple, writable: bool = True, stamp: bool = True
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The activations' features and labels as tensors on the server's device (``writable``: owned copies a
+        step may change); ``stamp``: the server waits for the last of them to arrive (its clock)."""
+        feats = [transport.unpack(a.x, self.device, writable=writable) for a in acts]
+        ys = [torch.as_tensor(np.array(a.y), device=self.device) for a in acts]
+        if stamp:
+            self.wait_until(max(a.t_sent for a in acts))
+        return feats, ys
+
+    def now(self) -> float:
+        """The server's simulated clock."""
+        return self.clock
+
+    def wait_until(self, t: float) -> float:
+        """The server cannot go on before ``t``."""
+        self.clock = max(self.clock, t)
+        return self.clock
+
+    def state_message(self, state: dict[str, torch.Tensor], **kw) -> StateMsg:
+        """``state`` as a message sent now (at the server's clock)."""
+        return StateMsg.packed(state, t_sent=self.clock, **kw)
+
+    def train_step(self, act: Activation, key="main") -> Gradient:
+        """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
+        slot = self.models[key]
+        return self.step_activation(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
+
+    def train_copies(self, *acts: Activation) -> list[Gradient]:
+        """One step of each activation's client's copy (``models[client]``, forked by ``fork``); one gradient per
+        activation, as ``train_step`` on each in the given order gives: same gradients, losses, gradient norms,
+        finite checks and clock (each copy's FLOPs charged in that order from its activation's arrival on).
+
+        With ``runtime.batched_copies`` the copies whose activations have equal shapes run their forward and
+        backward as one batched computation (:func:`batched.copies_backward`), and each copy's own optimizer steps
+        on its own gradients (:meth:`settle_step`). A shape only one client sent (a short last batch) takes the
+        per-copy path, and so does everything once vmap has refused the model (dropout in training mode, ...), or
+        a copy that more than one activation of the call steps (its steps depend on each other)."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        if self.spec.batched_copies and self._unbatched is None:
+            uses = Counter(a.tag.client for a in acts)
+            for i, a in enumerate(acts):
+                if uses[a.tag.client] == 1:
+                    groups[(a.x.shape, a.x.dtype.str, np.shape(a.y))].append(i)
+        done: dict[int, tuple] = {}
+        for idx in (g for g in groups.values() if len(g) > 1):
+            steps = self._batched_copies([acts[i] for i in idx])
+            if steps is None:
+                break
+            done.update(zip(idx, steps))
+        out = []
+        for i, a in enumerate(acts):
+            if i not in done:
+                out.append(self.train_step(a, key=a.tag.client))
+                continue
+            t_wall = time.perf_counter()
+            lv, g, fl = done[i]
+            slot = self.models[a.tag.client]
+            self.settle_step(lv, fl, slot.module, [slot.optimizer], tag=a.tag, ready_at=a.t_sent)
+            out.append(self.answer(a, g, lv))
+            self.busy_wall += time.perf_counter() - t_wall
+        return out
+
+    def _batched_copies(self, acts: list[Activation]) -> list[tuple[float, torch.Tensor, int]] | None:
+        """Forward and backward of the copies of ``acts`` (equal shapes) in one computation: per activation its
+        loss, its gradient and the FLOPs its own step is charged (counted once per shape on a throwaway copy, as
+        ``train_step`` counts them). None when vmap refuses the model: remembered, warned once."""
+        t_wall = time.perf_counter()
+        modules = [self.models[a.tag.client].module for a in acts]
+        x = torch.from_numpy(np.stack([a.x for a in acts])).to(self.device)
+        y = torch.from_numpy(np.stack([np.asarray(a.y) for a in acts])).to(self.device)
+        try:
+            losses, gx = batched.copies_backward(modules, x, y)
+        except RuntimeError as e:
+            self._unbatched = f"{type(e).__name__}: {e}"
+            warnings.warn(f"runtime.batched_copies: the server model cannot be batched ({self._unbatched}); its "
+                          f"copies step one after another")
+            return None
+
+        def per_copy():
+            xi = x[0].detach().clone().requires_grad_(True)
+            F.cross_entropy(copy.deepcopy(modules[0])(xi), y[0]).backward()
+
+        fl = self.flops.count(("train", "copy", tuple(x.shape[1:])), per_copy)
+        self.busy_wall += time.perf_counter() - t_wall
+        return [(float(lv), g, fl) for lv, g in zip(losses.tolist(), gx)]
+
+    def _check(self, loss: float, tag: Tag, where: str | None = None) -> None:
+        if not math.isfinite(loss) and self.nonfinite is None:
+            self.nonfinite = tag
+        where = where or (f"round {tag.round}, client {tag.client} (step {tag.step})" if tag.client >= 0 else
+                          f"round {tag.round}, server update {tag.step}")  # a server-only step (Tag client -1)
+        check_finite(loss, self.spec.stop_on_nonfinite, where)
+
+    # ---- per-client copies ------------------------------------------------------------------------------------
+    def fork(self, keys: list) -> None:
+        """A copy of the main model and its optimizer per key, each with its own optimizer state (a copy:
+        ``load_state_dict`` keeps the tensors it is given, which the copies would then update in place in turn)."""
+        main = self.models["main"]
+        for k in keys:
+            module = copy.deepcopy(main.module)
+            opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
+            opt.load_state_dict(copy.deepcopy(main.optimizer.state_dict()))  # carries the round's lr too
+            self.models[k] = ModelSlot(module, opt)
+
+    def merge(self, weights: dict) -> None:
+        """Replace the main server model by the weighted average of the copies (which are dropped). The copies'
+        optimizer states (momentum, Adam moments) are averaged with the same weights, so one copy merges back
+        exactly (SFLV1 with one client equals SFLV2)."""
+        keys = list(weights)
+        w = [weights[k] for k in keys]
+        avg = average_states([self.models[k].module.state_dict() for k in keys], w)
+        self.models["main"].module.load_state_dict(avg)
+        merged = average_optimizer_states([self.models[k].optimizer.state_dict() for k in keys], w)
+        if merged is not None:
+            self.models["main"].optimizer.load_state_dict(merged)
+        for k in keys:
+            del self.models[k]
+
+    # ---- client-model aggregation --------------------------------------------------------------------------
+    def aggregate(self, *partials: StateMsg | None) -> StateMsg:
+        """FedAvg: the workers' partial sums (``ClientHost.partial_sum``) summed and divided by the total weight."""
+        parts = [p for p in partials if p is not None]
+        if not parts:
+            raise BadClientInput(f"round {self.round}: every client of the round was dropped "
+                                 f"(runtime.on_bad_client: drop), nothing to aggregate: {self.drops}")
+        total = sum(p.weight for p in parts)
+        state = finish_average([p.state for p in parts], total, self.eval_client.state_dict())
+        return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
+
+    def get_state(self, key="main") -> StateMsg:
+        return StateMsg(transport.pack_state(self.models[key].module.state_dict()), t_sent=self.clock)
+
+    # ---- evaluation ------------------------------------------------------------------------------------------
+    def predict(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, np.ndarray, float]:
+        """The global test set through ``logits`` (the one evaluation loop, :func:`predict_batches`)."""
+        tally = predict_batches(self.test_x, self.test_y, self.spec.data_spec, self.spec.eval_batch_size, logits,
+                                EvalTally(), self.device)
+        y, pred, loss = tally.result()
+        return np.asarray(self.test_y), pred, loss
+
+    @torch.no_grad()
+    def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
+        """The given client model and ``models[key]`` on the global test set."""
+        client, server = self.eval_client, self.models[key].module
+        client.load_state_dict(transport.unpack_state(client_state.state))
+        client.eval(), server.eval()
+        out = self.predict(lambda x: server(client(x)))
+        server.train()
+        return out
+
+    def end_round(self) -> dict:
+        if self.nonfinite is not None and self.spec.stop_on_nonfinite:
+            t = self.nonfinite
+            raise NonFiniteLossError(f"non-finite loss at round {t.round}, client {t.client} (step {t.step})")
+        return {"losses": self.losses, "grad_norms": self.grad_norms, "flops": self.round_flops,
+                "t_end": self.clock, "busy_wall": self.busy_wall, "metrics": self.round_metrics(),
+                "dropped": dict(self.drops)}
+
+    def round_metrics(self) -> dict:
+        """Method-specific numbers of the round, logged as they are (e.g. GAS's generated activations)."""
+        return {}
+
+    # ---- checkpoint ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"models": {k: (s.module.state_dict(), s.optimizer.state_dict()) for k, s in self.models.items()},
+                "clock": self.clock, "torch_rng": torch.get_rng_state(), "dropped": dict(self.dropped)}
+
+    def load_state_dict(self, st: dict) -> None:
+        for k, (ms, os_) in st["models"].items():
+            if k not in self.models:
+                self.fork([k])
+            self.models[k].module.load_state_dict(ms)
+            self.models[k].optimizer.load_state_dict(os_)
+        self.clock = st["clock"]
+        self.dropped = dict(st.get("dropped", {}))
+        torch.set_rng_state(st["torch_rng"])
