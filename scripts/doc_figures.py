@@ -46,10 +46,12 @@ FIGURES: list[tuple[str, str]] = [
     ("sim_time", "simulated time of the whole run"),
     ("machine", "made on (CPU, torch's kernel set)"),
 ]
-# Off the machine kind that wrote the page (another CPU model or kernel set: float sums round differently, measured
-# 86.28 % here against 86.20 % on another 2-core machine, <= .4 pp at every evaluation), learned figures are
-# checked within these bounds; the arithmetic ones (seed, rounds, evaluations, simulated time) stay exact.
-TOLERANCE = {"accuracy": 1.0, "f1_macro": 0.01, "mcc": 0.01, "loss": 0.02, "curve": 0.01}
+# Off the machine kind that wrote the page (another CPU model or kernel set: float sums round differently), learned
+# figures are checked within these bounds; the arithmetic ones (seed, rounds, evaluations, simulated time) stay
+# exact. Measured: 86.28 % on the page's kind (AMD EPYC, AVX2) against 86.20 % on another 2-core machine (<= .4 pp at
+# every evaluation) and 86.90 % on AMD EPYC with AVX-512 (2026-11-26: the curve up to .022 off at round 5, .012 at
+# round 25, <= .006 from round 30 on).
+TOLERANCE = {"accuracy": 1.0, "f1_macro": 0.01, "mcc": 0.01, "loss": 0.02, "curve": 0.03}
 _LABEL_TO_KEY = {label: key for key, label in FIGURES}
 _LABEL = dict(FIGURES)
 

@@ -115,7 +115,7 @@ def test_on_another_machine_kind_learned_figures_are_checked_within_bounds():
     near = dict(_produced(0.8620), machine="Other CPU, AVX512")  # 0.08 pp: the gap measured between two machines
     assert df.differences(page, near) == []
     assert df.differences(page, dict(_produced(0.8620), machine=page["machine"]))  # same kind: exact
-    far = dict(_produced(0.8520), machine="Other CPU, AVX512")  # 1.08 pp
+    far = dict(_produced(0.8228), machine="Other CPU, AVX512")  # 4 pp: beyond the final +-1 pp and the curve's +-0.03
     diff = df.differences(page, far)
     assert any(d.startswith("test accuracy after the last round:") and "beyond +-1" in d for d in diff), diff
     assert any(d.startswith("accuracy at those evaluations:") for d in diff), diff

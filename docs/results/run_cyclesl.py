@@ -4,8 +4,8 @@
 
 Runs PSL, SGLR, SFLV1, SFLV2, CyclePSL, CycleSGLR, CycleSFL (E = 1) and CycleSFL with E in {2, 4, 8} for each seed,
 each a full raysplit run logged to MLflow (experiment cyclesl-fmnist in ./mlflow.db), then prints the markdown
-table of final accuracy, macro-F1 and MCC (mean +- std over seeds) plus rounds to 70 % and the mean/std of the
-gradient norms sent to clients. ``--backend local`` runs the same hosts in-process (identical results to the Ray
+table of final accuracy, macro-F1 and MCC (median [min, max] over seeds) plus rounds to 70 % and the mean/std of
+the gradient norms sent to clients, then each Cycle variant's accuracy minus its original's, paired by seed. ``--backend local`` runs the same hosts in-process (identical results to the Ray
 backend, tested in tests/test_semantics.py) to fit the sweep on 2 cores.
 """
 
@@ -22,6 +22,10 @@ from _runs import ROOT, run_cached
 METHODS = [("psl", {}), ("sglr", {}), ("sflv1", {}), ("sflv2", {}), ("cyclepsl", {}), ("cyclesglr", {}),
            ("cyclesfl", {}), ("cyclesfl", {"server_epochs": 2}), ("cyclesfl", {"server_epochs": 4}),
            ("cyclesfl", {"server_epochs": 8})]
+
+
+PAIRS = [("cyclepsl", "psl"), ("cyclesglr", "sglr"), ("cyclesfl", "sflv1"), ("cyclesfl", "sflv2"),
+         ("cyclesfl E=2", "sflv2"), ("cyclesfl E=4", "sflv2"), ("cyclesfl E=8", "sflv2")]
 
 
 def one(method, extra, seed, backend, out_dir):
@@ -59,17 +63,25 @@ def main():
     by: dict[str, list[dict]] = {}
     for label, _, res in results:
         by.setdefault(label, []).append(res)
-    print("| method | accuracy | macro-F1 | MCC | rounds to 70 % | grad norm mean | grad norm std |")
+    print("| method | accuracy % | macro-F1 | MCC | rounds to 70 % (per seed) | grad norm mean | grad norm std |")
     print("|---|---|---|---|---|---|---|")
-    for label, rs in by.items():
-        def ms(k, scale=1.0):
-            v = np.array([r.get(k, np.nan) for r in rs], dtype=float) * scale
-            return f"{np.nanmean(v):.2f} ± {np.nanstd(v):.2f}" if scale != 1.0 else f"{np.nanmean(v):.3f} ± {np.nanstd(v):.3f}"
-        rt = [r.get("rounds_to_target") for r in rs]
-        rt_s = ", ".join(str(x) if x is not None else ">300" for x in rt)
-        print(f"| {label} | {ms('accuracy', 100)} | {ms('f1_macro')} | {ms('mcc')} | {rt_s} | "
-              f"{ms('grad_norm_mean_all')} | {ms('grad_norm_std_all')} |")
 
+    def mmm(v, fmt):
+        return f"{np.median(v):{fmt}} [{np.min(v):{fmt}}, {np.max(v):{fmt}}]"
+
+    for label, rs in by.items():
+        def col(k, scale=1.0, fmt=".3f"):
+            return mmm(np.array([r.get(k, np.nan) for r in rs], dtype=float) * scale, fmt)
+        rt_s = ", ".join(str(x) if x is not None else ">300" for x in (r.get("rounds_to_target") for r in rs))
+        print(f"| {label} | {col('accuracy', 100, '.2f')} | {col('f1_macro')} | {col('mcc')} | {rt_s} | "
+              f"{col('grad_norm_mean_all', fmt='.4f')} | {col('grad_norm_std_all', fmt='.4f')} |")
+    acc = {(label, seed): 100 * res["accuracy"] for label, seed, res in results}
+    print("\n| Cycle variant - original | accuracy difference (points), paired by seed | per seed |")
+    print("|---|---|---|")
+    for new_, old_ in PAIRS:
+        d = [acc[(new_, s)] - acc[(old_, s)] for s in a.seeds if (new_, s) in acc and (old_, s) in acc]
+        if d:
+            print(f"| {new_} - {old_} | {mmm(np.array(d), '+.2f')} | {' '.join(f'{x:+.2f}' for x in d)} |")
 
 if __name__ == "__main__":
     main()
