@@ -23,9 +23,25 @@ from torch.utils.flop_counter import FlopCounterMode
 
 @dataclass(frozen=True)
 class ClientProfile:
+    """A client's speeds, and the one clock arithmetic: the client hosts charge with it (``ClientHost.charge_*``)
+    and the asynchronous mode predicts with it (``events.ClientCosts``)."""
+
     flops: float  # FLOP/s
     up: float  # bytes/s
     down: float  # bytes/s
+
+    def after_compute(self, t: float, flops: float) -> float:
+        """The clock after ``flops`` of work started at ``t``."""
+        return t + flops / self.flops
+
+    def after_upload(self, t: float, nbytes: float) -> float:
+        """The clock after sending ``nbytes`` from ``t`` on."""
+        return t + nbytes / self.up
+
+    def after_download(self, t: float, t_sent: float, nbytes: float, charged: bool = True) -> float:
+        """The clock once a message of ``nbytes`` sent at ``t_sent`` has arrived at a client whose clock is ``t``
+        (it may still be busy); ``charged`` false (GAS's code, ``clock.charge_server: false``): no transfer time."""
+        return max(t, t_sent) + (nbytes / self.down if charged else 0.0)
 
 
 def gas_cell_rate(distance_km: np.ndarray, bandwidth_hz=1e7, power_w=0.2, n0_w_per_hz=3.981e-21) -> np.ndarray:

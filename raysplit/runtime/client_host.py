@@ -172,22 +172,21 @@ class ClientHost(ClientJobs, ClientMoves):
 
     def charge_compute(self, cid: int, flops: float) -> None:
         self._dirty.add(cid)
-        self.clock[cid] += flops / self.profiles[cid].flops
+        self.clock[cid] = self.profiles[cid].after_compute(self.clock[cid], flops)
         self.round_stats[cid].add(flops=flops)
 
     def charge_upload(self, cid: int, nbytes: int, kind: str) -> float:
         """Client ``cid`` sends ``nbytes`` of ``kind`` (activations, model, labels): counted in total and by kind."""
         self._dirty.add(cid)
-        self.clock[cid] += nbytes / self.profiles[cid].up
+        self.clock[cid] = self.profiles[cid].after_upload(self.clock[cid], nbytes)
         self.round_stats[cid].add(bytes_up=nbytes, **{f"bytes_up_{kind}": nbytes})
         return self.clock[cid]
 
     def charge_download(self, cid: int, nbytes: int, t_sent: float, kind: str) -> float:
         """A message of ``nbytes`` of ``kind`` (gradients, model) sent at ``t_sent`` reaches client ``cid`` (which
         may still be busy); with ``charge_server`` off (GAS's code) the transfer takes no time."""
-        cost = nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
         self._dirty.add(cid)
-        self.clock[cid] = max(self.clock[cid], t_sent) + cost
+        self.clock[cid] = self.profiles[cid].after_download(self.clock[cid], t_sent, nbytes, self.spec.charge_server)
         self.round_stats[cid].add(bytes_down=nbytes, **{f"bytes_down_{kind}": nbytes})
         return self.clock[cid]
 

@@ -77,8 +77,9 @@ class Ready:
 
 
 class ClientCosts:
-    """Predicts client clocks: the same arithmetic as the client hosts (``ClientHost.charge_*``), on FLOPs counted
-    once per input shape on a copy of the client part and on message sizes derived from the shapes."""
+    """Predicts client clocks with the client hosts' own arithmetic (``ClientProfile.after_*``, which
+    ``ClientHost.charge_*`` applies), on FLOPs counted once per input shape on a copy of the client part and on
+    message sizes derived from the shapes."""
 
     def __init__(self, client_part: torch.nn.Module, setup: EventSetup, batch_size: int, input_shape: tuple,
                  model_nbytes: int, charge_downloads: bool):
@@ -122,24 +123,23 @@ class ClientCosts:
         epoch, start, stop = advance_cursor(self.setup.client_sizes[cid], self.batch_size, cursor)
         return stop - start, (epoch, stop)
 
-    # the steps below mirror ClientHost: join (charge_download), forward, backward, local steps, leave
+    # the steps of a client's job, timed with the client hosts' own arithmetic (ClientProfile.after_*): join
+    # (a download), forward (compute, then the activation's upload), backward, local steps, leave (the model's upload)
     def download(self, cid: int, t: float, t_sent: float, nbytes: int) -> float:
-        cost = nbytes / self.setup.profiles[cid].down if self.charge_downloads else 0.0
-        return max(t, t_sent) + cost
+        return self.setup.profiles[cid].after_download(t, t_sent, nbytes, self.charge_downloads)
 
     def forward(self, cid: int, t: float, n: int) -> float:
         p = self.setup.profiles[cid]
-        t = t + self._count(("fwd", n)) / p.flops
-        return t + self.act_nbytes(n) / p.up
+        return p.after_upload(p.after_compute(t, self._count(("fwd", n))), self.act_nbytes(n))
 
     def backward(self, cid: int, t: float, n: int) -> float:
-        return t + self._count(("bwd", n)) / self.setup.profiles[cid].flops
+        return self.setup.profiles[cid].after_compute(t, self._count(("bwd", n)))
 
     def local_step(self, cid: int, t: float, n: int) -> float:
-        return t + self._count(("train", n)) / self.setup.profiles[cid].flops
+        return self.setup.profiles[cid].after_compute(t, self._count(("train", n)))
 
     def upload_model(self, cid: int, t: float) -> float:
-        return t + self.model_nbytes / self.setup.profiles[cid].up
+        return self.setup.profiles[cid].after_upload(t, self.model_nbytes)
 
     def flops(self, kind: str, n: int) -> int:
         return self._count((kind, n))
