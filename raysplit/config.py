@@ -27,11 +27,15 @@ class _Strict(BaseModel):
 
 
 class PartitionConfig(_Strict):
-    name: str = "dirichlet"
-    alpha: float | None = Field(default=0.5, gt=0)
-    min_size: int = Field(default=10, ge=1)
-    per_client: int = Field(default=2, ge=1)
-    ratio: float = Field(default=0.8, gt=0, le=1)
+    name: str = Field(default="dirichlet", description="partitioner: iid, dirichlet, shards, dominant_label, "
+                      "device_dirichlet (Ampere's scheme) or natural (the dataset's own users: LEAF)")
+    alpha: float | None = Field(default=0.5, gt=0, description="Dirichlet concentration (dirichlet, "
+                                "device_dirichlet): smaller is more skewed")
+    min_size: int = Field(default=10, ge=1, description="dirichlet: redraw until every client has this many "
+                          "samples")
+    per_client: int = Field(default=2, ge=1, description="shards: label shards per client")
+    ratio: float = Field(default=0.8, gt=0, le=1, description="dominant_label: share of a client's samples "
+                         "from its dominant label")
 
     def params(self) -> dict[str, Any]:
         """Only the parameters the chosen partitioner takes."""
@@ -46,39 +50,48 @@ class PartitionConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    dataset: str = "fashion_mnist"
-    root: str | None = None
-    num_clients: int = Field(default=20, ge=1)
-    partition: PartitionConfig = PartitionConfig()
+    dataset: str = Field(default="fashion_mnist", description="a dataset raysplit loads (listed by "
+                         "`raysplit list`): fashion_mnist, digits, cifar10, ...")
+    root: str | None = Field(default=None, description="directory holding the dataset's files (null: the "
+                             "loader's search path, e.g. the Debian package's copy); a given root that lacks "
+                             "them is an error")
+    num_clients: int = Field(default=20, ge=1, description="virtual clients the training set is split over")
+    partition: PartitionConfig = Field(default=PartitionConfig(), description="how the training set is split "
+                                       "over the clients")
     test_fraction: float = Field(default=0.1, ge=0, lt=1, description="per-client sample-wise test split")
     max_train_samples: int | None = Field(default=None, ge=1, description="subsample the train set (quick runs)")
-    max_test_samples: int | None = Field(default=None, ge=1)
+    max_test_samples: int | None = Field(default=None, ge=1, description="subsample the global test set (quick "
+                                         "runs)")
     n_labeled: int = Field(default=0, ge=0, description="class-balanced labelled samples taken out of the training "
                            "set for the server (semi-supervised methods); the rest goes to the clients")
     options: dict[str, Any] = Field(default_factory=dict, description="extra loader kwargs (e.g. label: coarse)")
 
 
 class ModelConfig(_Strict):
-    name: str = "cnn_small"
-    cut: int | str | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(default="cnn_small", description="a model of raysplit/models (listed by `raysplit list`)")
+    cut: int | str | None = Field(default=None, description="where the model is split: a block name or index "
+                                  "(null: the model's default cut); blocks before it run on the clients")
+    options: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments of the model's "
+                                    "builder (e.g. width)")
 
 
 class OptimizerConfig(_Strict):
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(default=0.05, gt=0)
-    momentum: float = Field(default=0.0, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    nesterov: bool = False
+    name: Literal["sgd", "adam", "adamw"] = Field(default="sgd", description="the torch optimizer")
+    lr: float = Field(default=0.05, gt=0, description="learning rate of round 0")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd: momentum")
+    weight_decay: float = Field(default=0.0, ge=0, description="L2 weight decay")
+    nesterov: bool = Field(default=False, description="sgd: Nesterov momentum")
     decay: float = Field(default=1.0, gt=0, le=1, description="per-round lr factor: lr_r = max(lr*decay^r, min_lr)")
-    min_lr: float = Field(default=0.0, ge=0)
+    min_lr: float = Field(default=0.0, ge=0, description="the learning rate's floor (decay) or end (cosine)")
     schedule: Literal["exponential", "cosine"] = Field(default="exponential", description="per-round lr: "
                                                        "exponential (decay) or cosine from lr to min_lr over the rounds")
 
 
 class ParticipationConfig(_Strict):
-    fraction: float | None = Field(default=1.0, gt=0, le=1)
-    count: int | None = Field(default=None, ge=1)
+    fraction: float | None = Field(default=1.0, gt=0, le=1, description="share of the clients sampled each "
+                                   "round")
+    count: int | None = Field(default=None, ge=1, description="clients sampled each round (instead of "
+                              "fraction)")
 
     @model_validator(mode="after")
     def _one(self):
@@ -88,38 +101,50 @@ class ParticipationConfig(_Strict):
 
 
 class AggregationConfig(_Strict):
-    weights: Literal["samples", "uniform"] = "samples"
-    write_to: Literal["all", "sampled"] = "all"
+    weights: Literal["samples", "uniform"] = Field(default="samples", description="FedAvg weights: by client "
+                                                   "sample count or equal")
+    write_to: Literal["all", "sampled"] = Field(default="all", description="who receives the aggregate: every "
+                                                "client or only the round's sampled ones")
 
 
 class TrainConfig(_Strict):
-    rounds: int = Field(default=50, ge=1)
-    batch_size: int = Field(default=32, ge=1)
+    rounds: int = Field(default=50, ge=1, description="global rounds")
+    batch_size: int = Field(default=32, ge=1, description="samples per client batch")
     local_steps: int = Field(default=1, ge=1, description="batches per sampled client per round")
     local_epochs: int | None = Field(default=None, ge=1, description="if set: full passes over its data per "
                                      "sampled client per round (ceil(n/batch_size) batches each; replaces "
                                      "local_steps), as in Hydra's code")
-    optimizer: OptimizerConfig = OptimizerConfig()
-    server_optimizer: OptimizerConfig | None = None
-    participation: ParticipationConfig = ParticipationConfig()
-    aggregation: AggregationConfig = AggregationConfig()
-    stop_on_nonfinite: bool = True
+    optimizer: OptimizerConfig = Field(default=OptimizerConfig(), description="the clients' optimizer (and the "
+                                       "server's unless server_optimizer is given)")
+    server_optimizer: OptimizerConfig | None = Field(default=None, description="the server's optimizer (null: "
+                                                     "the same as optimizer)")
+    participation: ParticipationConfig = Field(default=ParticipationConfig(), description="which clients take "
+                                               "part in a round")
+    aggregation: AggregationConfig = Field(default=AggregationConfig(), description="FedAvg of the client "
+                                           "parts")
+    stop_on_nonfinite: bool = Field(default=True, description="a NaN or inf loss stops the run naming round and "
+                                    "client (false: the run goes on)")
     clip_grad_norm: float | None = Field(default=None, gt=0, description="clip every client and server step's "
                                          "gradient norm (GAS's code: 10)")
 
 
 class EvalConfig(_Strict):
-    every: int = Field(default=1, ge=1)
-    mode: Literal["auto", "global", "clients"] = "auto"
+    every: int = Field(default=1, ge=1, description="evaluate every N rounds (and after the last)")
+    mode: Literal["auto", "global", "clients"] = Field(default="auto", description="global: the global test set "
+                                                       "through the global model; clients: each client's test "
+                                                       "split through its own model; auto: the algorithm's first "
+                                                       "mode")
     clients: Literal["sampled", "all"] = Field(default="sampled", description="whose test splits mode=clients uses")
-    batch_size: int = Field(default=1000, ge=1)
-    target_accuracy: float | None = Field(default=None, gt=0, le=1)
+    batch_size: int = Field(default=1000, ge=1, description="evaluation batch size")
+    target_accuracy: float | None = Field(default=None, gt=0, le=1, description="log the first round at which "
+                                          "accuracy reaches it (rounds_to_target)")
 
 
 class ActorResources(_Strict):
-    num_cpus: float = Field(default=0.0, ge=0)
-    num_gpus: float = Field(default=0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)
+    num_cpus: float = Field(default=0.0, ge=0, description="logical CPUs the actor holds")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs the actor holds")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources the actor "
+                                        "needs (pins it to nodes offering them)")
     memory: int | None = Field(default=None, ge=0, description="bytes")
 
 
@@ -137,15 +162,20 @@ class FaultInjection(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    backend: Literal["ray", "local"] = "ray"
+    backend: Literal["ray", "local"] = Field(default="ray", description="ray: hosts in actors; local: the same "
+                                             "hosts in this process (identical results)")
     address: str | None = Field(default=None, description="None: start a local Ray; 'auto': join a running cluster")
     num_workers: int = Field(default=2, ge=1, description="client actors hosting the virtual clients")
     num_cpus: int | None = Field(default=None, ge=1, description="logical CPUs for a local Ray")
-    object_store_memory: int | None = Field(default=512 * 1024**2, ge=78643200)
-    server: ActorResources = ActorResources(num_cpus=1.0)
-    client: ActorResources = ActorResources(num_cpus=0.5)
+    object_store_memory: int | None = Field(default=512 * 1024**2, ge=78643200, description="bytes of object "
+                                            "store for a local Ray")
+    server: ActorResources = Field(default=ActorResources(num_cpus=1.0), description="the server actor's "
+                                   "resources")
+    client: ActorResources = Field(default=ActorResources(num_cpus=0.5), description="each client actor's "
+                                   "resources")
     torch_threads: int | None = Field(default=1, ge=1, description="torch threads per actor (oversubscription)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="the server host's torch device "
+                                                   "(auto: cuda where one is visible)")
     spread_clients: bool = Field(default=False, description="SPREAD client actors over nodes")
     max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
     window: int | None = Field(default=4, ge=1, description="forwards submitted ahead per client actor in a round's "
@@ -194,14 +224,15 @@ class RuntimeConfig(_Strict):
 
 
 class ClockConfig(_Strict):
-    profile: Literal["homogeneous", "uniform", "gas_cell"] = "homogeneous"
+    profile: Literal["homogeneous", "uniform", "gas_cell"] = Field(default="homogeneous", description="how client "
+                                                                   "speeds are drawn (raysplit/clock.py)")
     client_flops: float = Field(default=1e10, gt=0, description="FLOP/s (homogeneous)")
-    client_flops_range: tuple[float, float] = (1e9, 1e10)
+    client_flops_range: tuple[float, float] = Field(default=(1e9, 1e10), description="FLOP/s range (uniform)")
     up_bandwidth: float = Field(default=1e7, gt=0, description="bytes/s (homogeneous)")
-    down_bandwidth: float = Field(default=1e7, gt=0)
-    up_range: tuple[float, float] = (1e6, 1e7)
-    down_range: tuple[float, float] = (1e6, 1e7)
-    server_flops: float = Field(default=1e12, gt=0)
+    down_bandwidth: float = Field(default=1e7, gt=0, description="bytes/s (homogeneous)")
+    up_range: tuple[float, float] = Field(default=(1e6, 1e7), description="upload bytes/s range (uniform)")
+    down_range: tuple[float, float] = Field(default=(1e6, 1e7), description="download bytes/s range (uniform)")
+    server_flops: float = Field(default=1e12, gt=0, description="the server's FLOP/s")
     charge_server: bool = Field(default=True, description="server compute and gradient/model downloads cost "
                                 "simulated time (false: only client compute and uploads, as GAS's code)")
 
@@ -209,27 +240,31 @@ class ClockConfig(_Strict):
 class TrackingConfig(_Strict):
     enabled: bool = Field(default=True, description="False: no MLflow run (a Tune callback records the trial)")
     uri: str | None = Field(default=None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
-    experiment: str = "raysplit"
-    run_name: str | None = None
+    experiment: str = Field(default="raysplit", description="MLflow experiment")
+    run_name: str | None = Field(default=None, description="MLflow run name (null: MLflow names "
+                                 "it)")
     checkpoint_every: int = Field(default=0, ge=0, description="rounds; 0 = only at the end")
-    output_dir: str = "outputs"
-    progress: bool = True
-    log_checkpoint_artifact: bool = True
+    output_dir: str = Field(default="outputs", description="where checkpoints and run files go")
+    progress: bool = Field(default=True, description="a progress bar on the console")
+    log_checkpoint_artifact: bool = Field(default=True, description="log the final checkpoint as an MLflow "
+                                          "artifact")
     retry_s: float = Field(default=30.0, ge=0, description="seconds between attempts to deliver spooled calls "
                            "while the tracking store is unreachable (raysplit/tracking.py)")
 
 
 class ExperimentConfig(_Strict):
-    name: str = "experiment"
-    seed: int = 0
-    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "sflv2"})
-    data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
-    train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
-    runtime: RuntimeConfig = RuntimeConfig()
-    clock: ClockConfig = ClockConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    name: str = Field(default="experiment", description="the experiment's name (run names, outputs)")
+    seed: int = Field(default=0, description="every random choice derives from it: same seed, same metrics")
+    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "sflv2"}, description="name and "
+                                      "parameters of the method (raysplit list ALGORITHM)")
+    data: DataConfig = Field(default=DataConfig(), description="dataset and its split over clients")
+    model: ModelConfig = Field(default=ModelConfig(), description="model and cut")
+    train: TrainConfig = Field(default=TrainConfig(), description="rounds, batches, optimizers, sampling")
+    eval: EvalConfig = Field(default=EvalConfig(), description="when and how the model is evaluated")
+    runtime: RuntimeConfig = Field(default=RuntimeConfig(), description="Ray, actors, transport, faults")
+    clock: ClockConfig = Field(default=ClockConfig(), description="the simulated clock's client and server "
+                                   "speeds")
+    tracking: TrackingConfig = Field(default=TrackingConfig(), description="MLflow, checkpoints, progress")
 
     @field_validator("algorithm")
     @classmethod

@@ -146,6 +146,22 @@ def test_every_algorithm_parameter_is_documented_and_listed(capsys):
     assert main(["list", "nope"]) == 2
 
 
+def test_every_config_field_is_documented():
+    """The same rule for the generic config as for the algorithm parameters: every field of every section (and of
+    the sections' own models) says what it is."""
+    import inspect
+
+    import pydantic
+
+    import raysplit.config as config
+
+    models = [m for m in vars(config).values() if inspect.isclass(m) and issubclass(m, pydantic.BaseModel)
+              and m.__module__ == config.__name__]
+    assert len(models) >= 12
+    missing = [f"{m.__name__}.{name}" for m in models for name, f in m.model_fields.items() if not f.description]
+    assert not missing, f"config fields without a description: {missing}"
+
+
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY_POINTS = ["raysplit.config", "raysplit.algorithms", "raysplit.algorithms.hydra", "raysplit.runtime",
                 "raysplit.experiment", "raysplit.models", "raysplit.data", "raysplit.cli"]
