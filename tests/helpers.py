@@ -325,10 +325,9 @@ def contract_violations(source: str, private: set[str]) -> list[str]:
 
     out = []
     for n in ast.walk(ast.parse(source)):
-        if isinstance(n, ast.ImportFrom) and any(a.name == "transport" for a in n.names) or (
-                isinstance(n, (ast.Import, ast.ImportFrom)) and "transport" in (getattr(n, "module", None) or "")):
-            out.append(f"line {n.lineno}: imports the transport module")
-        elif isinstance(n, ast.Import) and any(a.name.endswith(".transport") for a in n.names):
+        imported = ([n.module or "", *(a.name for a in n.names)] if isinstance(n, ast.ImportFrom) else
+                    [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+        if any(name.split(".")[-1] == "transport" for name in imported):
             out.append(f"line {n.lineno}: imports the transport module")
         elif isinstance(n, ast.Name) and n.id == "transport":
             out.append(f"line {n.lineno}: names transport")

@@ -236,7 +236,7 @@ def test_algorithms_keep_to_the_public_runtime_contract():
     """No algorithm module names the wire format (``transport``), a host's clock field, or a private name of the
     runtime (a ``_charge_*``, ``_draw``, ``_eval_client``...): hosts offer ``charge_*``, ``draw``, ``seeded``,
     ``receive``, ``answer``, ``now``/``wait_until``, ``state_message`` and ``eval_client``, messages offer
-    ``features``, ``tensors``, ``packed`` and ``nbytes`` (issue 27's contract; checked on attribute access, not
+    ``tensors``, ``packed`` and ``nbytes`` (issue 27's contract; checked on attribute access, not
     only on imports)."""
     root = Path(__file__).resolve().parent.parent / "raysplit"
     private = runtime_private_names(root / "runtime")

@@ -122,8 +122,7 @@ class GASServer(AsyncServer):
         c = act.tag.client
         w = self.weight_count[c] if self.params.weighting == "recency" else 1.0
         self.weight_count[c] += 1
-        x = act.features(self.device, writable=True)
-        y = torch.as_tensor(np.array(act.y), device=self.device)
+        (x,), (y,) = self.receive([act], stamp=False)  # the step below starts at the arrival (ready_at)
         self.buffer.append((x.detach().clone(), y, w))
         model = self.models["main"].module
         adjust = self.adjustment[c] if self.params.logit_adjustment else None

@@ -21,7 +21,6 @@ import numpy as np
 
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost, invoke
-from raysplit.runtime.messages import Tag
 from raysplit.runtime.ports import DriverPort, DriverServer, LocalPort
 
 
@@ -180,10 +179,6 @@ class Runtime:
                           list(self._clients))
 
     # ---- split-learning steps -------------------------------------------------------------------------------
-    def forward(self, cid: int, step: int = 0, stream: str = "main", batch_size: int | None = None):
-        tag = Tag(int(cid), self.round, int(step), stream)
-        return self.backend.call(self.worker_of(cid), "forward", tag, batch_size)
-
     def backward(self, cid: int, grad):
         ref = self.backend.call(self.worker_of(cid), "backward", grad)
         self._inflight.append(ref)

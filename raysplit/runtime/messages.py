@@ -30,10 +30,6 @@ class Activation:
     def nbytes(self) -> int:
         return int(self.x.nbytes + self.y.nbytes)
 
-    def features(self, device: torch.device | str = "cpu", writable: bool = False) -> torch.Tensor:
-        """The smashed data as a tensor (``writable``: an owned copy)."""
-        return transport.unpack(self.x, device, writable=writable)
-
 
 @dataclass
 class Gradient:

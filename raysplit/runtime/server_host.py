@@ -207,8 +207,8 @@ class ServerHost:
         """A rule applied on top of the gradients just answered (SGLR's sharing): the first ``len(values)`` of
         ``grads`` carry ``values`` instead (same tags, times and losses), the rest are kept; the logged gradient
         norms follow."""
-        new = [Gradient(g.tag, v.detach().cpu().contiguous().numpy() if isinstance(v, torch.Tensor) else v,
-                        g.t_sent, g.loss) for g, v in zip(grads, values)]
+        new = [Gradient(g.tag, transport.pack(v) if isinstance(v, torch.Tensor) else v, g.t_sent, g.loss)
+               for g, v in zip(grads, values)]
         out = new + list(grads[len(values):])
         self.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out]
         return out
@@ -222,10 +222,6 @@ class ServerHost:
         if stamp:
             self.wait_until(max(a.t_sent for a in acts))
         return feats, ys
-
-    def now(self) -> float:
-        """The server's simulated clock."""
-        return self.clock
 
     def wait_until(self, t: float) -> float:
         """The server cannot go on before ``t``."""
