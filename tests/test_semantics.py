@@ -182,3 +182,24 @@ def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_u
         assert host.slots[clients[0]].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
         assert rt.backend.server.models["main"].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
         rt.end_round()
+
+
+def test_frozen_gives_only_the_input_gradient_and_restores_each_flag():
+    """ServerHost.frozen: inside, a pass yields dL/dx and no parameter gradient; afterwards every parameter's
+    requires_grad is what it was (one frozen before stays frozen), also when the block raises."""
+    from raysplit.runtime import ServerHost
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].bias.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
+    x = torch.randn(5, 4, requires_grad=True)
+    with ServerHost.frozen(model):
+        F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1, 1])).backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert [p.requires_grad for p in model.parameters()] == flags == [True, True, True, False]
+    with pytest.raises(RuntimeError, match="inside"):
+        with ServerHost.frozen(model):
+            raise RuntimeError("inside")
+    assert [p.requires_grad for p in model.parameters()] == flags

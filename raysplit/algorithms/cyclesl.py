@@ -88,17 +88,12 @@ class CycleServer(ServerHost):
 
     def _frozen_gradients(self, model, acts, feats, ys) -> list[Gradient]:
         """Each client's gradient on its original features through ``model`` with its parameters frozen."""
-        for prm in model.parameters():
-            prm.requires_grad_(False)
         out = []
-        try:
+        with self.frozen(model):
             for a, f, y in zip(acts, feats, ys):
                 x = f.detach().clone().requires_grad_(True)
                 lv = self.step_through(x, y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)), record=False)
                 out.append(self.answer(a, x.grad, lv))
-        finally:
-            for prm in model.parameters():
-                prm.requires_grad_(True)
         return out
 
     def share_gradients(self, grads: list[Gradient], weights: list[float], active: int) -> list[Gradient]:

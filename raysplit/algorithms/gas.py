@@ -131,14 +131,9 @@ class GASServer(AsyncServer):
             return F.cross_entropy(out + adjust if adjust is not None else out, y)
 
         x.requires_grad_(True)
-        for prm in model.parameters():
-            prm.requires_grad_(False)
-        try:
+        with self.frozen(model):
             lv = self.step_through(x, y, model, [], tag=act.tag, flop_key=("gas_client", tuple(x.shape)),
                                    ready_at=act.t_sent, loss_fn=adjusted_ce, record=False)
-        finally:
-            for prm in model.parameters():
-                prm.requires_grad_(True)
         return self.answer(act, x.grad, lv)
 
     def should_flush(self) -> bool:

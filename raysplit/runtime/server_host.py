@@ -9,6 +9,7 @@ import math
 import time
 import warnings
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from typing import Callable
 
 import numpy as np
@@ -222,6 +223,21 @@ class ServerHost:
         if stamp:
             self.wait_until(max(a.t_sent for a in acts))
         return feats, ys
+
+    @staticmethod
+    @contextmanager
+    def frozen(model: torch.nn.Module):
+        """Within the block, ``model``'s parameters take no gradient (a pass through it yields only the input's
+        gradient: CycleSL's and MiniBatch's frozen-server gradients, GAS's client gradients); each parameter's
+        ``requires_grad`` is restored afterwards, also when the block raises."""
+        before = [(prm, prm.requires_grad) for prm in model.parameters()]
+        for prm, _ in before:
+            prm.requires_grad_(False)
+        try:
+            yield model
+        finally:
+            for prm, flag in before:
+                prm.requires_grad_(flag)
 
     def wait_until(self, t: float) -> float:
         """The server cannot go on before ``t``."""
