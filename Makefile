@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results
+	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc
 
 bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -90,6 +90,11 @@ chaos:
 # section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed.
 check-results:
 	$(PY) scripts/stamps.py check
+
+# docs/config.md, the configuration reference, generated from the pydantic models (tests/test_config.py fails when
+# it is out of date): rerun after adding or changing a config field or an algorithm parameter.
+config-doc:
+	$(PY) -m raysplit.cli list config > docs/config.md
 
 doc-figures:
 	$(PY) scripts/doc_figures.py

@@ -30,6 +30,11 @@ def _cmd_list(args) -> int:
     from raysplit.data import DATASETS, PARTITIONERS
     from raysplit.models import MODELS
 
+    if args.algorithm == "config":
+        from raysplit.config_doc import reference
+
+        print(reference(), end="")
+        return 0
     if args.algorithm:
         if args.algorithm not in ALGORITHMS:
             print(f"raysplit list: unknown algorithm {args.algorithm!r}; registered: "
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--resume", metavar="RUN_ID", help="continue an MLflow run from its last checkpoint")
     r.set_defaults(fn=_cmd_run)
     ls = sub.add_parser("list", help="algorithms (with their parameters), models, datasets, partitioners")
-    ls.add_argument("algorithm", nargs="?", help="show one algorithm's parameters, defaults and descriptions")
+    ls.add_argument("algorithm", nargs="?", help="show one algorithm's parameters, defaults and descriptions; "
+                    "'config': every config key with its type, default and description (docs/config.md)")
     ls.set_defaults(fn=_cmd_list)
     sw = sub.add_parser("sweep", help="Ray Tune sweep from a sweep YAML (see raysplit/sweep.py)")
     sw.add_argument("sweep")

@@ -67,3 +67,45 @@ def test_inject_fault_names_an_actor_that_exists_and_needs_ray():
         load_config(None, {"runtime.inject_fault": {"actor": "server"}, "runtime.backend": "local"})
     with pytest.raises(Exception, match="inject_fault"):
         load_config(None, {"runtime.inject_fault": {"actor": "worker0"}})
+
+
+def test_config_reference_is_current_and_lists_every_key():
+    """docs/config.md is what raysplit/config_doc.py generates today (`make config-doc` rewrites it), and it names
+    every dotted key the schema accepts and every parameter of every algorithm."""
+    from pathlib import Path
+
+    from raysplit.algorithms import ALGORITHMS
+    from raysplit.config import ExperimentConfig
+    from raysplit.config_doc import reference, rows
+
+    text = reference()
+    page = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert page.read_text() == text, "docs/config.md is out of date: run `make config-doc` and commit it"
+    keys = [k for k, *_ in rows(ExperimentConfig)]
+    assert "runtime.inject_fault.actor" in keys and "train.optimizer.lr" in keys and "data.partition.alpha" in keys
+    for key in keys:
+        assert f"`{key}`" in text, key
+    for name, alg in ALGORITHMS.items():
+        assert f"### `{name}`" in text, name
+        for key in alg.Params.model_fields:
+            if key != "name":
+                assert f"`algorithm.{key}`" in text, (name, key)
+
+
+def test_config_reference_types_and_defaults_read_as_written():
+    from raysplit.config import ExperimentConfig
+    from raysplit.config_doc import rows
+
+    by_key = {k: (t, d) for k, t, d, _ in rows(ExperimentConfig)}
+    assert by_key["train.optimizer.name"] == ("one of sgd, adam, adamw", "'sgd'")
+    assert by_key["data.root"] == ("str or null", "null")
+    assert by_key["clock.client_flops_range"] == ("[float, float]", "(1000000000.0, 10000000000.0)")
+    assert by_key["runtime.server"] == ("section", "(section)")
+
+
+def test_raysplit_list_config_prints_the_reference(capsys):
+    from raysplit.cli import main
+    from raysplit.config_doc import reference
+
+    assert main(["list", "config"]) == 0
+    assert capsys.readouterr().out == reference()
