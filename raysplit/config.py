@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,27 +27,50 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class PartitionConfig(_Strict):
-    name: str = Field(default="dirichlet", description="partitioner: iid, dirichlet, shards, dominant_label, "
-                      "device_dirichlet (Ampere's scheme) or natural (the dataset's own users: LEAF)")
-    alpha: float | None = Field(default=0.5, gt=0, description="Dirichlet concentration (dirichlet, "
-                                "device_dirichlet): smaller is more skewed")
-    min_size: int = Field(default=10, ge=1, description="dirichlet: redraw until every client has this many "
-                          "samples")
-    per_client: int = Field(default=2, ge=1, description="shards: label shards per client")
-    ratio: float = Field(default=0.8, gt=0, le=1, description="dominant_label: share of a client's samples "
-                         "from its dominant label")
+class _Partitioner(_Strict):
+    """A partitioner's parameters: one model per partitioner, picked by ``name`` (a key another partitioner takes
+    is an error naming it)."""
 
     def params(self) -> dict[str, Any]:
-        """Only the parameters the chosen partitioner takes."""
-        return {
-            "iid": {},
-            "dirichlet": {"alpha": self.alpha, "min_size": self.min_size},
-            "shards": {"per_client": self.per_client},
-            "dominant_label": {"ratio": self.ratio},
-            "device_dirichlet": {"alpha": self.alpha},
-            "natural": {},
-        }.get(self.name, {})
+        """The keyword arguments of the partitioner (everything but ``name``)."""
+        return self.model_dump(exclude={"name"})
+
+
+class IidPartition(_Partitioner):
+    name: Literal["iid"] = Field(description="iid: each client an equal random share")
+
+
+class DirichletPartition(_Partitioner):
+    name: Literal["dirichlet"] = Field(default="dirichlet", description="dirichlet: per label, client shares drawn "
+                                       "from Dirichlet(alpha)")
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration: smaller is more skewed")
+    min_size: int = Field(default=10, ge=1, description="redraw until every client has this many samples")
+
+
+class ShardsPartition(_Partitioner):
+    name: Literal["shards"] = Field(description="shards: the label-sorted set cut into shards, per_client each")
+    per_client: int = Field(default=2, ge=1, description="label shards per client")
+
+
+class DominantLabelPartition(_Partitioner):
+    name: Literal["dominant_label"] = Field(description="dominant_label: each client's samples mostly of one label "
+                                            "(Hydra's setting)")
+    ratio: float = Field(default=0.8, gt=0, le=1, description="share of a client's samples from its dominant label")
+
+
+class DeviceDirichletPartition(_Partitioner):
+    name: Literal["device_dirichlet"] = Field(description="device_dirichlet: Ampere's scheme, per device label "
+                                              "proportions drawn from Dirichlet(alpha)")
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration: smaller is more skewed")
+
+
+class NaturalPartition(_Partitioner):
+    name: Literal["natural"] = Field(description="natural: the dataset's own users (LEAF), one per client")
+
+
+PARTITION_MODELS: tuple[type[_Partitioner], ...] = (IidPartition, DirichletPartition, ShardsPartition,
+                                                    DominantLabelPartition, DeviceDirichletPartition, NaturalPartition)
+PartitionConfig = Annotated[Union[PARTITION_MODELS], Field(discriminator="name")]  # noqa: UP007
 
 
 class DataConfig(_Strict):
@@ -56,8 +80,9 @@ class DataConfig(_Strict):
                              "loader's search path, e.g. the Debian package's copy); a given root that lacks "
                              "them is an error")
     num_clients: int = Field(default=20, ge=1, description="virtual clients the training set is split over")
-    partition: PartitionConfig = Field(default=PartitionConfig(), description="how the training set is split "
-                                       "over the clients")
+    partition: PartitionConfig = Field(default=DirichletPartition(), description="how the training set is split "
+                                       "over the clients: name picks the partitioner, the other keys are its own "
+                                       "parameters")
     test_fraction: float = Field(default=0.1, ge=0, lt=1, description="per-client sample-wise test split")
     max_train_samples: int | None = Field(default=None, ge=1, description="subsample the train set (quick runs)")
     max_test_samples: int | None = Field(default=None, ge=1, description="subsample the global test set (quick "
@@ -65,6 +90,15 @@ class DataConfig(_Strict):
     n_labeled: int = Field(default=0, ge=0, description="class-balanced labelled samples taken out of the training "
                            "set for the server (semi-supervised methods); the rest goes to the clients")
     options: dict[str, Any] = Field(default_factory=dict, description="extra loader kwargs (e.g. label: coarse)")
+
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _default_partitioner(cls, v):
+        """A partition section without ``name`` is the default partitioner's (dirichlet), as before the sections
+        were typed: ``data.partition.alpha=0.1`` alone still works."""
+        if isinstance(v, dict) and "name" not in v:
+            return {"name": "dirichlet", **v}
+        return v
 
 
 class ModelConfig(_Strict):
@@ -326,22 +360,50 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
     return out
 
 
+def _tagged_members(ann: Any) -> dict[str, type[BaseModel]]:
+    """``{tag: model}`` of a discriminated union on ``name`` (e.g. PartitionConfig); empty for anything else."""
+    args = typing.get_args(ann)
+    if args and typing.get_origin(ann) is Annotated:
+        args = typing.get_args(args[0])
+    out = {}
+    for a in args:
+        if isinstance(a, type) and issubclass(a, BaseModel) and "name" in a.model_fields:
+            tags = typing.get_args(a.model_fields["name"].annotation)
+            out.update({t: a for t in tags})
+    return out
+
+
+def _resolve(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+    """The dotted key of ``loc`` as a user writes it (a discriminated union's tag, which pydantic puts in the
+    location, dropped) and the model of its last section (None: not a section)."""
+    parent: type[BaseModel] | None = model
+    key: list[str] = []
+    members: dict = {}
+    for p in loc:
+        if members and str(p) in members:  # the tag pydantic inserts after a discriminated union's field
+            parent, members = members[str(p)], {}
+            continue
+        key.append(str(p))
+        field = parent.model_fields.get(str(p)) if parent is not None else None
+        ann = field.annotation if field else None
+        members = _tagged_members(ann)
+        parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return key, parent
+
+
 def _format_error(err: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+        key, _ = _resolve(model, e["loc"])
+        dotted = ".".join(key)
         if e["type"] == "extra_forbidden":
-            parent = model
-            for p in e["loc"][:-1]:
-                field = parent.model_fields.get(str(p)) if isinstance(parent, type) else None
-                ann = field.annotation if field else None
-                parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-                if parent is None:
-                    break
+            _, parent = _resolve(model, e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent is not None else []
-            lines.append(f"unknown key '{key}'" + (f"; allowed here: {', '.join(allowed)}" if allowed else ""))
+            what = f" (partitioner {parent.model_fields['name'].annotation.__args__[0]})" if (
+                parent is not None and issubclass(parent, _Partitioner)) else ""
+            lines.append(f"unknown key '{dotted}'{what}" + (f"; allowed here: {', '.join(allowed)}" if allowed else ""))
         else:
-            lines.append(f"bad value for '{key}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"bad value for '{dotted}': {e['msg']} (got {e.get('input')!r})")
     return "invalid config: " + "; ".join(lines)
 
 

@@ -109,3 +109,19 @@ def test_raysplit_list_config_prints_the_reference(capsys):
 
     assert main(["list", "config"]) == 0
     assert capsys.readouterr().out == reference()
+
+
+def test_each_partitioner_takes_only_its_own_keys():
+    """data.partition is a discriminated union on name: a key of another partitioner is one error naming the key,
+    the partitioner and what it takes; a section without name is the default partitioner's (dirichlet)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"data.partition": {"name": "shards", "per_client": 2, "alpha": 0.1}})
+    assert str(e.value) == ("invalid config: unknown key 'data.partition.alpha' (partitioner shards); allowed here: "
+                            "name, per_client")
+    with pytest.raises(ConfigError, match="'data.partition': Input tag 'dirichlt'"):
+        load_config(None, {"data.partition.name": "dirichlt"})
+    with pytest.raises(ConfigError, match="'data.partition.ratio': Input should be less than or equal to 1"):
+        load_config(None, {"data.partition": {"name": "dominant_label", "ratio": 1.5}})
+    assert load_config(None, {"data.partition.alpha": 0.2}).data.partition.params() == {"alpha": 0.2, "min_size": 10}
+    assert load_config(None, ["data.partition={name: iid}"]).data.partition.params() == {}
+    assert load_config(None, {"data.partition.name": "device_dirichlet"}).data.partition.params() == {"alpha": 0.5}
