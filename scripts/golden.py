@@ -76,10 +76,10 @@ def overrides(name: str) -> dict:
     return {**BASE, "algorithm.name": name, **NEEDS.get(name, {})}
 
 
-def run(name: str, on_round=None, **extra) -> dict:
+def run(name: str, on_round=None, on_checkpoint=None, **extra) -> dict:
     """Run ``name``'s golden configuration (``extra``: dotted overrides on top, e.g. ``runtime.backend="ray"``;
-    ``on_round(rnd, metrics)``: called after each round, as ``run_experiment``'s); returns the fingerprint record
-    (what tests/golden/NAME.json holds)."""
+    ``on_round(rnd, metrics)`` and ``on_checkpoint(rnd, path, run_id)``: called as ``run_experiment``'s, the latter
+    while the checkpoint file still exists); returns the fingerprint record (what tests/golden/NAME.json holds)."""
     from raysplit.config import load_config
     from raysplit.experiment import run_experiment
 
@@ -99,7 +99,7 @@ def run(name: str, on_round=None, **extra) -> dict:
             if on_round is not None:
                 on_round(rnd, m)
 
-        run_experiment(cfg, on_round=record)
+        run_experiment(cfg, on_round=record, on_checkpoint=on_checkpoint)
     return {"algorithm": name, "overrides": overrides(name), "rounds": rounds}
 
 

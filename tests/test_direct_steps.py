@@ -123,3 +123,77 @@ def test_the_driver_chained_port_runs_the_same_loops_bit_for_bit(tmp_path, mlflo
     direct = run_rounds(make_config(tmp_path, mlflow_uri, **over))
     monkeypatch.setattr(LocalBackend, "direct_steps", False)
     assert_identical_runs(direct, run_rounds(make_config(tmp_path, mlflow_uri, **over)))
+
+
+def _synchronous_algorithms() -> list[str]:
+    from raysplit.algorithms import ALGORITHMS, AsyncAlgorithm
+
+    return sorted(n for n, a in ALGORITHMS.items() if not issubclass(a, AsyncAlgorithm))
+
+
+# the four ways a round's steps can travel: in process, the driver chaining every call, the server actor driving the
+# client actors with actor calls, and over compiled graphs (two client actors each, so that clients move between them)
+PATHS = {
+    "local": {"runtime.backend": "local"},
+    "chained": {"runtime.backend": "ray", "runtime.direct_steps": False, "runtime.transport": "calls"},
+    "calls": {"runtime.backend": "ray", "runtime.direct_steps": True, "runtime.transport": "calls"},
+    "compiled": {"runtime.backend": "ray", "runtime.direct_steps": True, "runtime.transport": "compiled"},
+}
+
+
+def _final_state(name: str, path: str) -> tuple[dict, list[dict]]:
+    """``name``'s golden run on ``path``: every tensor, array and number of the runtime's final checkpoint (weights,
+    optimizer states, clocks, cursors, per client) by its place in the checkpoint, and the per-round metrics."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("golden", Path(__file__).resolve().parent.parent / "scripts" /
+                                                  "golden.py")
+    golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(golden)
+    leaves: dict = {}
+
+    def walk(o, at):
+        if isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{at}.{k}")
+        elif isinstance(o, (list, tuple)):
+            for i, v in enumerate(o):
+                walk(v, f"{at}[{i}]")
+        elif at.endswith("torch_rng"):
+            return  # the process's global generator: shared by every host in process, one per actor under Ray
+        elif isinstance(o, (torch.Tensor, np.ndarray, int, float, bool)) or o is None:
+            leaves[at] = o
+        elif dataclasses.is_dataclass(o):
+            walk(dataclasses.asdict(o), at)
+
+    def keep(rnd, file, run_id):
+        walk(torch.load(file, weights_only=False)["runtime"], "runtime")
+
+    extra = {**PATHS[path], "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5}
+    rounds = golden.run(name, on_checkpoint=keep, **extra)["rounds"]
+    assert leaves, f"{name} on {path}: no final checkpoint"
+    return leaves, rounds
+
+
+@pytest.mark.parametrize("name", _synchronous_algorithms())
+def test_every_synchronous_algorithm_computes_the_same_bits_on_all_four_paths(ray_session, name):
+    """Issue 27: every round-based algorithm, run in process (local), through Ray with the driver chaining every call
+    (chained), with the server actor driving the client actors by actor calls (calls) and over compiled graphs
+    (compiled), ends with the same final checkpoint bit for bit (every weight, optimizer state, clock and cursor of
+    server and clients; not the hosts' copies of the process-global torch generator, which in process is one for
+    all hosts: a method that drew from it would show in the metrics) and logs the same per-round metrics exactly (losses, accuracy, bytes, FLOPs, simulated
+    time): the paths are transports of one computation, not four implementations."""
+    want_state, want_rounds = _final_state(name, "local")
+    for path in ("chained", "calls", "compiled"):
+        state, rounds = _final_state(name, path)
+        assert sorted(state) == sorted(want_state), f"{name} on {path}: the checkpoint holds other entries"
+        for at, a in want_state.items():
+            b = state[at]
+            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) else
+                    np.array_equal(a, b, equal_nan=a.dtype.kind == "f") if isinstance(a, np.ndarray) else
+                    a == b or (isinstance(a, float) and a != a and b != b))
+            assert same, f"{name} on {path}: {at} differs from the local backend's ({a!r} vs {b!r})"[:400]
+        for r_want, r_got in zip(want_rounds, rounds, strict=True):
+            diff = {k: (v, r_got.get(k)) for k, v in r_want.items() if not (v == r_got.get(k) or v != v)}
+            assert not diff and set(r_got) == set(r_want), f"{name} on {path}, round {r_want['round']}: {diff}"
