@@ -399,9 +399,14 @@ def _format_error(err: ValidationError, model: type[BaseModel]) -> str:
         if e["type"] == "extra_forbidden":
             _, parent = _resolve(model, e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent is not None else []
-            what = f" (partitioner {parent.model_fields['name'].annotation.__args__[0]})" if (
-                parent is not None and issubclass(parent, _Partitioner)) else ""
-            lines.append(f"unknown key '{dotted}'{what}" + (f"; allowed here: {', '.join(allowed)}" if allowed else ""))
+            what = hint = ""
+            if parent is not None and issubclass(parent, _Partitioner):
+                tag = parent.model_fields["name"].annotation.__args__[0]
+                what = f" (partitioner {tag})"
+                hint = (f" (to switch partitioner, give the whole section: "
+                        f"{'.'.join(key[:-1])}={{name: {tag}}})")
+            lines.append(f"unknown key '{dotted}'{what}" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+                         + hint)
         else:
             lines.append(f"bad value for '{dotted}': {e['msg']} (got {e.get('input')!r})")
     return "invalid config: " + "; ".join(lines)

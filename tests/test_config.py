@@ -117,7 +117,8 @@ def test_each_partitioner_takes_only_its_own_keys():
     with pytest.raises(ConfigError) as e:
         load_config(None, {"data.partition": {"name": "shards", "per_client": 2, "alpha": 0.1}})
     assert str(e.value) == ("invalid config: unknown key 'data.partition.alpha' (partitioner shards); allowed here: "
-                            "name, per_client")
+                            "name, per_client (to switch partitioner, give the whole section: "
+                            "data.partition={name: shards})")
     with pytest.raises(ConfigError, match="'data.partition': Input tag 'dirichlt'"):
         load_config(None, {"data.partition.name": "dirichlt"})
     with pytest.raises(ConfigError, match="'data.partition.ratio': Input should be less than or equal to 1"):

@@ -152,7 +152,7 @@ def test_gas_without_generation_equals_minibatch_sfl(tmp_path, mlflow_uri):
     """Homogeneous clients, all of them active (N = M), one batch per client in each activation buffer, no
     generation and no logit adjustment: GAS's server updates are MiniBatch-SFL's and its first global model is
     MiniBatch-SFL's first FedAvg."""
-    over = {"data.num_clients": 3, "train.participation.count": 3, "data.partition.name": "iid",
+    over = {"data.num_clients": 3, "train.participation.count": 3, "data.partition": {"name": "iid"},
             "data.max_train_samples": 300, "clock.profile": "homogeneous", "train.rounds": 1, "train.local_steps": 4,
             "train.optimizer.momentum": 0.9}
     from helpers import run_rounds
