@@ -33,8 +33,12 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / ".gas_runs"
 
 
+def cache_file(method, part_label, seed, rounds) -> Path:
+    return OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_").replace("/", "")
+
+
 def one(method, alg, part_label, partition, seed, rounds, eval_every):
-    out = OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_").replace("/", "")
+    out = cache_file(method, part_label, seed, rounds)
     res = run_config(ROOT / "configs/gas/fmnist.yaml", {
         "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds, "eval.every": eval_every,
         "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
@@ -44,20 +48,43 @@ def one(method, alg, part_label, partition, seed, rounds, eval_every):
     return res
 
 
+def mmm(v, fmt: str) -> str:
+    """median [min, max] of ``v``; the single value when there is one."""
+    v = np.asarray(v, dtype=float)
+    if len(v) == 1:
+        return f"{v[0]:{fmt}}"
+    return f"{np.median(v):{fmt}} [{np.min(v):{fmt}}, {np.max(v):{fmt}}]"
+
+
 def table(results, rounds) -> str:
-    lines = [f"| method | {' | '.join(f'{p} acc. @{rounds}' for p, _ in PARTITIONS)} | "
-             f"{' | '.join(f'{p} best' for p, _ in PARTITIONS)} | {' | '.join(f'{p} sim. time @{rounds} (s)' for p, _ in PARTITIONS)} |",
-             "|---" * (1 + 3 * len(PARTITIONS)) + "|"]
-    for method, _ in METHODS:
-        accs, bests, times = [], [], []
-        for part, _ in PARTITIONS:
-            rs = results[(method, part)]
-            a = np.array([r["accuracy"] for r in rs]) * 100
-            b = np.array([max(c[2] for c in r["curve"]) for r in rs]) * 100
-            accs.append(f"{a.mean():.2f} ± {a.std():.2f}")
-            bests.append(f"{b.mean():.2f} ± {b.std():.2f}")
-            times.append(f"{np.median([r['sim_time'] for r in rs]):.0f}")
-        lines.append(f"| {method} | {' | '.join(accs)} | {' | '.join(bests)} | {' | '.join(times)} |")
+    """Accuracy at the last round and best evaluated accuracy, median [min, max] over the seeds run (their number
+    in the last column), and the median simulated time at the last round, for every partition."""
+    lines = [f"| method | partition | acc. @{rounds} | best | sim. time @{rounds} (s) | seeds |", "|---" * 6 + "|"]
+    for part, _ in PARTITIONS:
+        for method, _ in METHODS:
+            rs = results.get((method, part), [])
+            if not rs:
+                continue
+            a = [100 * r["accuracy"] for _, r in rs]
+            b = [100 * max(c[2] for c in r["curve"]) for _, r in rs]
+            lines.append(f"| {method} | {part} | {mmm(a, '.2f')} | {mmm(b, '.2f')} | "
+                         f"{np.median([r['sim_time'] for _, r in rs]):.0f} | {', '.join(str(s) for s, _ in rs)} |")
+    return "\n".join(lines)
+
+
+def paired(results, rounds) -> str:
+    """GAS minus every other method at the last round, paired by seed (seeds both ran)."""
+    lines = [f"| partition | GAS minus | accuracy difference @{rounds} (points), paired by seed | per seed |",
+             "|---" * 4 + "|"]
+    for part, _ in PARTITIONS:
+        gas = {s: 100 * r["accuracy"] for s, r in results.get(("GAS", part), [])}
+        for method, _ in METHODS[1:]:
+            other = {s: 100 * r["accuracy"] for s, r in results.get((method, part), [])}
+            seeds = sorted(set(gas) & set(other))
+            if seeds:
+                d = [gas[s] - other[s] for s in seeds]
+                lines.append(f"| {part} | {method} | {mmm(d, '+.2f')} | "
+                             f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(seeds, d))} |")
     return "\n".join(lines)
 
 
@@ -67,15 +94,20 @@ def figures(results) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    parts = [(p, q) for p, q in PARTITIONS if any((m, p) in results for m, _ in METHODS)]  # those that were run
     for axis, fname, label in ((0, "gas_rounds.png", "global round"), (1, "gas_time.png", "simulated time (s)")):
-        fig, axes = plt.subplots(1, len(PARTITIONS), figsize=(6 * len(PARTITIONS), 4), squeeze=False)
-        for ax, (part, _) in zip(axes[0], PARTITIONS):
+        fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4), squeeze=False)
+        for ax, (part, _) in zip(axes[0], parts):
             for method, _ in METHODS:
-                curves = [np.array(r["curve"]) for r in results[(method, part)]]
+                runs = results.get((method, part), [])
+                curves = [np.array(r["curve"]) for _, r in runs]
+                if not curves:
+                    continue
                 n = min(len(c) for c in curves)
                 xs = np.median([c[:n, axis] for c in curves], axis=0)
                 ys = np.median([c[:n, 2] for c in curves], axis=0)
-                ax.plot(xs, ys * 100, marker="o", ms=3, label=method)
+                seeds = f"median of {len(runs)} seeds" if len(runs) > 1 else f"seed {runs[0][0]} only"
+                ax.plot(xs, ys * 100, marker="o", ms=3, label=f"{method} ({seeds})")
             ax.set_title(f"Fashion-MNIST, {part}"), ax.set_xlabel(label), ax.set_ylabel("test accuracy (%)")
             if axis == 1:
                 ax.set_xscale("log")
@@ -92,16 +124,33 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--methods", nargs="*", default=None, help="only these methods (labels as in the table)")
+    ap.add_argument("--partitions", nargs="*", default=None, help='only these partitions ("shards 2", "Dirichlet 0.1")')
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: the tables and figures from every cached run of --seeds and --rounds")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
-    todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS]
-    done = run_all("gas-fmnist", todo, lambda *job: one(*job, args.rounds, args.eval_every), args.jobs)
+    for name, given, known in (("--methods", args.methods, [m for m, _ in METHODS]),
+                               ("--partitions", args.partitions, [p for p, _ in PARTITIONS])):
+        bad = sorted(set(given or ()) - set(known))
+        if bad:
+            ap.error(f"{name}: unknown {bad}; known: {known}")
+    todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS
+            if (args.methods is None or m in args.methods) and (args.partitions is None or pl in args.partitions)]
+    if not args.report:
+        run_all("gas-fmnist", todo, lambda *job: one(*job, args.rounds, args.eval_every), args.jobs)
     results: dict = {}
-    for (m, _, pl, _, _), res in done:
-        results.setdefault((m, pl), []).append(res)
+    for s in args.seeds:
+        for pl, _ in PARTITIONS:
+            for m, _ in METHODS:
+                f = cache_file(m, pl, s, args.rounds)
+                if f.is_file():
+                    results.setdefault((m, pl), []).append((s, json.loads(f.read_text())))
     print(table(results, args.rounds))
-    figures(results)
-    (OUT / f"summary_r{args.rounds}.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
+    print()
+    print(paired(results, args.rounds))
+    if results:
+        figures(results)
     return 0
 
 
