@@ -31,6 +31,8 @@ class _Partitioner(_Strict):
     """A partitioner's parameters: one model per partitioner, picked by ``name`` (a key another partitioner takes
     is an error naming it)."""
 
+    KIND: typing.ClassVar[str] = "partitioner"  # what an error calls the member that ``name`` picked
+
     def params(self) -> dict[str, Any]:
         """The keyword arguments of the partitioner (everything but ``name``)."""
         return self.model_dump(exclude={"name"})
@@ -97,7 +99,7 @@ class DataConfig(_Strict):
         """A partition section without ``name`` is the default partitioner's (dirichlet), as before the sections
         were typed: ``data.partition.alpha=0.1`` alone still works."""
         if isinstance(v, dict) and "name" not in v:
-            return {"name": "dirichlet", **v}
+            return {"name": cls.model_fields["partition"].default.name, **v}
         return v
 
 
@@ -373,38 +375,39 @@ def _tagged_members(ann: Any) -> dict[str, type[BaseModel]]:
     return out
 
 
-def _resolve(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+def _resolve(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None, str | None]:
     """The dotted key of ``loc`` as a user writes it (a discriminated union's tag, which pydantic puts in the
-    location, dropped) and the model of its last section (None: not a section)."""
+    location, dropped), the model of its last section (None: not a section) and, when that section is a member of
+    a discriminated union, its tag."""
     parent: type[BaseModel] | None = model
     key: list[str] = []
     members: dict = {}
+    tag = None
     for p in loc:
         if members and str(p) in members:  # the tag pydantic inserts after a discriminated union's field
-            parent, members = members[str(p)], {}
+            parent, members, tag = members[str(p)], {}, str(p)
             continue
         key.append(str(p))
         field = parent.model_fields.get(str(p)) if parent is not None else None
         ann = field.annotation if field else None
-        members = _tagged_members(ann)
+        members, tag = _tagged_members(ann), None
         parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return key, parent
+    return key, parent, tag
 
 
 def _format_error(err: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for e in err.errors():
-        key, _ = _resolve(model, e["loc"])
+        key, _, _ = _resolve(model, e["loc"])
         dotted = ".".join(key)
         if e["type"] == "extra_forbidden":
-            _, parent = _resolve(model, e["loc"][:-1])
+            _, parent, tag = _resolve(model, e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent is not None else []
             what = hint = ""
-            if parent is not None and issubclass(parent, _Partitioner):
-                tag = parent.model_fields["name"].annotation.__args__[0]
-                what = f" (partitioner {tag})"
-                hint = (f" (to switch partitioner, give the whole section: "
-                        f"{'.'.join(key[:-1])}={{name: {tag}}})")
+            if tag is not None:  # a member of a discriminated union (a partitioner), picked by its name
+                kind = getattr(parent, "KIND", "name")
+                what = f" ({kind} {tag})"
+                hint = f" (to switch {kind}, give the whole section: {'.'.join(key[:-1])}={{name: {tag}}})"
             lines.append(f"unknown key '{dotted}'{what}" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
                          + hint)
         else:
