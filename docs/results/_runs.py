@@ -10,6 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def median_range(values, fmt: str = ".2f") -> str:
+    """``median [min, max]`` of ``values`` as the result pages write it; the single value when there is one."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=float)
+    if len(v) == 1:
+        return f"{v[0]:{fmt}}"
+    return f"{np.median(v):{fmt}} [{np.min(v):{fmt}}, {np.max(v):{fmt}}]"
+
+
 def run_cached(code: str, out: Path, what: str) -> dict:
     """Run ``code`` (which prints one ``RESULT{json}`` line) with this interpreter in the repository root and
     return the parsed result; reuse ``out`` when it exists, write it otherwise."""

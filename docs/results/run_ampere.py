@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_all, run_config
+from _runs import ROOT, median_range, run_all, run_config
 
 METHODS = [("Ampere", None), ("SplitFed", {"name": "sflv1"}), ("PiPar", {"name": "pipar"}),
            ("SplitGP", {"name": "splitgp"}), ("SplitFed+SCAFFOLD", {"name": "sflv1_scaffold"})]
@@ -67,10 +67,6 @@ ARMS = [("Ampere, equal epochs", True), ("Ampere without consolidation, equal ep
 PAIRED = (("algorithm.patience", 30), ("algorithm.cache_mb", 1024.0))
 
 
-def _mmm(xs) -> str:
-    return f"{np.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
-
-
 def paired(res: dict, alphas, seeds) -> str:
     """Per alpha: each arm's final accuracy and server epochs, median [min, max] over seeds, and consolidation minus
     no consolidation paired by seed (positive: consolidation better, as the paper's section 5.2.4 finds)."""
@@ -82,7 +78,7 @@ def paired(res: dict, alphas, seeds) -> str:
         d = [x - y for x, y in zip(c, n)]
         ep = sorted({int(max(h.get("server_epochs", 0) for h in res[(arm, a, s)]["history"])) for arm, _ in ARMS
                      for s in seeds})
-        lines.append(f"| {a} | {_mmm(c)} | {_mmm(n)} | {_mmm(d)} | {' '.join(f'{x:+.2f}' for x in d)} | "
+        lines.append(f"| {a} | {median_range(c)} | {median_range(n)} | {median_range(d)} | {' '.join(f'{x:+.2f}' for x in d)} | "
                      f"{'/'.join(map(str, ep))} |")
     return "\n".join(lines)
 

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_cached
+from _runs import ROOT, median_range, run_cached
+
 METHODS = [("psl", {}), ("sglr", {}), ("sflv1", {}), ("sflv2", {}), ("cyclepsl", {}), ("cyclesglr", {}),
            ("cyclesfl", {}), ("cyclesfl", {"server_epochs": 2}), ("cyclesfl", {"server_epochs": 4}),
            ("cyclesfl", {"server_epochs": 8})]
@@ -66,12 +67,9 @@ def main():
     print("| method | accuracy % | macro-F1 | MCC | rounds to 70 % (per seed) | grad norm mean | grad norm std |")
     print("|---|---|---|---|---|---|---|")
 
-    def mmm(v, fmt):
-        return f"{np.median(v):{fmt}} [{np.min(v):{fmt}}, {np.max(v):{fmt}}]"
-
     for label, rs in by.items():
         def col(k, scale=1.0, fmt=".3f"):
-            return mmm(np.array([r.get(k, np.nan) for r in rs], dtype=float) * scale, fmt)
+            return median_range(np.array([r.get(k, np.nan) for r in rs], dtype=float) * scale, fmt)
         rt_s = ", ".join(str(x) if x is not None else ">300" for x in (r.get("rounds_to_target") for r in rs))
         print(f"| {label} | {col('accuracy', 100, '.2f')} | {col('f1_macro')} | {col('mcc')} | {rt_s} | "
               f"{col('grad_norm_mean_all', fmt='.4f')} | {col('grad_norm_std_all', fmt='.4f')} |")
@@ -81,7 +79,7 @@ def main():
     for new_, old_ in PAIRS:
         d = [acc[(new_, s)] - acc[(old_, s)] for s in a.seeds if (new_, s) in acc and (old_, s) in acc]
         if d:
-            print(f"| {new_} - {old_} | {mmm(np.array(d), '+.2f')} | {' '.join(f'{x:+.2f}' for x in d)} |")
+            print(f"| {new_} - {old_} | {median_range(np.array(d), '+.2f')} | {' '.join(f'{x:+.2f}' for x in d)} |")
 
 if __name__ == "__main__":
     main()

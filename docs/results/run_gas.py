@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_all, run_config
+from _runs import ROOT, median_range, run_all, run_config
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -48,14 +48,6 @@ def one(method, alg, part_label, partition, seed, rounds, eval_every):
     return res
 
 
-def mmm(v, fmt: str) -> str:
-    """median [min, max] of ``v``; the single value when there is one."""
-    v = np.asarray(v, dtype=float)
-    if len(v) == 1:
-        return f"{v[0]:{fmt}}"
-    return f"{np.median(v):{fmt}} [{np.min(v):{fmt}}, {np.max(v):{fmt}}]"
-
-
 def table(results, rounds) -> str:
     """Accuracy at the last round and best evaluated accuracy, median [min, max] over the seeds run (their number
     in the last column), and the median simulated time at the last round, for every partition."""
@@ -67,7 +59,7 @@ def table(results, rounds) -> str:
                 continue
             a = [100 * r["accuracy"] for _, r in rs]
             b = [100 * max(c[2] for c in r["curve"]) for _, r in rs]
-            lines.append(f"| {method} | {part} | {mmm(a, '.2f')} | {mmm(b, '.2f')} | "
+            lines.append(f"| {method} | {part} | {median_range(a, '.2f')} | {median_range(b, '.2f')} | "
                          f"{np.median([r['sim_time'] for _, r in rs]):.0f} | {', '.join(str(s) for s, _ in rs)} |")
     return "\n".join(lines)
 
@@ -83,7 +75,7 @@ def paired(results, rounds) -> str:
             seeds = sorted(set(gas) & set(other))
             if seeds:
                 d = [gas[s] - other[s] for s in seeds]
-                lines.append(f"| {part} | {method} | {mmm(d, '+.2f')} | "
+                lines.append(f"| {part} | {method} | {median_range(d, '+.2f')} | "
                              f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(seeds, d))} |")
     return "\n".join(lines)
 

@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_cached
+from _runs import ROOT, median_range, run_cached
+
 # the two settings (--study): the first study (cnn_small, 2-layer heads = 98 % of the server) and the second, at
 # the paper's proportions (cnn_gap, heads conv4+fc = 62 % of the server, or fc alone = 1 %; phi 10 batches of 64)
 STUDIES = {
@@ -245,7 +246,7 @@ def main():
         def ms(k):
             v = np.array([r[k] for r in rs], dtype=float) * 100
             if a.study == "gap":  # the second study: median [min, max] over the seeds, and how many
-                return f"{np.median(v):.2f} [{v.min():.2f}, {v.max():.2f}] n={len(v)}"
+                return f"{median_range(v)} n={len(v)}"
             return f"{v.mean():.2f} ± {v.std():.2f}"
 
         print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
