@@ -24,6 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (a fresh one each call: a test may monkeypatch it)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" /
+                                                  f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 def make_config(tmp_path, mlflow_uri, **overrides):
     """A small digits experiment (fast on 2 cores) with dotted-key overrides."""
     from raysplit.config import load_config

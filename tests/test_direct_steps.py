@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import assert_identical_runs, load_script, make_config, run_rounds
 
-from helpers import assert_identical_runs, make_config, run_rounds
 from raysplit.runtime import ClientHost
 
 
@@ -141,16 +141,12 @@ PATHS = {
 }
 
 
+golden = load_script("golden")
+
+
 def _final_state(name: str, path: str) -> tuple[dict, list[dict]]:
     """``name``'s golden run on ``path``: every tensor, array and number of the runtime's final checkpoint (weights,
     optimizer states, clocks, cursors, per client) by its place in the checkpoint, and the per-round metrics."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("golden", Path(__file__).resolve().parent.parent / "scripts" /
-                                                  "golden.py")
-    golden = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(golden)
     leaves: dict = {}
 
     def walk(o, at):

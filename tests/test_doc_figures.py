@@ -4,22 +4,15 @@ The quickstart itself (~3 minutes on 2 cores) is not run here: `make check-docs`
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("doc_figures", ROOT / "scripts" / "doc_figures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-df = _load()
+df = load_script("doc_figures")
 
 CLOCK = "1e10 FLOP/s per client, 10 MB/s up and 10 MB/s down per client"
 

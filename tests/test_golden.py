@@ -6,17 +6,13 @@ behaviour rewrites its file with `make golden`, says why in the commit and rerun
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 from raysplit.algorithms import ALGORITHMS
 
-_spec = importlib.util.spec_from_file_location("golden", Path(__file__).resolve().parent.parent / "scripts" /
-                                               "golden.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
+golden = load_script("golden")
 
 
 def test_every_listed_algorithm_has_a_fingerprint_and_no_other_is_stored():

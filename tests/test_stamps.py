@@ -4,20 +4,18 @@ and does not fail; the repository's own pages pass."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def stamps(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("stamps", ROOT / "scripts" / "stamps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("stamps")
     golden = tmp_path / "tests" / "golden"
     golden.mkdir(parents=True)
     for name in ("gas", "fedbuff"):
