@@ -362,7 +362,7 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
     return out
 
 
-def _tagged_members(ann: Any) -> dict[str, type[BaseModel]]:
+def tagged_members(ann: Any) -> dict[str, type[BaseModel]]:
     """``{tag: model}`` of a discriminated union on ``name`` (e.g. PartitionConfig); empty for anything else."""
     args = typing.get_args(ann)
     if args and typing.get_origin(ann) is Annotated:
@@ -390,7 +390,7 @@ def _resolve(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseMo
         key.append(str(p))
         field = parent.model_fields.get(str(p)) if parent is not None else None
         ann = field.annotation if field else None
-        members, tag = _tagged_members(ann), None
+        members, tag = tagged_members(ann), None
         parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
     return key, parent, tag
 

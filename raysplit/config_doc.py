@@ -58,12 +58,12 @@ def _model_of(ann: Any) -> type[BaseModel] | None:
 def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
     """``(dotted key, type, default, description)`` of every field of ``model``, sections expanded in place (the
     section's own row first)."""
-    from raysplit.config import _tagged_members
+    from raysplit.config import tagged_members
 
     out = []
     for name, field in model.model_fields.items():
         key = prefix + name
-        members = _tagged_members(field.annotation)
+        members = tagged_members(field.annotation)
         if members:  # a discriminated union: name picks the member, whose own keys follow
             default = field.default.name if isinstance(field.default, BaseModel) else "required"
             out.append((key, "section", "(section)", field.description or ""))
