@@ -36,7 +36,7 @@ bench-spill:
 
 # A GPU server (needs a machine with a GPU and Ray; none was available where RESULTS.md was written).
 bench-gpu:
-	$(PY) benchmarks/gpu_server.py --workers 8 --rounds 5
+	$(PY) benchmarks/gpu_server.py --workers 7 --rounds 5
 
 # Batched per-client server copies (runtime.batched_copies), server side in process and a local-backend round.
 bench-batched:

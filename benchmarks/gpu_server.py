@@ -5,7 +5,7 @@ for each transport (compiled graphs, actor calls) in the same run, rounds interl
 
 Needs a machine with a GPU and Ray (``bash scripts/setup.sh`` there; the server actor reserves the GPU):
 
-    python benchmarks/gpu_server.py [--workers 8] [--rounds 5] [--batch 32] [--steps 5]
+    python benchmarks/gpu_server.py [--workers 7] [--rounds 5] [--batch 32] [--steps 5]
 
 ``--device cpu`` runs the same on a CPU-only machine (no utilisation figure): a check that the command works.
 """
@@ -64,7 +64,9 @@ def make(algorithm: str, transport: str, a):
         "model.name": "resnet18", "model.cut": "layer1", "train.rounds": 1000, "train.batch_size": a.batch,
         "train.local_steps": a.steps, "train.optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
         "runtime.num_workers": a.workers, "runtime.client.num_cpus": 1, "runtime.device": a.device,
-        "runtime.server": {"num_cpus": 1, "num_gpus": 1 if a.device == "cuda" else 0},
+        # Both transports' runtimes live side by side (their rounds interleave), so each server takes its share of
+        # the one GPU: whole GPUs for both would leave the second server pending for ever.
+        "runtime.server": {"num_cpus": 1, "num_gpus": 1 / len(a.transports) if a.device == "cuda" else 0},
         "runtime.transport": transport, "runtime.max_retries": 0,
         "tracking.enabled": False, "tracking.progress": False})
     p = prepare(cfg)
@@ -76,7 +78,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--algorithms", nargs="+", default=["sflv2", "sflv1"])
     ap.add_argument("--transports", nargs="+", default=["compiled", "calls"])
-    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=7)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
@@ -88,6 +90,11 @@ def main():
     import torch
 
     ray.init(include_dashboard=False, log_to_driver=True)
+    cpus = ray.cluster_resources().get("CPU", 0)
+    need = len(a.transports) * (a.workers + 1)
+    if need > cpus:  # every transport's runtime holds its actors for the whole run
+        raise SystemExit(f"--workers {a.workers}: {len(a.transports)} runtimes x ({a.workers} client actors + 1 "
+                         f"server) need {need} CPUs, this machine has {cpus:g}; lower --workers")
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "ray": ray.__version__}
     print(info, f"load {load()}")
@@ -95,7 +102,9 @@ def main():
     print("|---|---|---|---|---|")
     out = {}
     for alg in a.algorithms:
+        t0 = time.perf_counter()
         runs = {t: make(alg, t, a) for t in a.transports}
+        print(f"  {alg}: actors of {len(runs)} runtimes ready in {time.perf_counter() - t0:.1f} s", flush=True)
         clock = dict.fromkeys(runs, 0.0)
         times = {t: [] for t in runs}
         util = {t: [] for t in runs}
@@ -113,6 +122,8 @@ def main():
                     dt = time.perf_counter() - t0
                     samples = sampler.stop()
                     clock[t] = st.t_end
+                    print(f"  {alg} {t} round {r}{' (warm-up)' if r < a.warmup else ''}: {dt:.2f} s, GPU "
+                          f"{np.mean(samples) if samples else float('nan'):.0f} %", flush=True)
                     if r >= a.warmup:
                         times[t].append(dt)
                         util[t] += samples
