@@ -38,7 +38,7 @@ bench-spill:
 bench-gpu:
 	$(PY) benchmarks/gpu_server.py --workers 7 --rounds 5
 
-# Batched per-client server copies (runtime.batched_copies), server side in process and a local-backend round.
+# Batched per-client server copies (algorithm.batched_copies), server side in process and a local-backend round.
 bench-batched:
 	$(PY) benchmarks/batched_copies.py --model cnn_small resnet18 --clients 10 50 --reps 5 --e2e-reps 3
 

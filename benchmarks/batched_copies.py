@@ -1,4 +1,4 @@
-"""Batched per-client server copies (``runtime.batched_copies``): the server's per-round work of PSL with one
+"""Batched per-client server copies (``algorithm.batched_copies``): the server's per-round work of PSL with one
 batched computation over the round's copies vs one copy after another.
 
 Server side, in process (no Ray, no clients): two ``ServerHost``s built from the same PSL config, one per-copy and
@@ -9,7 +9,7 @@ alternates), so each ratio comes from the same moment's load. After the repetiti
 same rounds on the same activations; the largest difference of their server weights is reported.
 
 End to end: one PSL round through the local backend (clients' forward and backward included) with
-``runtime.batched_copies`` off and on, interleaved the same way.
+``algorithm.batched_copies`` off and on, interleaved the same way.
 
     python benchmarks/batched_copies.py --model cnn_small resnet18 --clients 10 50 --reps 5
 """
@@ -55,7 +55,7 @@ def make_cfg(model: str, clients: int, batched: bool, batch: int | None, threads
         "train.rounds": 1000, "train.batch_size": batch or m["batch"], "train.local_steps": 1,
         "train.optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
         "runtime.backend": "local", "runtime.num_workers": 1, "runtime.torch_threads": threads,
-        "runtime.device": device, "runtime.batched_copies": batched,
+        "runtime.device": device, "algorithm.batched_copies": batched,
         "tracking.enabled": False, "tracking.progress": False, **m["data"]})
 
 

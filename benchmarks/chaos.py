@@ -1,4 +1,4 @@
-"""Chaos runs: N seeded runs, each killing one random actor at a random point (``runtime.inject_fault``), every one
+"""Chaos runs: N seeded runs, each killing one random actor at a random point (``runtime.faults.inject_fault``), every one
 compared, every metric of every round, with the same config's uninterrupted run.
 
     python benchmarks/chaos.py --runs 24 --seed 0      # make chaos
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with contextlib.redirect_stderr(_Tee(err, sys.stderr)):
                     run_experiment(fm._config(Path(tmp) / "run", case, **{
-                        "runtime.transport": transport, "runtime.inject_fault": fault}),
+                        "runtime.transport.kind": transport, "runtime.faults.inject_fault": fault}),
                         on_round=lambda r, m: rounds_got.append((r, m)))
             except Exception as e:  # noqa: BLE001 - a failed run is a finding, reported
                 status = f"failed: {type(e).__name__}: {str(e)[:200]}"

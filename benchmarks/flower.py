@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from common import OUT, ROOT, fmt, load, log_mlflow, mmm, save
+from common import ROOT, fmt, load, log_mlflow, mmm, save
 
 FLOWER_PY = ROOT / "benchmarks" / ".flower-venv" / "bin" / "python"
 
@@ -47,7 +47,7 @@ def raysplit_rounds(a) -> list[float]:
     ray.init(num_cpus=4, object_store_memory=512 * 1024**2, include_dashboard=False, log_to_driver=True)
     try:
         p = prepare(cfg)
-        rt = Runtime(make_backend(cfg.runtime), p.inputs, cfg.runtime.max_in_flight)
+        rt = Runtime(make_backend(cfg.runtime), p.inputs, cfg.runtime.transport.max_in_flight)
         times, t = [], 0.0
         for r in range(a.rounds + 1):
             clients = [int(c) for c in p.sample_stream[r]]

@@ -24,7 +24,7 @@ from common import fmt, load, log_mlflow, mmm, save
 
 from raysplit.config import load_config
 from raysplit.experiment import prepare
-from raysplit.runtime import Runtime, make_backend
+from raysplit.runtime import runtime_for
 
 
 class GpuSampler(threading.Thread):
@@ -67,11 +67,11 @@ def make(algorithm: str, transport: str, a):
         # Both transports' runtimes live side by side (their rounds interleave), so each server takes its share of
         # the one GPU: whole GPUs for both would leave the second server pending for ever.
         "runtime.server": {"num_cpus": 1, "num_gpus": 1 / len(a.transports) if a.device == "cuda" else 0},
-        "runtime.transport": transport, "runtime.max_retries": 0,
+        "runtime.transport.kind": transport, "runtime.faults.max_retries": 0,
         "tracking.enabled": False, "tracking.progress": False})
     p = prepare(cfg)
     r = cfg.runtime
-    return cfg, p, Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
+    return cfg, p, runtime_for(r, p.inputs)
 
 
 def main():

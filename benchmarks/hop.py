@@ -8,9 +8,9 @@ client host reads the gradient. The in-process time of exactly these host calls 
 gradient down) / Ray time per hop. Three transports are measured in the same run, interleaved:
 
 * ``compiled`` (default runtime path): the server actor drives the steps (``HostActor.drive``) through Ray
-  Compiled Graphs, one per client actor (``runtime.transport: compiled``): shared-memory channels;
-* ``calls``    (``runtime.transport: calls``): the server actor drives the steps with ordinary actor calls;
-* ``chained``  (``runtime.direct_steps=false``): the driver chains forward -> train_step -> backward ObjectRefs.
+  Compiled Graphs, one per client actor (``runtime.transport.kind: compiled``): shared-memory channels;
+* ``calls``    (``runtime.transport.kind: calls``): the server actor drives the steps with ordinary actor calls;
+* ``chained``  (``runtime.transport.direct_steps=false``): the driver chains forward -> train_step -> backward ObjectRefs.
 
     python benchmarks/hop.py [--repeats 7] [--steps 20]
 """

@@ -32,7 +32,7 @@ from raysplit.config import load_config
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.models import build_model
-from raysplit.runtime import Runtime, make_backend
+from raysplit.runtime import runtime_for
 from raysplit.runtime.aggregation import average_states
 
 MODELS = {
@@ -59,7 +59,7 @@ def make_cfg(model: str, algorithm: str, clients: int, backend: str, steps: int,
         "runtime.backend": backend, "runtime.num_workers": workers, "runtime.torch_threads": threads,
         "runtime.server.num_cpus": 1, "runtime.client.num_cpus": 0,
         "tracking.enabled": False, "tracking.progress": False,
-        "runtime.direct_steps": direct, "runtime.transport": transport,
+        "runtime.transport.direct_steps": direct, "runtime.transport.kind": transport,
         **m["data"],
     }
     return load_config(None, over)
@@ -146,7 +146,7 @@ class RaysplitRounds:
         self.p = prepare(cfg)
         self.cfg = cfg
         r = cfg.runtime
-        self.rt = Runtime(make_backend(r), self.p.inputs, r.max_in_flight, r.window, r.placement)
+        self.rt = runtime_for(r, self.p.inputs)
         self.r = 0
         self.t = 0.0
 
@@ -161,7 +161,7 @@ class RaysplitRounds:
         import ray
 
         b = self.rt.backend
-        if getattr(b, "rcfg", None) is None or b.rcfg.transport != "compiled" or not b.direct_steps:
+        if getattr(b, "rcfg", None) is None or b.rcfg.transport.kind != "compiled" or not b.direct_steps:
             yield
             return
         pids = ray.get([a.__ray_call__.remote(lambda s: os.getpid()) for a in [b.server, *b.workers]])
@@ -286,9 +286,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds (repetitions)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--chained", action="store_true",
-                    help="also time the driver-chained Ray path (runtime.direct_steps=false) in the same run")
+                    help="also time the driver-chained Ray path (runtime.transport.direct_steps=false) in the same run")
     ap.add_argument("--calls", action="store_true",
-                    help="also time the server-driven path over ordinary actor calls (runtime.transport=calls)")
+                    help="also time the server-driven path over ordinary actor calls (runtime.transport.kind=calls)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-mlflow", action="store_true")
     a = ap.parse_args()

@@ -32,7 +32,7 @@ from common import fmt, load, log_mlflow, mmm, save
 
 from raysplit.config import load_config
 from raysplit.experiment import prepare
-from raysplit.runtime import Runtime, make_backend
+from raysplit.runtime import runtime_for
 
 
 def make_cfg(v: int, per_round: int | None, steps: int, batch: int):
@@ -90,7 +90,6 @@ def object_store_mib(gcs: str) -> tuple[float, int]:
 
 
 def run_case(v: int, per_round: int | None, a, gcs: str) -> dict:
-    import ray
 
     t0 = time.perf_counter()
     cfg = make_cfg(v, per_round, a.steps, a.batch)
@@ -98,7 +97,7 @@ def run_case(v: int, per_round: int | None, a, gcs: str) -> dict:
     t_prepare = time.perf_counter() - t0
     t1 = time.perf_counter()
     r = cfg.runtime
-    rt = Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
+    rt = runtime_for(r, p.inputs)
     t_actors = time.perf_counter() - t1
     b = rt.backend
     pids = {"driver": os.getpid(), "server": ray.get(b.server.__ray_call__.remote(lambda s: os.getpid()))}
@@ -151,7 +150,6 @@ def main():
     ap.add_argument("--batch", type=int, default=6)
     ap.add_argument("--no-mlflow", action="store_true")
     a = ap.parse_args()
-    import ray
 
     ctx = ray.init(num_cpus=4, object_store_memory=1024**3, include_dashboard=False, log_to_driver=True)
     gcs = ctx.address_info["gcs_address"]

@@ -3,14 +3,14 @@
 Three measurements, each comparing the old path and the new one in the same run (interleaved where timed):
 
 * ``window``: peak memory of the client actors with 10 and 100 clients per round, SFLV2 on cnn_small (cut
-  conv1, Fashion-MNIST, 1,000 clients, IID), every client's first forward at once (``runtime.window: null``, the
-  old path) against ``runtime.window: 4``. Peak RSS/USS per process sampled every 0.1 s (psutil).
+  conv1, Fashion-MNIST, 1,000 clients, IID), every client's first forward at once (``runtime.transport.window: null``, the
+  old path) against ``runtime.transport.window: 4``. Peak RSS/USS per process sampled every 0.1 s (psutil).
 * ``placement``: FedAvg (cnn_small, 1,000 clients, 10 per round, 10 local batches of 32) on 2 client actors, client
-  ``c`` on actor ``c mod 2`` (``runtime.placement: home``, the old rule) against the balanced placement: clients on
+  ``c`` on actor ``c mod 2`` (``runtime.placement.strategy: home``, the old rule) against the balanced placement: clients on
   the busier actor per round and round time. Each repetition times one round of each, back to back.
 * ``spill``: PSL and SplitFedV3 with every client keeping its own ResNet18 client part (cut after layer1, 32x32
   inputs) and its momentum, 100 clients per round, at V = 1,000 and V = 100,000 virtual clients, with a budget
-  of ``--budget-mb`` per client actor for that state (``runtime.client_state_mb``; the rest spills to disk):
+  of ``--budget-mb`` per client actor for that state (``runtime.placement.client_state_mb``; the rest spills to disk):
   round time, client-actor RSS, bytes spilled and read back. The clients' data are 8 images each drawn (with
   overlap) from a pool of synthetic images, so 100,000 clients fit in memory; the server copies train with plain
   SGD so that 100 ResNet18 server copies fit too (the benchmark is about client state).
@@ -33,7 +33,7 @@ from common import fmt, load, log_mlflow, mmm, save
 
 from raysplit.config import load_config
 from raysplit.experiment import prepare, sample_stream
-from raysplit.runtime import Runtime, make_backend
+from raysplit.runtime import Runtime, runtime_for
 
 
 class Peak(threading.Thread):
@@ -91,14 +91,14 @@ def one_round(rt, p, cfg, r: int, t: float) -> tuple[float, float]:
 
 def runtime_of(cfg, p) -> Runtime:
     r = cfg.runtime
-    return Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
+    return runtime_for(r, p.inputs)
 
 
 def base_cfg(**over):
     cfg = {"seed": 0, "data.dataset": "fashion_mnist", "data.partition.name": "iid", "data.test_fraction": 0.0,
            "data.max_test_samples": 100, "model.name": "cnn_small", "model.cut": "conv1", "train.rounds": 1000,
            "train.optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}, "runtime.num_workers": 2,
-           "runtime.server.num_cpus": 1, "runtime.client.num_cpus": 0, "runtime.max_retries": 0,
+           "runtime.server.num_cpus": 1, "runtime.client.num_cpus": 0, "runtime.faults.max_retries": 0,
            "tracking.enabled": False, "tracking.progress": False}
     cfg.update(over)
     return load_config(None, cfg)
@@ -114,7 +114,7 @@ def bench_window(a) -> dict:
         for window in (None, 4):
             cfg = base_cfg(**{"name": f"window-{per}-{window}", "algorithm": {"name": "sflv2", "order": "shuffled"},
                               "data.num_clients": 1000, "train.batch_size": 32, "train.local_steps": 2,
-                              "train.participation": {"count": per, "fraction": None}, "runtime.window": window})
+                              "train.participation": {"count": per, "fraction": None}, "runtime.transport.window": window})
             p = prepare(cfg)
             rt = runtime_of(cfg, p)
             try:
@@ -148,7 +148,7 @@ def bench_placement(a) -> dict:
     for place in ("home", "balanced"):
         cfg = base_cfg(**{"name": f"placement-{place}", "algorithm": {"name": "fedavg"}, "data.num_clients": 1000,
                           "train.batch_size": 32, "train.local_steps": 10,
-                          "train.participation": {"count": 10, "fraction": None}, "runtime.placement": place,
+                          "train.participation": {"count": 10, "fraction": None}, "runtime.placement.strategy": place,
                           "runtime.client.num_cpus": 1, "runtime.server.num_cpus": 0})
         p = prepare(cfg)
         runs[place] = (cfg, p, runtime_of(cfg, p))
@@ -187,7 +187,7 @@ def spill_case(algorithm: str, v: int, a) -> dict:
                       "train.batch_size": 8, "train.local_steps": 1,
                       "train.server_optimizer": {"name": "sgd", "lr": 0.01},
                       "train.participation": {"count": a.spill_per_round, "fraction": None},
-                      "runtime.client_state_mb": a.budget_mb})
+                      "runtime.placement.client_state_mb": a.budget_mb})
     p = prepare(cfg)
     rng = np.random.default_rng([0, v])
     n = len(p.inputs.train_data["y"])

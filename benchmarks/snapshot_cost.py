@@ -1,4 +1,4 @@
-"""What the round-boundary snapshots of ``runtime.max_retries`` cost per round (``RoundGuard``), measured with the
+"""What the round-boundary snapshots of ``runtime.faults.max_retries`` cost per round (``RoundGuard``), measured with the
 code of the tree it runs from (run it from an older checkout, with ``PYTHONPATH`` pointing there, for "before").
 
     python benchmarks/snapshot_cost.py [--rounds 12] [--cases resnet18,clients1000]
@@ -46,18 +46,18 @@ CASES = {
 def run_case(name: str, rounds: int) -> dict:
     from raysplit.config import load_config
     from raysplit.experiment import prepare
-    from raysplit.runtime import Runtime, make_backend
+    from raysplit.runtime import runtime_for
     from raysplit.runtime.drivers import RoundGuard
 
     cfg = load_config(None, {"seed": 0, "data.dataset": "synthetic", "data.partition.name": "iid",
                              "data.test_fraction": 0.0, "train.rounds": rounds, "train.local_steps": 1,
                              "train.participation": {"count": 10, "fraction": None},
                              "train.optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-                             "runtime.num_workers": 2, "runtime.transport": "calls", "runtime.server.num_cpus": 1,
+                             "runtime.num_workers": 2, "runtime.transport.kind": "calls", "runtime.server.num_cpus": 1,
                              "runtime.client.num_cpus": 0, "tracking.enabled": False, "eval.every": 10**6,
                              **CASES[name]})
     p = prepare(cfg)
-    rt = Runtime(make_backend(cfg.runtime), p.inputs, cfg.runtime.max_in_flight, cfg.runtime.window)
+    rt = runtime_for(cfg.runtime, p.inputs)
     driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
     guard = RoundGuard(rt, driver, max_retries=3)
     blocked, with_snap, without = [], [], []

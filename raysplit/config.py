@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import typing
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -197,6 +198,101 @@ class FaultInjection(_Strict):
                                "'step_through'); null: every public method")
 
 
+class PlacementConfig(_Strict):
+    """Where the virtual clients live: which client actor serves a client, and where their state is kept."""
+
+    strategy: Literal["balanced", "home"] = Field(
+        default="balanced", description="balanced: each round's clients spread evenly over the client actors "
+        "(each gets its share +-1; a client's state moves with it); home: client c always on actor c mod "
+        "num_workers")
+    spread_clients: bool = Field(default=False, description="Ray: SPREAD the client actors over the nodes")
+    client_state_mb: float | None = Field(default=None, gt=0, description="per client actor, MB of per-client "
+                                          "model and optimizer state kept in memory; the least recently used "
+                                          "beyond it spill to disk (null: all in memory)")
+    spill_dir: str | None = Field(default=None, description="where spilled client state goes (null: the system's "
+                                  "temporary directory, on the actor's node)")
+
+
+class TransportConfig(_Strict):
+    """How a round's split steps travel between the hosts."""
+
+    kind: Literal["compiled", "calls"] = Field(
+        default="compiled", description="Ray, with direct_steps: how the server actor reaches the client actors "
+        "in a driven loop: Ray Compiled Graphs (shared-memory channels, one graph per client actor, compiled once "
+        "per run) or ordinary actor calls (the fallback); identical results")
+    direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
+                               "calling client actors directly (false: the driver chains every call)")
+    max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
+    window: int | None = Field(default=4, ge=1, description="forwards submitted ahead per client actor in a round's "
+                               "split steps: peak memory O(actors x window), not O(clients per round); null: every "
+                               "client's first forward at once")
+
+
+class FaultPolicy(_Strict):
+    """What a run does when an actor dies or a client sends something unusable."""
+
+    max_retries: int = Field(default=3, ge=0, description="Ray: actor deaths survived per run (every actor is "
+                             "replaced, the last round boundary restored, the round redone); 0: the first death "
+                             "fails the run")
+    inject_fault: FaultInjection | None = Field(
+        default=None, description="Ray: kill one actor at a chosen point of the run (testing max_retries; "
+        "FaultInjection)")
+    on_bad_client: Literal["fail", "drop"] = Field(
+        default="fail", description="an activation or gradient that is non-finite, of the wrong shape or dtype, "
+        "or tagged with another round: fail the run naming client, round and step, or drop that client for the "
+        "round (logged as the metric dropped_clients and a raysplit.dropped.round_N tag)")
+
+
+# Keys that RuntimeConfig held directly before it had sections: old key -> its place now. ``placement`` and
+# ``transport`` given a single value (not a section) mean the section's first key.
+MOVED_RUNTIME_KEYS = {"placement": "placement.strategy", "transport": "transport.kind",  # these two first
+                      "spread_clients": "placement.spread_clients", "client_state_mb": "placement.client_state_mb",
+                      "spill_dir": "placement.spill_dir", "direct_steps": "transport.direct_steps",
+                      "max_in_flight": "transport.max_in_flight", "window": "transport.window",
+                      "max_retries": "faults.max_retries", "inject_fault": "faults.inject_fault",
+                      "on_bad_client": "faults.on_bad_client"}
+
+
+def _moved(old: str, new: str) -> None:
+    # one line, no source line of ours under it: the user's config is at fault, not this file
+    warnings.warn_explicit(f"runtime.{old} is now runtime.{new} (the old key still works; write the new one)",
+                           FutureWarning, "raysplit config", 0)
+
+
+def moved_key(key: str, value: Any = None) -> str:
+    """A dotted override key (``runtime.window``) rewritten to where its field lives now
+    (``runtime.transport.window``), with a one-line warning; any other key unchanged."""
+    parts = key.split(".")
+    if len(parts) < 2 or parts[0] != "runtime" or parts[1] not in MOVED_RUNTIME_KEYS:
+        return key
+    if parts[1] in ("placement", "transport") and (len(parts) > 2 or isinstance(value, dict)):
+        return key  # already the section
+    new = MOVED_RUNTIME_KEYS[parts[1]]
+    _moved(parts[1], new)
+    return ".".join(["runtime", *new.split("."), *parts[2:]])
+
+
+def migrate_runtime(data: Any) -> Any:
+    """A ``runtime`` section written before it had sections, rewritten: each old key moves to its section (a
+    one-line FutureWarning names the new key); a setting given both ways is an error naming both keys."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in MOVED_RUNTIME_KEYS.items():
+        if old not in data or (old in ("placement", "transport") and isinstance(data[old], dict | None)):
+            continue
+        section, key = new.split(".")
+        value = data.pop(old)
+        current = data.get(section)
+        current = dict(current) if isinstance(current, dict) else {}
+        if key in current:
+            raise ValueError(f"runtime.{old} and runtime.{new} are the same setting; give only runtime.{new}")
+        _moved(old, new)
+        current[key] = value
+        data[section] = current
+    return data
+
+
 class RuntimeConfig(_Strict):
     backend: Literal["ray", "local"] = Field(default="ray", description="ray: hosts in actors; local: the same "
                                              "hosts in this process (identical results)")
@@ -212,50 +308,25 @@ class RuntimeConfig(_Strict):
     torch_threads: int | None = Field(default=1, ge=1, description="torch threads per actor (oversubscription)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="the server host's torch device "
                                                    "(auto: cuda where one is visible)")
-    spread_clients: bool = Field(default=False, description="SPREAD client actors over nodes")
-    max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
-    window: int | None = Field(default=4, ge=1, description="forwards submitted ahead per client actor in a round's "
-                               "split steps: peak memory O(actors x window), not O(clients per round); null: every "
-                               "client's first forward at once")
-    placement: Literal["balanced", "home"] = Field(
-        default="balanced", description="balanced: each round's clients spread evenly over the client actors "
-        "(each gets its share +-1; a client's state moves with it); home: client c always on actor c mod "
-        "num_workers")
-    client_state_mb: float | None = Field(default=None, gt=0, description="per client actor, MB of per-client "
-                                          "model and optimizer state kept in memory; the least recently used "
-                                          "beyond it spill to disk (null: all in memory)")
-    spill_dir: str | None = Field(default=None, description="where spilled client state goes (null: the system's "
-                                  "temporary directory, on the actor's node)")
-    direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
-                               "calling client actors directly (False: the driver chains every call)")
-    transport: Literal["compiled", "calls"] = Field(
-        default="compiled", description="Ray, with direct_steps: how the server actor reaches the client actors "
-        "in a driven loop: Ray Compiled Graphs (shared-memory channels, one graph per client actor, compiled once "
-        "per run) or ordinary actor calls (the fallback); identical results")
-    batched_copies: bool = Field(
-        default=False, description="PSL, SFLV1, SGLR (variant cyclesl): step the per-client server copies of a "
-        "pooled step in one batched computation (torch.func vmap; the same updates up to float rounding). PSL and "
-        "SFLV1 then serve the clients' steps interleaved (step 0 of every client, then step 1, ...), which changes "
-        "the simulated time, not the models (unless they draw random numbers: dropout); other algorithms ignore it")
-    max_retries: int = Field(default=3, ge=0, description="Ray: actor deaths survived per run (every actor is "
-                             "replaced, the last round boundary restored, the round redone); 0: the first death "
-                             "fails the run")
-    inject_fault: FaultInjection | None = Field(
-        default=None, description="Ray: kill one actor at a chosen point of the run (testing runtime.max_retries; "
-        "FaultInjection)")
-    on_bad_client: Literal["fail", "drop"] = Field(
-        default="fail", description="an activation or gradient that is non-finite, of the wrong shape or dtype, "
-        "or tagged with another round: fail the run naming client, round and step, or drop that client for the "
-        "round (logged as the metric dropped_clients and a raysplit.dropped.round_N tag)")
+    placement: PlacementConfig = Field(default=PlacementConfig(), description="which client actor serves a "
+                                       "client, and where client state is kept (PlacementConfig)")
+    transport: TransportConfig = Field(default=TransportConfig(), description="how split steps travel "
+                                       "(TransportConfig)")
+    faults: FaultPolicy = Field(default=FaultPolicy(), description="actor deaths and unusable client input "
+                                "(FaultPolicy)")
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        return migrate_runtime(data)
 
     @model_validator(mode="after")
     def _fault_names_an_actor(self):
-        f = self.inject_fault
+        f = self.faults.inject_fault
         if f is not None and f.actor != "server" and int(f.actor[6:]) >= self.num_workers:
-            raise ValueError(f"runtime.inject_fault.actor={f.actor!r}: there are {self.num_workers} client actors "
-                             f"(client0..client{self.num_workers - 1}, runtime.num_workers)")
+            raise ValueError(f"runtime.faults.inject_fault.actor={f.actor!r}: there are {self.num_workers} client "
+                             f"actors (client0..client{self.num_workers - 1}, runtime.num_workers)")
         if f is not None and self.backend != "ray":
-            raise ValueError("runtime.inject_fault kills an actor: it needs runtime.backend=ray")
+            raise ValueError("runtime.faults.inject_fault kills an actor: it needs runtime.backend=ray")
         return self
 
 
@@ -302,6 +373,36 @@ class ExperimentConfig(_Strict):
                                    "speeds")
     tracking: TrackingConfig = Field(default=TrackingConfig(), description="MLflow, checkpoints, progress")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _batched_copies_moved(cls, data: Any) -> Any:
+        """``runtime.batched_copies`` (before it was an algorithm parameter) moves to ``algorithm.batched_copies``
+        for the methods that have it, with a one-line warning; the others never used it: dropped, with a warning
+        where it was on."""
+        runtime = data.get("runtime") if isinstance(data, dict) else None
+        if not isinstance(runtime, dict) or "batched_copies" not in runtime:
+            return data
+        data, runtime = dict(data), dict(runtime)
+        value = runtime.pop("batched_copies")
+        data["runtime"] = runtime
+        alg = dict(data.get("algorithm") or {"name": "sflv2"})
+        name = alg.get("name")
+        from raysplit.algorithms import ALGORITHMS
+
+        if name in ALGORITHMS and "batched_copies" in ALGORITHMS[name].Params.model_fields:
+            if "batched_copies" in alg:
+                raise ValueError("runtime.batched_copies and algorithm.batched_copies are the same setting; give "
+                                 "only algorithm.batched_copies")
+            alg["batched_copies"] = value
+            data["algorithm"] = alg
+            warnings.warn_explicit("runtime.batched_copies is now algorithm.batched_copies (the old key still "
+                                   "works; write the new one)", FutureWarning, "raysplit config", 0)
+        elif value:
+            warnings.warn_explicit(f"runtime.batched_copies is ignored: {name} has no per-client server copies to "
+                                   "batch (it is algorithm.batched_copies now, for psl, sflv1 and their variants, "
+                                   "sglr)", FutureWarning, "raysplit config", 0)
+        return data
+
     @field_validator("algorithm")
     @classmethod
     def _has_name(cls, v):
@@ -339,6 +440,11 @@ def _parse_scalar(text: str) -> Any:
 def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
     """Apply dotted overrides (``train.rounds=3`` or ``{"train.rounds": 3}``) to a raw config dict."""
     out = copy.deepcopy(raw)
+    if isinstance(out.get("runtime"), dict):  # an old file's keys first, so that new-style overrides find sections
+        try:
+            out["runtime"] = migrate_runtime(out["runtime"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     items = overrides.items() if isinstance(overrides, dict) else []
     if not isinstance(overrides, dict):
         parsed = []
@@ -350,7 +456,7 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
         items = parsed
     for key, value in items:
         node = out
-        parts = key.split(".")
+        parts = moved_key(key, value).split(".")
         for p in parts[:-1]:
             nxt = node.get(p)
             if nxt is None:

@@ -20,4 +20,4 @@ class ActorFailure(RuntimeError):
 
 class BadClientInput(RuntimeError):
     """An activation or gradient that fails the runtime's checks (non-finite values, wrong shape or dtype, labels
-    out of range, a tag from another round) under ``runtime.on_bad_client: fail``; names client, round and step."""
+    out of range, a tag from another round) under ``runtime.faults.on_bad_client: fail``; names client, round and step."""

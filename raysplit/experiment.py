@@ -19,7 +19,7 @@ from raysplit.algorithms import SetupInfo, algorithm_params, get_algorithm
 from raysplit.clock import draw_profiles
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
-from raysplit.runtime import HostSpec, Runtime, RuntimeInputs, make_backend, transport
+from raysplit.runtime import HostSpec, RuntimeInputs, make_backend, runtime_for, transport
 from raysplit.runtime.drivers import RoundGuard
 
 
@@ -149,9 +149,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         persist_client_models=not alg.keeps_global_client_model(), stop_on_nonfinite=cfg.train.stop_on_nonfinite,
         rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),
         clip_grad_norm=cfg.train.clip_grad_norm, asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
-        on_bad_client=cfg.runtime.on_bad_client, batched_copies=cfg.runtime.batched_copies,
-        client_state_bytes=(int(cfg.runtime.client_state_mb * 2**20) if cfg.runtime.client_state_mb else None),
-        spill_dir=cfg.runtime.spill_dir,
+        on_bad_client=cfg.runtime.faults.on_bad_client, batched_copies=getattr(alg.params, "batched_copies", False),
+        client_state_bytes=(int(cfg.runtime.placement.client_state_mb * 2**20)
+                            if cfg.runtime.placement.client_state_mb else None),
+        spill_dir=cfg.runtime.placement.spill_dir,
     )
     inputs = RuntimeInputs(
         spec=spec, client_host=alg.client_host, server_host=alg.server_host,
@@ -269,8 +270,7 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
 
             files = prepared.dataset["files"]
             tracker.log_input({**prepared.dataset, "digest": files_digest(files) if files else "generated"})
-        rt = Runtime(backend, prepared.inputs, cfg.runtime.max_in_flight, cfg.runtime.window,
-                     cfg.runtime.placement)
+        rt = runtime_for(cfg.runtime, prepared.inputs, backend)
         guard = None
         try:
             alg = prepared.algorithm
@@ -297,10 +297,10 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
 
                 def restarted(count: int, why: str) -> None:
                     print(f"raysplit: {why}; every actor replaced and the round redone (restart {count} of at most "
-                          f"{cfg.runtime.max_retries})", file=sys.stderr)
+                          f"{cfg.runtime.faults.max_retries})", file=sys.stderr)
                     tracker.set_tags({"raysplit.actor_restarts": count, f"raysplit.restart_{count}": why[:4000]})
 
-                guard = RoundGuard(rt, driver, cfg.runtime.max_retries, extra=reporter, on_restart=restarted,
+                guard = RoundGuard(rt, driver, cfg.runtime.faults.max_retries, extra=reporter, on_restart=restarted,
                                    start=start)
             driver.run(start, cfg.train.rounds, after_round, guard)
             out = reporter.finish(driver.client_totals(), ckpt_path)

@@ -62,7 +62,7 @@ def round_metrics(stats) -> dict:
 
 
 def dropped_clients(stats) -> dict[int, str]:
-    """The clients dropped in a round (``runtime.on_bad_client: drop``) and why: rejected by the server, or
+    """The clients dropped in a round (``runtime.faults.on_bad_client: drop``) and why: rejected by the server, or
     rejecting the server's gradient."""
     out = {int(c): str(w) for c, w in stats.server.get("dropped", {}).items()}
     for c, st in stats.clients.items():
@@ -150,7 +150,7 @@ class Reporter:
             m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
         hist.add("train_loss", rnd, m["train_loss"])
         hist.last_round = rnd
-        dropped = dropped_clients(stats) if cfg.runtime.on_bad_client == "drop" else None
+        dropped = dropped_clients(stats) if cfg.runtime.faults.on_bad_client == "drop" else None
         if dropped is not None:
             m["dropped_clients"] = len(dropped)
         todo = {k: v for k, v in m.items() if self.logged.get(k, -1) < rnd}

@@ -48,7 +48,7 @@ def make_config(tmp_path, mlflow_uri, **overrides):
         "train.rounds": 2, "train.batch_size": 16, "train.local_steps": 4,
         "train.optimizer.lr": 0.1,
         "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
-        "runtime.transport": "calls",
+        "runtime.transport.kind": "calls",
         "tracking.uri": mlflow_uri, "tracking.experiment": "tests", "tracking.progress": False,
         "tracking.output_dir": str(tmp_path / "outputs"),
     }
@@ -59,11 +59,11 @@ def make_config(tmp_path, mlflow_uri, **overrides):
 def run_rounds(cfg, rounds=None):
     """Run the algorithm's rounds through the runtime; return (client state, server state, prepared, stats)."""
     from raysplit.experiment import prepare
-    from raysplit.runtime import Runtime, make_backend, transport
+    from raysplit.runtime import runtime_for, transport
 
     p = prepare(cfg)
     r = cfg.runtime
-    rt = Runtime(make_backend(r), p.inputs, r.max_in_flight, r.window, r.placement)
+    rt = runtime_for(r, p.inputs)
     try:
         stats = []
         driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)  # rounds or events
@@ -296,16 +296,15 @@ def imported_closure(needs: dict[str, set], start: str) -> set:
 def capture_runtimes(monkeypatch) -> list:
     """Make ``run_experiment`` record every Runtime it builds (for a test to reach the hosts); returns the list."""
     import raysplit.experiment as experiment
-    from raysplit.runtime import Runtime
 
     made: list = []
+    build = experiment.runtime_for
 
-    class Capture(Runtime):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
+    def capture(*a, **kw):
+        made.append(build(*a, **kw))
+        return made[-1]
 
-    monkeypatch.setattr(experiment, "Runtime", Capture)
+    monkeypatch.setattr(experiment, "runtime_for", capture)
     return made
 
 

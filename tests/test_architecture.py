@@ -98,7 +98,7 @@ def test_two_streams_through_ray_actors_both_paths(ray_session, tmp_path, mlflow
     would share a tag and the second gradient would find no activation."""
     seq = [(c, s) for _ in range(2) for c in (0, 1, 2) for s in ("student", "teacher")]
     for direct in (True, False):
-        rt = _two_stream_runtime(make_config(tmp_path, mlflow_uri, **{"runtime.direct_steps": direct}))
+        rt = _two_stream_runtime(make_config(tmp_path, mlflow_uri, **{"runtime.transport.direct_steps": direct}))
         try:
             rt.begin_round(0, [0, 1, 2], 0.0)
             rt.split_steps(seq)

@@ -1,4 +1,4 @@
-"""Corrupt input is rejected by client (runtime.on_bad_client): an activation that is non-finite, of the wrong
+"""Corrupt input is rejected by client (runtime.faults.on_bad_client): an activation that is non-finite, of the wrong
 shape or dtype, with bad labels or a tag from another round, and a gradient that does not fit its activation, fail
 the run naming client, round and step (``fail``), or drop that client for the round, logged, without touching the
 server model or the aggregate (``drop``)."""
@@ -117,7 +117,7 @@ def test_drop_leaves_the_client_out_of_its_round_and_logs_it(tmp_path, mlflow_ur
     """A NaN activation from client 3 in round 1: without the screen the server's loss would be NaN and the run
     would stop (stop_on_nonfinite). With ``drop`` the run goes on with finite losses, the round logs one dropped
     client and a tag naming client 3, the other rounds none."""
-    over = {"algorithm.name": algorithm, "runtime.backend": "local", "runtime.on_bad_client": "drop",
+    over = {"algorithm.name": algorithm, "runtime.backend": "local", "runtime.faults.on_bad_client": "drop",
             "train.rounds": 3, "tracking.experiment": f"drop-{algorithm}", "eval.every": 1}
     if algorithm == "psl":
         over["eval.mode"] = "clients"
@@ -141,7 +141,7 @@ def test_drop_leaves_the_client_out_of_its_round_and_logs_it(tmp_path, mlflow_ur
 def test_a_dropped_client_is_left_out_of_the_aggregate_and_keeps_its_model(tmp_path, mlflow_uri):
     """Host level: after client 3's activation is withheld, the workers' partial sums carry the other clients'
     weight only, and client 3 is reported dropped with the reason."""
-    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.on_bad_client": "drop"})
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.faults.on_bad_client": "drop"})
     p = experiment.prepare(cfg)
     inputs = dataclasses.replace(p.inputs, client_host=corrupting(p.inputs.client_host, "shape", rnd=0))
     rt = Runtime(make_backend(cfg.runtime), inputs)
@@ -172,7 +172,7 @@ class NaNGradientServer:
 
 @pytest.mark.parametrize("policy", ["fail", "drop"])
 def test_a_corrupt_gradient_is_rejected_by_the_client(tmp_path, mlflow_uri, policy):
-    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.on_bad_client": policy})
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.faults.on_bad_client": policy})
     p = experiment.prepare(cfg)
     server = type("Srv", (NaNGradientServer, p.inputs.server_host), {})
     rt = Runtime(make_backend(cfg.runtime), dataclasses.replace(p.inputs, server_host=server))
@@ -208,7 +208,7 @@ def test_gas_drops_a_bad_client_for_its_job_through_the_event_loop(ray_session, 
     gradients for the rest of that job and ignores its model upload; the run completes with finite losses."""
     corrupt("nan", rnd=None, step=1)
     over = {"algorithm.name": "gas", "train.rounds": 4, "train.participation.count": 2, "clock.profile": "uniform",
-            "runtime.on_bad_client": "drop", "tracking.experiment": "bad-gas", "eval.every": 1}
+            "runtime.faults.on_bad_client": "drop", "tracking.experiment": "bad-gas", "eval.every": 1}
     final = experiment.run_experiment(make_config(tmp_path, mlflow_uri, **over))
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])

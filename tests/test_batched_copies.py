@@ -1,4 +1,4 @@
-"""``runtime.batched_copies``: per-client server copies stepped in one vmapped computation give the updates,
+"""``algorithm.batched_copies``: per-client server copies stepped in one vmapped computation give the updates,
 gradients, losses and clock of the per-copy steps (``ServerHost.train_copies``), in whole runs of PSL, SFLV1 and
 SGLR (variant cyclesl) and step by step; what vmap cannot batch falls back to the per-copy path.
 
@@ -21,7 +21,7 @@ import torch
 
 from helpers import make_config
 from raysplit import reporting
-from raysplit.config import ConfigError, RuntimeConfig
+from raysplit.config import ConfigError
 from raysplit.experiment import prepare
 from raysplit.runtime import Activation, NonFiniteLossError, Runtime, ServerHost, Tag, make_backend
 
@@ -97,8 +97,8 @@ CASES = {
 def test_batched_run_equals_per_copy_run(tmp_path, mlflow_uri, case):
     """Same metrics every round and the same final server and client weights with and without batching."""
     over = {"runtime.backend": "local", **CASES[case]}
-    per_copy = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.batched_copies": False}))
-    batched = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.batched_copies": True}))
+    per_copy = run(make_config(tmp_path, mlflow_uri, **over, **{"algorithm.batched_copies": False}))
+    batched = run(make_config(tmp_path, mlflow_uri, **over, **{"algorithm.batched_copies": True}))
     assert_same_runs(per_copy, batched, same_clock=case == "sglr",  # SGLR's service order does not change
                      tol=TOL_ADAM if "adam" in case else TOL)
     assert per_copy[0][-1][0] < per_copy[0][0][0]  # it trained
@@ -112,7 +112,7 @@ def test_interleaved_service_is_the_per_copy_clock_in_that_order(tmp_path, mlflo
     per-copy steps served in the same order (same weights too), and shorter than one client after another."""
     over = {"runtime.backend": "local", "algorithm.name": "psl", "train.local_epochs": 1,
             "data.partition.name": "dirichlet"}
-    cfg = make_config(tmp_path, mlflow_uri, **over, **{"runtime.batched_copies": True})
+    cfg = make_config(tmp_path, mlflow_uri, **over, **{"algorithm.batched_copies": True})
     batched = run(cfg)
     interleaved_per_copy = run(cfg, spec_batched=False)
     consecutive = run(make_config(tmp_path, mlflow_uri, **over))
@@ -127,10 +127,10 @@ def test_ray_backend_direct_and_driver_chained_equal_local(ray_session, tmp_path
     """Through actors, server-driven and driver-chained pooled steps (per-client step counts) give exactly the
     local backend's run."""
     over = {"algorithm.name": "sflv1", "train.local_epochs": 1, "data.partition.name": "dirichlet",
-            "runtime.batched_copies": True, "train.rounds": 1}
+            "algorithm.batched_copies": True, "train.rounds": 1}
     local = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.backend": "local"}))
     for direct in (True, False):
-        ray_run = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": direct}))
+        ray_run = run(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport.direct_steps": direct}))
         assert max_diff(weights(local[1]), weights(ray_run[1])) == 0.0
         assert local[0][0][2].t_end == ray_run[0][0][2].t_end
         assert local[0][0][2].server["losses"] == ray_run[0][0][2].server["losses"]
@@ -289,13 +289,24 @@ def spy(monkeypatch) -> list[int]:
 # ---- the switch ------------------------------------------------------------------------------------------------
 
 def test_switch_is_validated_documented_and_reaches_the_server_host(tmp_path, mlflow_uri):
-    field = RuntimeConfig.model_fields["batched_copies"]
+    """An algorithm parameter of the methods with per-client server copies; the old runtime key still works."""
+    from raysplit.algorithms import ALGORITHMS
+    from raysplit.algorithms.base import CopiesParams
+
+    field = CopiesParams.model_fields["batched_copies"]
     assert field.default is False and "interleaved" in field.description
-    with pytest.raises(ConfigError, match="runtime.batched_copies"):
-        make_config(tmp_path, mlflow_uri, **{"runtime.batched_copies": "sometimes"})
-    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.batched_copies": True, "algorithm.name": "psl"})
+    having = sorted(n for n, a in ALGORITHMS.items() if "batched_copies" in a.Params.model_fields)
+    assert having == ["pipar", "psl", "sflv1", "sflv1_prox", "sflv3", "sglr", "splitgp"]
+    with pytest.raises(ConfigError, match="algorithm.batched_copies"):
+        make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", "algorithm.batched_copies": "sometimes"})
+    with pytest.raises(ConfigError, match="unknown key 'algorithm.batched_copies' for multihead"):
+        make_config(tmp_path, mlflow_uri, **{"algorithm.name": "multihead", "algorithm.batched_copies": True})
+    cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.batched_copies": True, "algorithm.name": "psl"})
     assert prepare(cfg).inputs.spec.batched_copies is True
     assert prepare(make_config(tmp_path, mlflow_uri)).inputs.spec.batched_copies is False
+    with pytest.warns(FutureWarning, match="runtime.batched_copies is now algorithm.batched_copies"):
+        old = make_config(tmp_path, mlflow_uri, **{"runtime.batched_copies": True, "algorithm.name": "sflv1"})
+    assert old.algorithm["batched_copies"] is True and prepare(old).inputs.spec.batched_copies is True
 
 
 @pytest.mark.parametrize("opt", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.001}],

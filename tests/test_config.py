@@ -59,14 +59,15 @@ def test_shipped_configs_validate():
 def test_inject_fault_names_an_actor_that_exists_and_needs_ray():
     from raysplit.config import load_config
 
-    ok = load_config(None, {"runtime.inject_fault": {"actor": "client1", "round": 2, "call": 5, "method": "ingest"}})
-    assert ok.runtime.inject_fault.actor == "client1" and ok.runtime.inject_fault.method == "ingest"
-    with pytest.raises(Exception, match=r"runtime.inject_fault.actor='client2': there are 2 client actors"):
-        load_config(None, {"runtime.inject_fault": {"actor": "client2"}})
+    ok = load_config(None, {"runtime.faults.inject_fault": {"actor": "client1", "round": 2, "call": 5,
+                                                            "method": "ingest"}})
+    assert ok.runtime.faults.inject_fault.actor == "client1" and ok.runtime.faults.inject_fault.method == "ingest"
+    with pytest.raises(Exception, match=r"runtime.faults.inject_fault.actor='client2': there are 2 client actors"):
+        load_config(None, {"runtime.faults.inject_fault": {"actor": "client2"}})
     with pytest.raises(Exception, match="needs runtime.backend=ray"):
-        load_config(None, {"runtime.inject_fault": {"actor": "server"}, "runtime.backend": "local"})
+        load_config(None, {"runtime.faults.inject_fault": {"actor": "server"}, "runtime.backend": "local"})
     with pytest.raises(Exception, match="inject_fault"):
-        load_config(None, {"runtime.inject_fault": {"actor": "worker0"}})
+        load_config(None, {"runtime.faults.inject_fault": {"actor": "worker0"}})
 
 
 def test_config_reference_is_current_and_lists_every_key():
@@ -82,7 +83,7 @@ def test_config_reference_is_current_and_lists_every_key():
     page = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     assert page.read_text() == text, "docs/config.md is out of date: run `make config-doc` and commit it"
     keys = [k for k, *_ in rows(ExperimentConfig)]
-    assert "runtime.inject_fault.actor" in keys and "train.optimizer.lr" in keys and "data.partition.alpha" in keys
+    assert "runtime.faults.inject_fault.actor" in keys and "train.optimizer.lr" in keys and "data.partition.alpha" in keys
     for key in keys:
         assert f"`{key}`" in text, key
     for name, alg in ALGORITHMS.items():
@@ -126,3 +127,42 @@ def test_each_partitioner_takes_only_its_own_keys():
     assert load_config(None, {"data.partition.alpha": 0.2}).data.partition.params() == {"alpha": 0.2, "min_size": 10}
     assert load_config(None, ["data.partition={name: iid}"]).data.partition.params() == {}
     assert load_config(None, {"data.partition.name": "device_dirichlet"}).data.partition.params() == {"alpha": 0.5}
+
+
+def test_runtime_sections_hold_placement_transport_and_fault_policy():
+    cfg = load_config(None, ["runtime.transport.kind=calls", "runtime.transport.window=2",
+                             "runtime.placement.strategy=home", "runtime.faults.max_retries=0"])
+    r = cfg.runtime
+    assert (r.transport.kind, r.transport.window, r.placement.strategy, r.faults.max_retries) == ("calls", 2, "home", 0)
+    assert not any(k in flatten(cfg.model_dump()) for k in ("runtime.window", "runtime.max_retries"))
+
+
+def test_old_runtime_keys_still_work_with_one_warning_each(tmp_path):
+    """A config written before the runtime had sections: every old key lands in its section, each with a
+    one-line FutureWarning naming the new key; a later new-style override finds the section."""
+    path = tmp_path / "old.yaml"
+    path.write_text("runtime:\n  transport: calls\n  window: 2\n  max_retries: 0\n  placement: home\n"
+                    "  inject_fault: {actor: server}\n  spill_dir: /tmp/x\n")
+    with pytest.warns(FutureWarning) as seen:
+        cfg = load_config(path, ["runtime.transport.max_in_flight=8", "runtime.on_bad_client=drop"])
+    r = cfg.runtime
+    assert (r.transport.kind, r.transport.window, r.transport.max_in_flight) == ("calls", 2, 8)
+    assert (r.placement.strategy, r.placement.spill_dir) == ("home", "/tmp/x")
+    assert (r.faults.max_retries, r.faults.inject_fault.actor, r.faults.on_bad_client) == (0, "server", "drop")
+    messages = sorted({str(w.message) for w in seen})
+    assert "runtime.window is now runtime.transport.window (the old key still works; write the new one)" in messages
+    assert "runtime.on_bad_client is now runtime.faults.on_bad_client (the old key still works; write the new one)" \
+        in messages
+    assert len(messages) == 7 and all("\n" not in m for m in messages)
+
+
+def test_old_shorthand_override_sets_the_kind_and_keeps_the_section():
+    """``runtime.transport=calls`` (the old key) onto a file with a transport section changes only the kind."""
+    with pytest.warns(FutureWarning, match="runtime.transport is now runtime.transport.kind"):
+        cfg = load_config(None, {"runtime.transport.window": 2, "runtime.transport": "calls"})
+    assert (cfg.runtime.transport.kind, cfg.runtime.transport.window) == ("calls", 2)
+
+
+def test_a_runtime_setting_given_both_ways_is_one_error_naming_both():
+    with pytest.raises(ConfigError, match=r"runtime.window and runtime.transport.window are the same setting"):
+        load_config(None, {"runtime": {"window": 3, "transport": {"window": 2}}})

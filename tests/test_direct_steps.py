@@ -1,4 +1,4 @@
-"""The actor-driven split-step path (``runtime.direct_steps``, the default) computes exactly what the
+"""The actor-driven split-step path (``runtime.transport.direct_steps``, the default) computes exactly what the
 driver-chained path computes: same weights bit for bit, same simulated clocks, same per-step losses."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from raysplit.runtime import ClientHost
 def test_direct_steps_bit_identical_to_driver_chained(ray_session, tmp_path, mlflow_uri, algorithm):
     over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
             "train.optimizer.momentum": 0.9}
-    assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": True})),
-                          run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.direct_steps": False})))
+    assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport.direct_steps": True})),
+                          run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport.direct_steps": False})))
 
 
 @pytest.mark.parametrize("algorithm", [
@@ -35,13 +35,13 @@ def test_direct_steps_bit_identical_to_driver_chained(ray_session, tmp_path, mlf
     {"name": "gas"},  # the event loop (asynchronous mode)
 ], ids=lambda a: "-".join(map(str, a.values())))
 def test_compiled_graphs_equal_actor_calls(ray_session, tmp_path, mlflow_uri, algorithm):
-    """runtime.transport: compiled (Ray Compiled Graphs, the default) and calls (ordinary actor calls, the
+    """runtime.transport.kind: compiled (Ray Compiled Graphs, the default) and calls (ordinary actor calls, the
     fallback) carry the same messages in the same order: same weights bit for bit, same clocks and losses. (Pooled
     steps on both transports: tests/test_golden.py's fast-tier runs, held to the in-process numbers.)"""
     over = {"algorithm": algorithm, "train.rounds": 2, "train.local_steps": 3, "data.num_clients": 5,
             "train.optimizer.momentum": 0.9}
-    assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "compiled"})),
-                          run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport": "calls"})))
+    assert_identical_runs(run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport.kind": "compiled"})),
+                          run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport.kind": "calls"})))
 
 
 def test_direct_steps_local_backend_equals_ray(ray_session, tmp_path, mlflow_uri):
@@ -73,7 +73,7 @@ def test_client_actor_error_in_driven_steps_surfaces_as_itself(ray_session, tmp_
     from raysplit.runtime import Runtime, make_backend
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's host travels to the actors
-    cfg = make_config(tmp_path, mlflow_uri, **{"train.local_steps": 2, "runtime.transport": transport})
+    cfg = make_config(tmp_path, mlflow_uri, **{"train.local_steps": 2, "runtime.transport.kind": transport})
     p = prepare(cfg)
     rt = Runtime(make_backend(cfg.runtime), dataclasses.replace(p.inputs, client_host=RefusingClient))
     try:
@@ -114,7 +114,7 @@ def test_server_aggregate_handles_zero_dim_buffers(tmp_path, mlflow_uri):
 ], ids=lambda a: "-".join(map(str, a.values())))
 def test_the_driver_chained_port_runs_the_same_loops_bit_for_bit(tmp_path, mlflow_uri, monkeypatch, algorithm):
     """One loop per kind of step (runtime/stepping.py): run where the server lives (``LocalPort``) or from the
-    driver with every call a handle (``DriverPort``, what ``runtime.direct_steps: false`` uses), the clients get
+    driver with every call a handle (``DriverPort``, what ``runtime.transport.direct_steps: false`` uses), the clients get
     the same calls in the same order: same weights bit for bit, clocks, losses and steps."""
     from raysplit.runtime import LocalBackend
 
@@ -135,9 +135,9 @@ def _synchronous_algorithms() -> list[str]:
 # client actors with actor calls, and over compiled graphs (two client actors each, so that clients move between them)
 PATHS = {
     "local": {"runtime.backend": "local"},
-    "chained": {"runtime.backend": "ray", "runtime.direct_steps": False, "runtime.transport": "calls"},
-    "calls": {"runtime.backend": "ray", "runtime.direct_steps": True, "runtime.transport": "calls"},
-    "compiled": {"runtime.backend": "ray", "runtime.direct_steps": True, "runtime.transport": "compiled"},
+    "chained": {"runtime.backend": "ray", "runtime.transport.direct_steps": False, "runtime.transport.kind": "calls"},
+    "calls": {"runtime.backend": "ray", "runtime.transport.direct_steps": True, "runtime.transport.kind": "calls"},
+    "compiled": {"runtime.backend": "ray", "runtime.transport.direct_steps": True, "runtime.transport.kind": "compiled"},
 }
 
 

@@ -1,4 +1,4 @@
-"""The fault matrix: an actor killed with SIGKILL in the middle of a round (``runtime.inject_fault``) is survived by
+"""The fault matrix: an actor killed with SIGKILL in the middle of a round (``runtime.faults.inject_fault``) is survived by
 every family's stateful server and loop, with every metric of every round equal to an uninterrupted run's.
 
 Cases (``CASES``): SFLV2 and PSL (split steps; client state spilled to disk), CycleSFL (pooled steps), Hydra
@@ -30,9 +30,9 @@ FMNIST = {"data.dataset": "fashion_mnist", "data.root": None, "data.options": {}
 
 # case -> (overrides, kill round, {victim: (method counted or None, call)})
 CASES: dict[str, tuple[dict, int, dict]] = {
-    "sflv2-spilled": ({"algorithm.name": "sflv2", "train.rounds": 3, "runtime.client_state_mb": 0.001}, 1,
+    "sflv2-spilled": ({"algorithm.name": "sflv2", "train.rounds": 3, "runtime.placement.client_state_mb": 0.001}, 1,
                       {"client0": (None, 4), "server": (None, 4)}),
-    "psl-spilled": ({"algorithm.name": "psl", "train.rounds": 3, "runtime.client_state_mb": 0.001,
+    "psl-spilled": ({"algorithm.name": "psl", "train.rounds": 3, "runtime.placement.client_state_mb": 0.001,
                      "train.optimizer.momentum": 0.9}, 1, {"client0": (None, 4), "server": (None, 4)}),
     "cyclesfl": ({"algorithm.name": "cyclesfl", "train.rounds": 3}, 1, {"client0": (None, 4), "server": (None, 4)}),
     "hydra": ({"algorithm.name": "hydra", "train.rounds": 3}, 1, {"client0": (None, 4), "server": (None, 4)}),
@@ -109,7 +109,7 @@ def test_an_actor_killed_mid_round_leaves_every_metric_of_every_round_unchanged(
     _, kill_round, victims = CASES[case]
     method, call = victims[victim]
     rounds: list[tuple[int, dict]] = []
-    cfg = _config(tmp_path, case, **{"runtime.transport": transport, "runtime.inject_fault": {
+    cfg = _config(tmp_path, case, **{"runtime.transport.kind": transport, "runtime.faults.inject_fault": {
         "actor": victim, "round": kill_round, "call": call, "method": method}})
     experiment.run_experiment(cfg, on_round=lambda r, m: rounds.append((r, m)))
     err = capfd.readouterr().err

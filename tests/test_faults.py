@@ -1,4 +1,4 @@
-"""Fault survival (runtime.max_retries): a dead client or server actor is replaced, the last round boundary
+"""Fault survival (runtime.faults.max_retries): a dead client or server actor is replaced, the last round boundary
 restored and the round redone, so the finished run equals an uninterrupted one and logs every round once; past
 the retry budget the run fails naming the actor, its node and the round, and is marked FAILED."""
 
@@ -106,7 +106,7 @@ def test_an_actor_killed_mid_round_is_survived(ray_session, tmp_path, mlflow_uri
 
 def test_past_the_retry_budget_the_run_fails_naming_actor_node_and_round(ray_session, tmp_path, mlflow_uri,
                                                                          backends):
-    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.max_retries": 0, "train.rounds": 3,
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.faults.max_retries": 0, "train.rounds": 3,
                                                "tracking.experiment": "faults-budget"})
 
     compiled = []

@@ -47,7 +47,7 @@ def test_each_loop_family_through_ray_reproduces_its_fingerprint(ray_session, fa
     """The fast tier's runs through Ray: one per loop family on each transport, two client actors, held to the
     local backend's stored numbers."""
     name = FAMILIES[family]
-    got = golden.run(name, **RAY, **{"runtime.transport": transport, "runtime.num_workers": 2})
+    got = golden.run(name, **RAY, **{"runtime.transport.kind": transport, "runtime.num_workers": 2})
     diff = golden.differences(golden.load(name), got)
     assert not diff, f"{name} through Ray ({transport}) differs from its fingerprint:\n  " + "\n  ".join(diff[:12])
 
@@ -72,7 +72,7 @@ def ray_representatives() -> list[str]:
 @pytest.mark.parametrize("name", ray_representatives())
 def test_every_host_and_path_through_ray_actors_reproduces_its_fingerprint(ray_session, name):
     """Each algorithm's hosts in Ray actors (one client actor, actor calls) give the local backend's numbers."""
-    got = golden.run(name, **RAY, **{"runtime.transport": "calls", "runtime.num_workers": 1})
+    got = golden.run(name, **RAY, **{"runtime.transport.kind": "calls", "runtime.num_workers": 1})
     diff = golden.differences(golden.load(name), got)
     assert not diff, f"{name} through Ray differs from its fingerprint:\n  " + "\n  ".join(diff[:12])
 

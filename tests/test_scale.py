@@ -96,8 +96,8 @@ def test_results_do_not_depend_on_the_number_of_workers_the_placement_or_the_win
     over = {"algorithm": algorithm, "train.rounds": 3, "train.local_steps": 3, "data.num_clients": 9,
             "train.participation": {"fraction": 0.67}, "train.optimizer.momentum": 0.9, "runtime.backend": "local"}
     ref = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.num_workers": 1}))
-    for extra in ({"runtime.num_workers": 2}, {"runtime.num_workers": 3, "runtime.window": 1},
-                  {"runtime.num_workers": 4, "runtime.placement": "home", "runtime.window": None}):
+    for extra in ({"runtime.num_workers": 2}, {"runtime.num_workers": 3, "runtime.transport.window": 1},
+                  {"runtime.num_workers": 4, "runtime.placement.strategy": "home", "runtime.transport.window": None}):
         assert_identical_runs(ref, run_rounds(make_config(tmp_path, mlflow_uri, **over, **extra)))
 
 
@@ -119,7 +119,7 @@ def test_through_ray_placement_moves_client_state_and_results_equal_one_local_wo
 
     placement.assign = spy
     try:
-        got = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.window": 1}))
+        got = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.transport.window": 1}))
     finally:
         placement.assign = orig
     assert moved, "no client moved: the test does not exercise moving state"
@@ -175,8 +175,8 @@ def test_spilled_client_state_changes_nothing_but_memory(tmp_path, mlflow_uri):
 
     hosts.SpillStore = spy
     try:
-        got = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.client_state_mb": 0.004,
-                                                                       "runtime.spill_dir": str(tmp_path / "spill")}))
+        got = run_rounds(make_config(tmp_path, mlflow_uri, **over, **{"runtime.placement.client_state_mb": 0.004,
+                                                                       "runtime.placement.spill_dir": str(tmp_path / "spill")}))
     finally:
         hosts.SpillStore = orig
     assert sum(s.spills for s in stores) > 0 and sum(s.loads for s in stores) > 0

@@ -186,7 +186,7 @@ def test_bad_semisfl_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, 
 
 @pytest.mark.parametrize("where,lr", [
     ("supervised phase, round \\d+, step \\d+", {"train.server_optimizer": {"name": "sgd", "lr": 1e12}}),
-    # a diverged client encoder is caught at its activation, before the cross-entity loss (runtime.on_bad_client)
+    # a diverged client encoder is caught at its activation, before the cross-entity loss (runtime.faults.on_bad_client)
     ("client \\d+, round \\d+, step \\d+, stream (student|teacher): activation rejected by the server: .*NaN or inf",
      {"train.optimizer.lr": 1e30, "train.server_optimizer": {"name": "sgd", "lr": 0.05}})], ids=["server", "client"])
 def test_nonfinite_loss_names_the_phase_round_and_step(tmp_path, mlflow_uri, fmnist_root, where, lr):

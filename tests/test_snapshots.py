@@ -10,7 +10,7 @@ import pytest
 from helpers import make_config
 from raysplit.errors import ActorFailure
 from raysplit.experiment import prepare
-from raysplit.runtime import Runtime, make_backend
+from raysplit.runtime import runtime_for
 from raysplit.runtime.drivers import RoundGuard
 from raysplit.runtime.snapshots import SnapshotStore
 
@@ -55,7 +55,7 @@ def test_a_round_redone_from_the_keepers_snapshot_equals_the_uninterrupted_run(t
     def run(fail_at: int | None):
         cfg = make_config(tmp_path / str(fail_at), None, **over)
         p = prepare(cfg)
-        rt = Runtime(make_backend(cfg.runtime), p.inputs, cfg.runtime.max_in_flight, cfg.runtime.window)
+        rt = runtime_for(cfg.runtime, p.inputs)
         driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
         guard = RoundGuard(rt, driver, max_retries=2)
         seen: dict[int, tuple] = {}

@@ -326,7 +326,7 @@ class Ampere(Algorithm):
     def setup(self, info: SetupInfo) -> None:
         p = self.params
         self.phase, self.best, self.bad, self.done, self.device_rounds, self.server_epochs = "device", -1.0, 0, False, 0, 0
-        self.round_phase = self.phase  # state_dict is taken before the first round too (runtime.max_retries)
+        self.round_phase = self.phase  # state_dict is taken before the first round too (runtime.faults.max_retries)
         shards = sum(math.ceil(n / p.chunk_rows) for n in info.counts.sum(axis=1))
         need = 2 * shards * self.activation_row_bytes  # the loader holds two groups, each a row of every shard
         if p.cache_mb * 2**20 < need:

@@ -37,6 +37,16 @@ class AlgorithmParams(BaseModel):
     name: str = Field(description="the algorithm (raysplit list)")
 
 
+class CopiesParams(AlgorithmParams):
+    """Parameters of the methods that train per-client server copies (PSL, SFLV1 and its variants, SGLR)."""
+
+    batched_copies: bool = Field(
+        default=False, description="step the per-client server copies of a pooled step in one batched "
+        "computation (torch.func vmap; the same updates up to float rounding). PSL and SFLV1 then serve the "
+        "clients' steps interleaved (step 0 of every client, then step 1, ...), which changes the simulated time, "
+        "not the models (unless they draw random numbers: dropout); SGLR: its cyclesl variant only")
+
+
 @dataclass
 class SetupInfo:
     """What the driver knows before the run starts (given to ``Algorithm.setup``)."""

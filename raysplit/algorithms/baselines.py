@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 
 from . import orders
-from .base import Algorithm, AlgorithmParams, SetupInfo, register
+from .base import Algorithm, AlgorithmParams, CopiesParams, SetupInfo, register
 
 
 class SequentialParams(AlgorithmParams):
@@ -57,6 +57,7 @@ class PSL(Algorithm):
 
     name = "psl"
     description = "parallel SL: per-client server copies averaged, client models kept"
+    Params = CopiesParams
 
     def keeps_global_client_model(self) -> bool:
         return False
@@ -69,7 +70,7 @@ class PSL(Algorithm):
 
     def train_copies(self, rt, clients: list[int]) -> None:
         """Every client trains against its own server copy: one client's steps after another, or with
-        ``runtime.batched_copies`` interleaved (pooled steps: step 0 of every client, then step 1, ...; a client
+        ``algorithm.batched_copies`` interleaved (pooled steps: step 0 of every client, then step 1, ...; a client
         takes part in as many steps as ``steps_for`` gives it), so that the server gets every client's k-th
         activation at once and steps their copies in one batched computation (``ServerHost.train_copies``).
 
@@ -81,7 +82,7 @@ class PSL(Algorithm):
         next batch to come up while the other clients' batches are waiting, so rounds of several steps per client
         end earlier; it is the clock the per-copy steps give in that order (the server charges each copy's
         FLOPs, one after another, from its activation's arrival on)."""
-        if self.cfg.runtime.batched_copies:
+        if self.params.batched_copies:
             rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, "train_copies")
         else:
             self.each_client_in_turn(rt, clients, own_server_copy=True)

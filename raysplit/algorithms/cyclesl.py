@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from .base import Algorithm, AlgorithmParams, register
+from .base import Algorithm, AlgorithmParams, CopiesParams, register
 from ..errors import ConfigError
 from ..runtime import ServerHost
 from ..runtime.messages import Activation, Gradient
@@ -112,7 +112,7 @@ class CycleServer(ServerHost):
         """SGLR, ``variant`` cyclesl or original (module docstring)."""
         p = self.params
         if p.variant == "cyclesl":
-            grads = self.train_copies(*acts)  # copies forked by the driver; batched with runtime.batched_copies
+            grads = self.train_copies(*acts)  # copies forked by the driver; batched with algorithm.batched_copies
             active = int(p.active_fraction * len(acts))
             return self.share_gradients(grads, [a.weight for a in acts], active)
         slot = self.models["main"]
@@ -137,7 +137,7 @@ class CycleParams(AlgorithmParams):
                                                   "shuffled pass (the code); one: one resampled batch (the text)")
 
 
-class SGLRParams(AlgorithmParams):
+class SGLRParams(CopiesParams):
     variant: Literal["cyclesl", "original"] = Field(default="cyclesl", description="cyclesl: CycleSL's SGLR code; "
                                                     "original: Pal et al.'s code (module docstring)")
     active_fraction: float = Field(default=0.5, ge=0, le=1, description="variant cyclesl: the first fraction of "

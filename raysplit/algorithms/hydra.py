@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from .base import SetupInfo, register
+from .base import AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
@@ -306,6 +306,7 @@ class MultiHead(SFLV1):
 
     name = "multihead"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
+    Params = AlgorithmParams  # its own loop, one client after another: no batched copies
     server_host = ConfidentServer
 
     def eval_modes(self) -> tuple[str, ...]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from .base import AlgorithmParams, register
+from .base import CopiesParams, register
 from .baselines import SFLV1
 from ..runtime import ClientHost
 
 
-class ProxParams(AlgorithmParams):
+class ProxParams(CopiesParams):
     mu: float = Field(default=0.01, ge=0, description="FedProx's proximal weight: each client step adds mu * (w - "
                       "w_t) to the client part's gradient (w_t: the global client part at the start of the round; "
                       "0: SplitFed V1)")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .ampere import AuxClient, AuxServer, with_auxiliary
-from .base import AlgorithmParams, register
+from .base import AlgorithmParams, CopiesParams, register
 from .baselines import SFLV1
 from ..runtime import ClientHost, ServerHost
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
@@ -60,7 +60,7 @@ class PiParClient(ClientHost):
         return self.set_clock(cid, t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m)
 
 
-class PiParParams(AlgorithmParams):
+class PiParParams(CopiesParams):
     micro_batches: int = Field(default=4, ge=1, description="m: micro-batches a batch is pipelined in (1: SplitFed)")
 
 
@@ -99,7 +99,7 @@ class SplitGPClient(AuxClient):
         return self.flops.run(("bwd_gp", tuple(out.shape)), surrogate)[1]
 
 
-class SplitGPParams(AlgorithmParams):
+class SplitGPParams(CopiesParams):
     lambda_local: float = Field(default=0.2, ge=0, le=1, description="weight of the local loss in the device "
                                 "block's objective")
     ratio: float = Field(default=0.5, gt=0, le=1, description="local head: the auxiliary net at this dimension ratio")
@@ -213,6 +213,7 @@ class SplitFedScaffold(SFLV1):
 
     name = "sflv1_scaffold"
     description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
+    Params = AlgorithmParams  # its own loop, one client after another: no batched copies
     client_host = ScaffoldClient
     server_host = ScaffoldServer
 

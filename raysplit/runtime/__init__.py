@@ -18,6 +18,13 @@ def make_backend(rcfg):
     return RayBackend(rcfg)
 
 
+def runtime_for(rcfg, inputs: RuntimeInputs, backend=None) -> Runtime:
+    """The Runtime a RuntimeConfig describes (its transport's flow control, its placement strategy) over
+    ``backend`` (default: ``make_backend(rcfg)``)."""
+    return Runtime(backend or make_backend(rcfg), inputs, rcfg.transport.max_in_flight, rcfg.transport.window,
+                   rcfg.placement.strategy)
+
+
 __all__ = ["Activation", "ClientHost", "Gradient", "HostCalls", "HostSpec", "LocalBackend", "ModelSlot",
            "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag",
-           "make_backend"]
+           "make_backend", "runtime_for"]

@@ -195,7 +195,7 @@ class Runtime:
         gradient. Every (client, stream)'s first forward is submitted at once, so they run in parallel on the
         client workers; a client's next forward goes together with its backward, so it is ready by its next turn.
 
-        Where the backend offers it (the local backend; ``RayBackend`` with ``runtime.direct_steps``), the whole
+        Where the backend offers it (the local backend; ``RayBackend`` with ``runtime.transport.direct_steps``), the whole
         sequence is one call to the server, which runs :func:`stepping.drive_steps` and calls the client hosts
         itself (actor to actor with Ray): the driver is off the per-step path. Each client host executes the same
         calls in the same order as in the driver-chained loop below, and the server serves in the same order, so

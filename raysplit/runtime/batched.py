@@ -1,4 +1,4 @@
-"""Several server copies trained in one batched computation (``runtime.batched_copies``). No Ray here.
+"""Several server copies trained in one batched computation (``algorithm.batched_copies``). No Ray here.
 
 The copies' parameters and buffers are stacked (``torch.func.stack_module_state``) and one vmapped
 ``functional_call`` computes every copy's forward and loss on its own activation. One backward of the summed losses

@@ -265,7 +265,7 @@ class ClientHost(ClientJobs, ClientMoves):
 
     def drop(self, cid: int, why: str) -> None:
         """Client ``cid`` takes no further part in this round (job): no more updates, left out of aggregation, its
-        own model and optimizer state stay as they were before the round (``runtime.on_bad_client: drop``)."""
+        own model and optimizer state stay as they were before the round (``runtime.faults.on_bad_client: drop``)."""
         if cid not in self.dropped:
             self.dropped[cid] = why
             self.round_stats[cid].add(dropped=1)

@@ -91,7 +91,7 @@ class Driver:
 
 
 class RoundGuard:
-    """Survives actor deaths (``runtime.max_retries``): before every round it has the state of the runtime's hosts
+    """Survives actor deaths (``runtime.faults.max_retries``): before every round it has the state of the runtime's hosts
     kept (by the backend's snapshot keeper, :mod:`raysplit.runtime.snapshots`) and keeps the driver's (algorithm
     included) and whatever ``extra`` snapshots (the reporter); after an actor died it replaces every actor, restores
     the last complete snapshot and lets the driver redo from its round, so the run's metrics equal an uninterrupted
@@ -130,7 +130,7 @@ class RoundGuard:
     def recover(self, error: ActorFailure, rnd: int) -> int:
         """Replace the actors and restore the last complete snapshot; returns the round to redo (the snapshot's)."""
         if self.keeper is None or self.restarts >= self.max_retries:
-            raise ActorFailure(f"{error} in round {rnd}; not restarted: the retry budget (runtime.max_retries="
+            raise ActorFailure(f"{error} in round {rnd}; not restarted: the retry budget (runtime.faults.max_retries="
                                f"{self.max_retries}) is spent") from None
         self.restarts += 1
         if self.on_restart is not None:

@@ -155,7 +155,7 @@ class EventLoop:
         self.queue: list[tuple[float, int, int, str]] = []
         self.seq = 0
         self.jobs: dict[int, Job] = {}
-        self.ignored = 0  # model uploads in a row from dropped clients (runtime.on_bad_client: drop)
+        self.ignored = 0  # model uploads in a row from dropped clients (runtime.faults.on_bad_client: drop)
         self.pending: dict[int, Any] = {}  # client -> handle (or Ready) of its computation in flight
         self.cursor = {c: (0, 0) for c in range(len(setup.client_sizes))}
         self.t_now = 0.0
@@ -247,7 +247,7 @@ class EventLoop:
             raise RuntimeError(f"client {cid}: its activation {act.tag} reached the server at {act.t_sent!r}, the "
                                f"event loop predicted {t!r} (client host and ClientCosts disagree)")
         n = len(act.y)
-        grad = server.serve("on_arrival", act)  # screened first (runtime.on_bad_client)
+        grad = server.serve("on_arrival", act)  # screened first (runtime.faults.on_bad_client)
         if server.should_flush():
             server.flush()
         job = self.jobs[cid]
@@ -281,12 +281,12 @@ class EventLoop:
         if msg.rejected and cid not in server.dropped:  # the client rejected a gradient during this job
             server.dropped[cid] = msg.rejected
             server.drops[cid] = f"client {cid}, job of round {job.round}: {msg.rejected}"
-        if cid in server.dropped:  # a dropped client's model is not used (runtime.on_bad_client: drop)
+        if cid in server.dropped:  # a dropped client's model is not used (runtime.faults.on_bad_client: drop)
             self._count(cid, dropped=1)
             self.ignored += 1
             if self.ignored > 2 * len(self.setup.client_sizes):
                 raise BadClientInput(f"round {self.round}: the last {self.ignored} model uploads all came from "
-                                     f"dropped clients (runtime.on_bad_client: drop); no global model can be made: "
+                                     f"dropped clients (runtime.faults.on_bad_client: drop); no global model can be made: "
                                      f"{list(server.drops.values())[:3]}")
             self._start(server, port, self._replacement(cid), t)
             return False

@@ -13,7 +13,7 @@ Client host state, per virtual client it holds: its own model weights when the a
 models (``persist_client_models``), its optimizer state (persists across rounds, as in CycleSL's code), its data
 cursor (epoch and position in a permutation drawn from (seed, client, epoch)), its simulated clock and its
 byte/FLOP counters. Model weights and optimizer states live in a :class:`~raysplit.runtime.spill.SpillStore`
-(``runtime.client_state_mb``: beyond that budget the least recently used go to disk). A client's state moves
+(``runtime.placement.client_state_mb``: beyond that budget the least recently used go to disk). A client's state moves
 between hosts when the runtime places it elsewhere for a round (``export_clients`` / ``import_clients``,
 ``runtime/placement.py``); its randomness (dropout, augmentation) is drawn per (client, round, step), so where it
 runs changes nothing. A client being trained in the current round holds a module instance of its own (a
@@ -23,7 +23,7 @@ arrives; slots are released at the end of the round.
 Every server-side training computation goes through :meth:`ServerHost.step_through` (one forward, loss, backward,
 finite check, optimizer steps, FLOPs on the clock, busy time), whatever the family: split steps, CycleSL's pooled
 resampling and frozen-server gradients, SGLR's concatenated step, Hydra's heads. The one exception is
-:meth:`ServerHost.train_copies` under ``runtime.batched_copies``: the forward and backward of several per-client
+:meth:`ServerHost.train_copies` under ``algorithm.batched_copies``: the forward and backward of several per-client
 copies run as one batched computation (:mod:`raysplit.runtime.batched`), and each copy's step is then completed
 by the same code (:meth:`ServerHost.settle_step`).
 """

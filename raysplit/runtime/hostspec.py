@@ -56,10 +56,10 @@ class HostSpec:
     clip_grad_norm: float | None = None  # train.clip_grad_norm: clip every step's gradients (clients and server)
     asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
     charge_server: bool = True  # server compute and downloads cost simulated time (False: GAS's code)
-    on_bad_client: str = "fail"  # runtime.on_bad_client: a rejected activation/gradient fails the run or drops
-    client_state_bytes: int | None = None  # runtime.client_state_mb: per client host, the rest spills to disk
-    spill_dir: str | None = None  # runtime.spill_dir: where (None: the system's temporary directory)
-    batched_copies: bool = False  # runtime.batched_copies: per-client server copies step in one batched computation
+    on_bad_client: str = "fail"  # runtime.faults.on_bad_client: a rejected activation/gradient fails the run or drops
+    client_state_bytes: int | None = None  # runtime.placement.client_state_mb: per client host, the rest spills to disk
+    spill_dir: str | None = None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
+    batched_copies: bool = False  # algorithm.batched_copies: per-client server copies step in one batched computation
 
 
 @dataclass

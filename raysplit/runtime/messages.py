@@ -37,7 +37,7 @@ class Gradient:
     g: np.ndarray | None  # dL/d(activation); None when the server sends nothing back
     t_sent: float  # simulated time at which the server finished and sent it
     loss: float = float("nan")
-    rejected: str = ""  # why the server withheld this client's activation (``runtime.on_bad_client: drop``)
+    rejected: str = ""  # why the server withheld this client's activation (``runtime.faults.on_bad_client: drop``)
 
     @property
     def nbytes(self) -> int:

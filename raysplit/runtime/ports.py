@@ -10,7 +10,7 @@ from raysplit.runtime.hosts import invoke
 
 
 class DriverPort:
-    """:class:`stepping.ClientPort` of the driver-chained path (``runtime.direct_steps: false``): the step loops of
+    """:class:`stepping.ClientPort` of the driver-chained path (``runtime.transport.direct_steps: false``): the step loops of
     runtime/stepping.py run on the driver, every call goes out at once and returns a handle, and nothing blocks
     here (a handle passed as an argument is resolved where the call runs), so forward -> server -> backward are
     chained without the driver waiting. The backward handles are bounded by ``Runtime.max_in_flight`` and awaited

@@ -25,7 +25,7 @@ from raysplit.runtime.snapshots import SnapshotStore
 
 
 def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
-    """``runtime.inject_fault`` in this actor: from round ``rnd`` on, the ``call``-th entry into a public method of
+    """``runtime.faults.inject_fault`` in this actor: from round ``rnd`` on, the ``call``-th entry into a public method of
     ``host`` (``method`` only, if given; from the driver, another actor, the server's own driven loop or the host
     itself) kills this process with SIGKILL, as an out-of-memory kill or a crashed machine would, with no chance to
     clean up. The round is the host's own (``begin_round``), or for a client host under the event loop the latest
@@ -53,7 +53,7 @@ def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
 
         setattr(host, name, fuse(getattr(host, name)))
     if method is not None and not inspect.isfunction(getattr(type(host), method, None)):
-        raise ValueError(f"runtime.inject_fault.method={method!r}: {type(host).__name__} has no such method")
+        raise ValueError(f"runtime.faults.inject_fault.method={method!r}: {type(host).__name__} has no such method")
 
 
 @ray.remote(num_cpus=0)

@@ -98,13 +98,13 @@ class RayBackend:
         self.server = None
         self.started_ray = False
         self.roles: dict[str, str] = {}
-        self.direct_steps = rcfg.direct_steps
+        self.direct_steps = rcfg.transport.direct_steps
         self._worker_ids: set = set()
         self._last: dict = {}  # client actor id -> ObjectRef of the driver's latest call on it
         self._barrier = None  # ObjectRef of a driven step sequence that later client-actor calls must follow
         self._connected = False
         self._refs: dict = {}  # the run's inputs in the object store, put once (they outlive restarted actors)
-        self._fault = rcfg.inject_fault  # armed in the run's first actors only, not in their replacements
+        self._fault = rcfg.faults.inject_fault  # armed in the run's first actors only, not in their replacements
 
     def connect(self) -> None:
         """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
@@ -133,7 +133,7 @@ class RayBackend:
                  fault=fault.get("server"))
         opts = dict(num_cpus=r.client.num_cpus, num_gpus=r.client.num_gpus, resources=r.client.resources or None,
                     memory=r.client.memory)
-        if r.spread_clients:
+        if r.placement.spread_clients:
             opts["scheduling_strategy"] = "SPREAD"
         self.workers = [
             HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init,
@@ -208,7 +208,7 @@ class RayBackend:
         and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
         self._barrier = self.server.drive.remote(loop, args, self.workers, before, route,
-                                                 self.rcfg.transport == "compiled")
+                                                 self.rcfg.transport.kind == "compiled")
         return self._barrier
 
     def round_done(self) -> None:
@@ -292,7 +292,7 @@ class RayBackend:
         self.workers, self.server = [], None
 
     def shutdown(self) -> None:
-        if self.server is not None and self.rcfg.transport == "compiled":
+        if self.server is not None and self.rcfg.transport.kind == "compiled":
             try:  # a clean end of the graphs; a server already gone, or a teardown that hangs, is killed below
                 ray.get(self.server.teardown_graphs.remote(), timeout=30)
             except Exception:  # noqa: BLE001

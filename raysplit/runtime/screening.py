@@ -1,4 +1,4 @@
-"""Input screening: what makes an activation or a gradient unusable (``runtime.on_bad_client``)."""
+"""Input screening: what makes an activation or a gradient unusable (``runtime.faults.on_bad_client``)."""
 
 from __future__ import annotations
 

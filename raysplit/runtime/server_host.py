@@ -87,7 +87,7 @@ class ServerHost:
     def serve(self, method: str, *args, **kwargs):
         """Every runtime call of a server method enters here (``Runtime.server``, the step loops, the event loop):
         the activations among its arguments are screened (:meth:`screen`) before ``method`` sees them. With
-        ``runtime.on_bad_client: drop`` a rejected activation is answered with an empty gradient marked
+        ``runtime.faults.on_bad_client: drop`` a rejected activation is answered with an empty gradient marked
         ``rejected`` and the method gets the others; every activation of a rejected client is withheld (its
         streams are paired). ``method`` returns one gradient per activation: a list when it takes ``*acts``."""
         fn = getattr(self, method)
@@ -258,7 +258,7 @@ class ServerHost:
         activation, as ``train_step`` on each in the given order gives: same gradients, losses, gradient norms,
         finite checks and clock (each copy's FLOPs charged in that order from its activation's arrival on).
 
-        With ``runtime.batched_copies`` the copies whose activations have equal shapes run their forward and
+        With ``algorithm.batched_copies`` the copies whose activations have equal shapes run their forward and
         backward as one batched computation (:func:`batched.copies_backward`), and each copy's own optimizer steps
         on its own gradients (:meth:`settle_step`). A shape only one client sent (a short last batch) takes the
         per-copy path, and so does everything once vmap has refused the model (dropout in training mode, ...), or
@@ -300,7 +300,7 @@ class ServerHost:
             losses, gx = batched.copies_backward(modules, x, y)
         except RuntimeError as e:
             self._unbatched = f"{type(e).__name__}: {e}"
-            warnings.warn(f"runtime.batched_copies: the server model cannot be batched ({self._unbatched}); its "
+            warnings.warn(f"algorithm.batched_copies: the server model cannot be batched ({self._unbatched}); its "
                           f"copies step one after another")
             return None
 
@@ -350,7 +350,7 @@ class ServerHost:
         parts = [p for p in partials if p is not None]
         if not parts:
             raise BadClientInput(f"round {self.round}: every client of the round was dropped "
-                                 f"(runtime.on_bad_client: drop), nothing to aggregate: {self.drops}")
+                                 f"(runtime.faults.on_bad_client: drop), nothing to aggregate: {self.drops}")
         total = sum(p.weight for p in parts)
         state = finish_average([p.state for p in parts], total, self.eval_client.state_dict())
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
