@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator,
+                      model_validator)
 
-from raysplit.algorithms import algorithm_params, get_algorithm
+from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.errors import ConfigError
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -362,8 +363,9 @@ class TrackingConfig(_Strict):
 class ExperimentConfig(_Strict):
     name: str = Field(default="experiment", description="the experiment's name (run names, outputs)")
     seed: int = Field(default=0, description="every random choice derives from it: same seed, same metrics")
-    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "sflv2"}, description="name and "
-                                      "parameters of the method (raysplit list ALGORITHM)")
+    algorithm: SerializeAsAny[AlgorithmParams] = Field(
+        default_factory=lambda: algorithm_params({"name": "sflv2"}), description="name and parameters of the "
+        "method: validated once by the named algorithm's own Params model (raysplit list ALGORITHM)")
     data: DataConfig = Field(default=DataConfig(), description="dataset and its split over clients")
     model: ModelConfig = Field(default=ModelConfig(), description="model and cut")
     train: TrainConfig = Field(default=TrainConfig(), description="rounds, batches, optimizers, sampling")
@@ -403,16 +405,20 @@ class ExperimentConfig(_Strict):
                                    "sglr)", FutureWarning, "raysplit config", 0)
         return data
 
-    @field_validator("algorithm")
+    @field_validator("algorithm", mode="before")
     @classmethod
-    def _has_name(cls, v):
-        if "name" not in v:
+    def _algorithm_params(cls, v: Any) -> AlgorithmParams:
+        """The algorithm's own Params, picked by ``name`` in the registry as it is when the config is read (so
+        that a method registered after import, docs/extending.md, is known); its errors name algorithm.<key>."""
+        if isinstance(v, AlgorithmParams):
+            return v
+        if not isinstance(v, dict) or "name" not in v:
             raise ValueError("algorithm.name is required")
-        return v
+        return algorithm_params(v)
 
     @property
     def algorithm_name(self) -> str:
-        return str(self.algorithm["name"])
+        return self.algorithm.name
 
     def clients_per_round(self, num_clients: int) -> int:
         """Clients sampled per round (asynchronous methods: clients active at a time) among ``num_clients``."""
@@ -526,9 +532,11 @@ def validate(raw: dict) -> ExperimentConfig:
     try:
         cfg = ExperimentConfig.model_validate(raw or {})
     except ValidationError as err:
+        for e in err.errors():  # the algorithm's own check already names algorithm.<key>: its message as it is
+            if isinstance(e.get("ctx", {}).get("error"), ConfigError):
+                raise e["ctx"]["error"] from None
         raise ConfigError(_format_error(err, ExperimentConfig)) from None
-    params = algorithm_params(cfg.algorithm)  # raises ConfigError naming algorithm.<key>
-    get_algorithm(cfg.algorithm_name).check_config(params, cfg)  # combinations with the rest of the config
+    get_algorithm(cfg.algorithm_name).check_config(cfg.algorithm, cfg)  # combinations with the rest of the config
     return cfg
 
 

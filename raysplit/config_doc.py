@@ -102,12 +102,15 @@ def reference() -> str:
     top = ExperimentConfig.model_fields
     lines += ["## Top-level keys", "", "| key | type | default | description |", "|---|---|---|---|"]
     for name, field in top.items():
-        if _model_of(field.annotation) is None:
+        if name == "algorithm":  # a section whose keys depend on its name: listed per algorithm below
+            lines.append(f"| `algorithm` | section (the named algorithm's parameters) | `{{'name': 'sflv2'}}` | "
+                         f"{_cell(field.description or '')} |")
+        elif _model_of(field.annotation) is None:
             lines.append(f"| `{name}` | {_cell(_type(field.annotation))} | `{_cell(_default(field))}` | "
                          f"{_cell(field.description or '')} |")
     for name, field in top.items():
         sub = _model_of(field.annotation)
-        if sub is None:
+        if sub is None or name == "algorithm":
             continue
         lines += ["", f"## `{name}`: {field.description}", "", "| key | type | default | description |",
                   "|---|---|---|---|"]

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from raysplit.algorithms import SetupInfo, algorithm_params, get_algorithm
+from raysplit.algorithms import SetupInfo, get_algorithm
 from raysplit.clock import draw_profiles
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
@@ -110,7 +110,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.data import partition_counts, partition_summary
     from raysplit.models import MODELS, build_model
 
-    alg = get_algorithm(cfg.algorithm_name)(algorithm_params(cfg.algorithm), cfg)
+    alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
     spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = _load_partitioned(cfg)
     num_clients = len(train_idx)
     counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)

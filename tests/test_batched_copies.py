@@ -306,7 +306,7 @@ def test_switch_is_validated_documented_and_reaches_the_server_host(tmp_path, ml
     assert prepare(make_config(tmp_path, mlflow_uri)).inputs.spec.batched_copies is False
     with pytest.warns(FutureWarning, match="runtime.batched_copies is now algorithm.batched_copies"):
         old = make_config(tmp_path, mlflow_uri, **{"runtime.batched_copies": True, "algorithm.name": "sflv1"})
-    assert old.algorithm["batched_copies"] is True and prepare(old).inputs.spec.batched_copies is True
+    assert old.algorithm.batched_copies is True and prepare(old).inputs.spec.batched_copies is True
 
 
 @pytest.mark.parametrize("opt", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.001}],

@@ -166,3 +166,33 @@ def test_old_shorthand_override_sets_the_kind_and_keeps_the_section():
 def test_a_runtime_setting_given_both_ways_is_one_error_naming_both():
     with pytest.raises(ConfigError, match=r"runtime.window and runtime.transport.window are the same setting"):
         load_config(None, {"runtime": {"window": 3, "transport": {"window": 2}}})
+
+
+def test_algorithm_section_is_the_methods_own_params_validated_once(monkeypatch):
+    """``cfg.algorithm`` is the named method's Params (defaults filled, dumped in full), made by one validation;
+    a method registered after import is known."""
+    from pydantic import Field
+
+    import raysplit.config as config
+    from raysplit.algorithms import ALGORITHMS, AlgorithmParams, get_algorithm
+    from raysplit.algorithms.baselines import SFLV2
+    from raysplit.config import dump
+
+    calls = []
+    real = config.algorithm_params
+    monkeypatch.setattr(config, "algorithm_params", lambda raw: calls.append(raw) or real(raw))
+    cfg = load_config(None, ["algorithm.name=cyclesfl", "algorithm.server_epochs=2"])
+    assert type(cfg.algorithm) is get_algorithm("cyclesfl").Params and cfg.algorithm.server_epochs == 2
+    assert len(calls) == 1 and "server_steps: epoch" in dump(cfg)  # a default, written out with the run
+
+    class NewParams(AlgorithmParams):
+        k: int = Field(default=1, ge=1, description="a parameter of a method registered later")
+
+    class New(SFLV2):
+        name = "registered_later"
+        Params = NewParams
+
+    monkeypatch.setitem(ALGORITHMS, "registered_later", New)
+    assert load_config(None, ["algorithm.name=registered_later", "algorithm.k=3"]).algorithm.k == 3
+    with pytest.raises(ConfigError, match="bad value for 'algorithm.k'"):
+        load_config(None, ["algorithm.name=registered_later", "algorithm.k=0"])
