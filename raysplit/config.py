@@ -9,6 +9,7 @@ exactly like the file. Algorithm-specific parameters are validated by the parame
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import typing
 import warnings
@@ -16,13 +17,58 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model,
+                      field_validator, model_validator)
 
 from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.errors import ConfigError
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
+
+
+def options_model(fn: Any, label: str) -> type[BaseModel]:
+    """A pydantic model of ``fn``'s keyword arguments (a model builder's or a dataset loader's), from its signature:
+    each argument's annotation and default; unknown keys forbidden unless ``fn`` takes ``**kwargs``. The sizes the
+    caller passes (``num_classes``, ``input_shape``, ``root``) are not options."""
+    hints = typing.get_type_hints(fn)
+    fields: dict[str, Any] = {}
+    extra = "forbid"
+    for name, prm in inspect.signature(fn).parameters.items():
+        if prm.kind is inspect.Parameter.VAR_KEYWORD:
+            extra = "allow"
+        if name in ("num_classes", "input_shape", "root") or prm.kind in (inspect.Parameter.VAR_POSITIONAL,
+                                                                          inspect.Parameter.VAR_KEYWORD):
+            continue
+        fields[name] = (hints.get(name, Any), ... if prm.default is inspect.Parameter.empty else prm.default)
+    return create_model(f"{label} options", __config__=ConfigDict(extra=extra, arbitrary_types_allowed=True),
+                        **fields)
+
+
+def _checked_options(data: Any, section: str, registry: dict, builder_of) -> Any:
+    """``data`` (a raw model or data section) with its ``options`` validated by the named entry's own signature
+    (:func:`options_model`): one ConfigError naming ``section.options.<key>`` and what is allowed. A name not
+    registered (yet) is left for the loader's own error."""
+    if not isinstance(data, dict) or not data.get("options"):
+        return data
+    name = str(data.get("name", data.get("dataset", "")))
+    key = name.strip().lower().replace("-", "_") if section == "data" else name
+    if key not in registry:
+        return data
+    kind = "dataset" if section == "data" else section
+    model = options_model(builder_of(registry[key]), f"{kind} {name}")
+    try:
+        checked = model.model_validate(data["options"])
+    except ValidationError as err:
+        allowed = ", ".join(model.model_fields) or "none"
+        msgs = []
+        for e in err.errors():
+            where = f"{section}.options." + ".".join(str(p) for p in e["loc"])
+            msgs.append(f"unknown key '{where}' for {kind} {name!r}; allowed: {allowed}"
+                        if e["type"] == "extra_forbidden" else f"bad value for '{where}': {e['msg']} "
+                        f"(got {e.get('input')!r})")
+        raise ConfigError("invalid config: " + "; ".join(msgs)) from None
+    given = set(data["options"])
+    return {**data, "options": {k: v for k, v in checked.model_dump().items() if k in given}}
 
 
 class _Strict(BaseModel):
@@ -93,7 +139,16 @@ class DataConfig(_Strict):
                                          "runs)")
     n_labeled: int = Field(default=0, ge=0, description="class-balanced labelled samples taken out of the training "
                            "set for the server (semi-supervised methods); the rest goes to the clients")
-    options: dict[str, Any] = Field(default_factory=dict, description="extra loader kwargs (e.g. label: coarse)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the dataset's loader "
+                                    "(e.g. label: coarse), checked against its signature (docs/config.md lists "
+                                    "them)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_options(cls, data: Any) -> Any:
+        from raysplit.data import DATASETS
+
+        return _checked_options(data, "data", DATASETS, lambda loader: loader)
 
     @field_validator("partition", mode="before")
     @classmethod
@@ -109,8 +164,15 @@ class ModelConfig(_Strict):
     name: str = Field(default="cnn_small", description="a model of raysplit/models (listed by `raysplit list`)")
     cut: int | str | None = Field(default=None, description="where the model is split: a block name or index "
                                   "(null: the model's default cut); blocks before it run on the clients")
-    options: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments of the model's "
-                                    "builder (e.g. width)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model's builder "
+                                    "(e.g. cifar_stem), checked against its signature (docs/config.md lists them)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_options(cls, data: Any) -> Any:
+        from raysplit.models import MODELS
+
+        return _checked_options(data, "model", MODELS, lambda info: info.builder)
 
 
 class OptimizerConfig(_Strict):

@@ -86,6 +86,29 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _options_tables() -> list[str]:
+    """``model.options`` and ``data.options``: each model's and dataset's own keyword arguments (from the builder's
+    or loader's signature, as the config checks them)."""
+    from raysplit.config import options_model
+    from raysplit.data import DATASETS
+    from raysplit.models import MODELS
+
+    out: list[str] = []
+    for title, key, entries in (("model.options", "model.name", {n: i.builder for n, i in MODELS.items()}),
+                                ("data.options", "data.dataset", DATASETS)):
+        out += ["", f"## `{title}`: the keyword arguments of each `{key}`", "",
+                "Checked against the builder's or loader's signature when the config is read: an unknown key or a "
+                "value of the wrong type is an error naming it.", "", f"| `{key}` | option | type | default |",
+                "|---|---|---|---|"]
+        for name, fn in sorted(entries.items()):
+            fields = options_model(fn, name).model_fields
+            if not fields:
+                out.append(f"| `{name}` | none | | |")
+            for opt, field in fields.items():
+                out.append(f"| `{name}` | `{opt}` | {_cell(_type(field.annotation))} | `{_cell(_default(field))}` |")
+    return out
+
+
 def reference() -> str:
     """docs/config.md: the generic sections, then every algorithm's parameters (``algorithm.<key>``)."""
     from raysplit.algorithms import ALGORITHMS
@@ -120,6 +143,7 @@ def reference() -> str:
             moved = ", ".join(f"`{old}` -> `{new}`" for old, new in MOVED_RUNTIME_KEYS.items())
             lines += ["", "Keys the runtime section held directly before it had sections still work, each with a "
                       f"one-line warning naming its new place: {moved}."]
+    lines += _options_tables()
     lines += ["", "## `algorithm`: the method and its parameters", "",
               "`algorithm.name` picks the method; the other keys under `algorithm:` are that method's parameters, "
               "validated by its own model (an unknown one is an error naming it).", ""]

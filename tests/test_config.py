@@ -196,3 +196,20 @@ def test_algorithm_section_is_the_methods_own_params_validated_once(monkeypatch)
     assert load_config(None, ["algorithm.name=registered_later", "algorithm.k=3"]).algorithm.k == 3
     with pytest.raises(ConfigError, match="bad value for 'algorithm.k'"):
         load_config(None, ["algorithm.name=registered_later", "algorithm.k=0"])
+
+
+def test_model_and_data_options_are_checked_against_the_builders_signature():
+    """Before any data is read or actor started: an unknown option or a wrong type names model.options.<key>
+    (or data.options.<key>) and what the builder or loader takes; a good one arrives typed."""
+    with pytest.raises(ConfigError, match=r"unknown key 'model.options.width' for model 'resnet18'; allowed: "
+                                          r"cifar_stem"):
+        load_config(None, ["model.name=resnet18", "model.options.width=2"])
+    with pytest.raises(ConfigError, match=r"bad value for 'model.options.cifar_stem'.*boolean"):
+        load_config(None, ["model.name=resnet18", "model.options.cifar_stem=maybe"])
+    with pytest.raises(ConfigError, match=r"unknown key 'data.options.labels' for dataset 'cifar100'; allowed: label"):
+        load_config(None, ["data.dataset=cifar100", "data.options.labels=coarse"])
+    cfg = load_config(None, ["model.name=cnn_small", "model.options.channels=[8, 16]", "data.dataset=digits",
+                             "data.options.test_fraction=0.3"])
+    assert cfg.model.options == {"channels": (8, 16)} and cfg.data.options == {"test_fraction": 0.3}
+    assert load_config(None, ["model.name=not_registered", "model.options.anything=1"]).model.options == \
+        {"anything": 1}  # an unknown model is prepare's error, which lists the registered ones
