@@ -78,21 +78,22 @@ def _hosts(tmp_path, mlflow_uri, algorithm, **extra):
 
 def test_pooled_dataset_holds_exactly_the_rounds_features(tmp_path, mlflow_uri, monkeypatch):
     cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "cyclepsl")
-    receive = type(server).receive
+    decode = type(server).decode
+    pooled = []
 
-    def spy(self, acts, **kw):  # what the server pooled, seen from outside the host
-        feats, ys = receive(self, acts, **kw)
-        self.last_pool = {"tags": [a.tag for a in acts], "rows": int(sum(len(y) for y in ys))}
-        return feats, ys
+    def spy(self, act):  # what the server decoded for its hooks, seen from outside the host
+        b = decode(self, act)
+        pooled.append((b.tag, len(b.y)))
+        return b
 
-    monkeypatch.setattr(type(server), "receive", spy)
+    monkeypatch.setattr(type(server), "decode", spy)
     clients = [int(c) for c in p.sample_stream[0]]
     rt.begin_round(0, clients, 0.0)
     p.algorithm.run_round(rt, 0, clients, np.random.default_rng(0))
     expected = {Tag(c, 0, 0) for c in clients}
-    assert set(server.last_pool["tags"]) == expected and len(server.last_pool["tags"]) == len(clients)
+    assert {t for t, _ in pooled} == expected and len(pooled) == len(clients)
     rows = sum(min(cfg.train.batch_size, len(p.inputs.train_idx[c])) for c in clients)
-    assert server.last_pool["rows"] == rows
+    assert sum(n for _, n in pooled) == rows
     rt.end_round()
 
 

@@ -36,7 +36,8 @@ from pydantic import Field
 from .base import Algorithm, AlgorithmParams, CopiesParams, register
 from ..errors import ConfigError
 from ..runtime import ServerHost
-from ..runtime.messages import Activation, Gradient
+from ..runtime import Batch, batch_step
+from ..runtime.messages import Gradient
 from ..runtime.optim import round_lr, set_lr
 
 
@@ -61,15 +62,15 @@ def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
 class CycleServer(ServerHost):
     """Server host with the CycleSL step and SGLR's server-side rules (``self.params``: the algorithm's Params)."""
 
-    def cycle_step(self, *acts: Activation) -> list[Gradient]:
+    @batch_step
+    def cycle_step(self, *acts: Batch) -> list[Gradient]:
         """Algorithm 1: pool the round's features, train the server for E epochs on resampled batches with
         client-size-weighted loss, freeze it, return each client's gradient on its original features."""
         p = self.params
         slot = self.models["main"]
         model, opt = slot.module, slot.optimizer
-        feats, ys = self.receive(acts)
-        x_all, y_all = torch.cat(feats), torch.cat(ys)
-        w_all = torch.cat([torch.full((len(y),), float(a.weight), device=self.device) for a, y in zip(acts, ys)])
+        x_all, y_all = torch.cat([a.x for a in acts]), torch.cat([a.y for a in acts])
+        w_all = torch.cat([torch.full((len(a.y),), float(a.weight), device=self.device) for a in acts])
         g = torch.Generator().manual_seed(self.spec.seed * 100003 + self.round)
         bs = p.server_batch_size or self.spec.batch_size
         n = len(y_all)
@@ -84,15 +85,15 @@ class CycleServer(ServerHost):
 
                 self.step_through(x_all[idx], y_all[idx], model, [opt], tag=acts[0].tag, flop_key=("cycle", len(idx)),
                                   loss_fn=weighted_ce)
-        return self._frozen_gradients(model, acts, feats, ys)
+        return self._frozen_gradients(model, acts)
 
-    def _frozen_gradients(self, model, acts, feats, ys) -> list[Gradient]:
+    def _frozen_gradients(self, model, acts: tuple[Batch, ...]) -> list[Gradient]:
         """Each client's gradient on its original features through ``model`` with its parameters frozen."""
         out = []
         with self.frozen(model):
-            for a, f, y in zip(acts, feats, ys):
-                x = f.detach().clone().requires_grad_(True)
-                lv = self.step_through(x, y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)), record=False)
+            for a in acts:
+                x = a.x.detach().clone().requires_grad_(True)
+                lv = self.step_through(x, a.y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)), record=False)
                 out.append(self.answer(a, x.grad, lv))
         return out
 
@@ -103,12 +104,14 @@ class CycleServer(ServerHost):
         shared = sglr_shared_gradient([g.g for g in grads[:active]], weights[:active])
         return self.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
 
-    def cycle_sglr_step(self, *acts: Activation) -> list[Gradient]:
+    @batch_step
+    def cycle_sglr_step(self, *acts: Batch) -> list[Gradient]:
         grads = self.cycle_step(*acts)
         active = int(self.params.active_fraction * len(acts))
         return self.share_gradients(grads, [a.weight for a in acts], active)
 
-    def sglr_step(self, *acts: Activation) -> list[Gradient]:
+    @batch_step(stamp=False)
+    def sglr_step(self, *acts: Batch) -> list[Gradient]:
         """SGLR, ``variant`` cyclesl or original (module docstring)."""
         p = self.params
         if p.variant == "cyclesl":
@@ -116,8 +119,9 @@ class CycleServer(ServerHost):
             active = int(p.active_fraction * len(acts))
             return self.share_gradients(grads, [a.weight for a in acts], active)
         slot = self.models["main"]
-        feats, ys = self.receive(acts)
-        x = torch.cat(feats).requires_grad_(True)
+        self.wait_until(max(a.t_sent for a in acts))  # the concatenated step waits for the last of them
+        x = torch.cat([a.x for a in acts]).requires_grad_(True)
+        ys = [a.y for a in acts]
         y = torch.cat(ys)
         set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round, self.spec.rounds) * len(acts) ** p.lr_pow)
         lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("concat", tuple(x.shape)))

@@ -48,7 +48,8 @@ from .base import AsyncAlgorithm, AlgorithmParams, SetupInfo, register
 from ..gaussian import LabelGaussian
 from ..data import to_tensor
 from ..runtime.events import AsyncServer, EventSetup, Job
-from ..runtime.messages import Activation, Gradient, StateMsg, Tag
+from ..runtime import Batch, batch_step
+from ..runtime.messages import Gradient, StateMsg, Tag
 
 
 @dataclass(frozen=True)
@@ -118,11 +119,12 @@ class GASServer(AsyncServer):
     def on_job_start(self, cid: int, job: Job) -> None:
         self.weight_count[cid] = self.total_weight
 
-    def on_arrival(self, act: Activation) -> Gradient:
+    @batch_step(stamp=False)  # the step below starts at the arrival (ready_at)
+    def on_arrival(self, act: Batch) -> Gradient:
         c = act.tag.client
         w = self.weight_count[c] if self.params.weighting == "recency" else 1.0
         self.weight_count[c] += 1
-        (x,), (y,) = self.receive([act], stamp=False)  # the step below starts at the arrival (ready_at)
+        x, y = act.x, act.y
         self.buffer.append((x.detach().clone(), y, w))
         model = self.models["main"].module
         adjust = self.adjustment[c] if self.params.logit_adjustment else None

@@ -41,10 +41,10 @@ from .base import AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
-from ..runtime import ClientHost, ModelSlot, ServerHost
+from ..runtime import Batch, ClientHost, ModelSlot, ServerHost, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
 from ..runtime.hosts import EvalTally, predict_batches
-from ..runtime.messages import Activation, Gradient, StateMsg
+from ..runtime.messages import Gradient, StateMsg
 from ..runtime.optim import make_optimizer, round_lr, set_lr
 
 
@@ -153,13 +153,14 @@ class HydraServer(ServerHost):
         for h in self.heads:
             set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
 
-    def hydra_step(self, act: Activation, key: int) -> Gradient:
+    @batch_step(stamp=False)  # the step starts at the arrival (ready_at)
+    def hydra_step(self, act: Batch, key: int) -> Gradient:
         """part-2a then head ``key`` (the client's group); both step; the gradient goes back to the client."""
         g = int(key)
         head = self.heads[g]
         self.head_samples[g] += len(act.y)
-        return self.step_activation(act, torch.nn.Sequential(self.body, head.module),
-                                    [self.models["main"].optimizer, head.optimizer], "hydra")
+        return self.step_batch(act, torch.nn.Sequential(self.body, head.module),
+                               [self.models["main"].optimizer, head.optimizer], "hydra")
 
     def merge_heads(self, mode: str = "samples") -> None:
         """Average the heads (weights and optimizer states) into one head, copied back into every head."""

@@ -53,7 +53,8 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..clock import FlopCache
 from ..errors import ConfigError
 from ..runtime import ServerHost
-from ..runtime.messages import Activation, Gradient
+from ..runtime import Batch, batch_step
+from ..runtime.messages import Gradient
 
 LABEL_BYTES = 8  # an int64 label travels with every sample
 
@@ -106,13 +107,14 @@ class MergeServer(ServerHost):
         super().begin_round(rnd, t0)
         self.label_kls = []
 
-    def merge_step(self, *acts: Activation) -> list[Gradient]:
+    @batch_step(stamp=False)  # the step below starts when the last one has arrived (ready_at)
+    def merge_step(self, *acts: Batch) -> list[Gradient]:
         """Feature merging: one step of the server model on the concatenated activations (mean cross-entropy over
         the merged batch); each client gets its slice of the gradient times ``D / d_i`` (module docstring)."""
         slot = self.models["main"]
-        feats, ys = self.receive(acts, stamp=False)  # the step below starts when the last one has arrived
+        feats = [a.x for a in acts]
         x = torch.cat(feats).requires_grad_(True)
-        y = torch.cat(ys)
+        y = torch.cat([a.y for a in acts])
         lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("merge",),
                                ready_at=max(a.t_sent for a in acts), varying_batch=True)
         bounds = np.cumsum([0] + [len(f) for f in feats])

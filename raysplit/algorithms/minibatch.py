@@ -26,7 +26,8 @@ from pydantic import Field
 
 from .base import AlgorithmParams, SetupInfo, register
 from .cyclesl import CycleServer, PooledRound
-from ..runtime.messages import Activation, Gradient
+from ..runtime import Batch, batch_step
+from ..runtime.messages import Gradient
 
 
 def group_l2(counts: np.ndarray, group: list[int]) -> float:
@@ -70,7 +71,8 @@ class MiniBatchServer(CycleServer):
         """This round's groups: client -> the server model (``keys``: ``main``, or one copy per group) it trains."""
         self.keys, self.group_of = list(keys), {int(c): k for c, k in group_of.items()}
 
-    def grouped_step(self, *acts: Activation) -> list[Gradient]:
+    @batch_step(stamp=False)  # each group's step waits for its own clients (minibatch_step)
+    def grouped_step(self, *acts: Batch) -> list[Gradient]:
         """One iteration of every group (``set_groups``): with several groups the copies are forked from the
         server model, each group steps its copy on its activations (its clients' gradients from the frozen server
         model) and the copies are averaged; one group steps the server model itself. Gradients in ``acts``'
@@ -87,14 +89,14 @@ class MiniBatchServer(CycleServer):
             self.merge({k: 1.0 for k in self.keys})
         return [grads[a.tag] for a in acts]
 
-    def minibatch_step(self, key, *acts: Activation) -> list[Gradient]:
+    @batch_step
+    def minibatch_step(self, key, *acts: Batch) -> list[Gradient]:
         """Each client's gradient from the current server model (frozen), then one step of ``models[key]`` on
         the concatenated activations."""
-        feats, ys = self.receive(acts)
         main = self.models["main"].module
-        grads = self._frozen_gradients(main, acts, feats, ys)
+        grads = self._frozen_gradients(main, acts)
         slot = self.models[key]
-        x, y = torch.cat(feats).detach(), torch.cat(ys)
+        x, y = torch.cat([a.x for a in acts]).detach(), torch.cat([a.y for a in acts])
         self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("minibatch",),
                           varying_batch=True)
         return grads

@@ -56,9 +56,9 @@ from ..data.augment import Augmenter
 from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
 from ..models.core import ProjectionHead
-from ..runtime import ClientHost, ServerHost
+from ..runtime import Batch, ClientHost, ServerHost, batch_step
 from ..runtime.hosts import build_parts
-from ..runtime.messages import Activation, Gradient, StateMsg, Tag
+from ..runtime.messages import Gradient, StateMsg, Tag
 from ..runtime.optim import make_optimizer, round_lr
 
 
@@ -274,11 +274,12 @@ class SemiServer(ServerHost):
         return [self.state_message(m.state_dict()) for m in (self.encoder, self.t_encoder)]
 
     # ---- 3. cross-entity phase ---------------------------------------------------------------------------------
-    def semi_step(self, *acts: Activation) -> list[Gradient]:
+    @batch_step  # the server waits for the last of them
+    def semi_step(self, *acts: Batch) -> list[Gradient]:
         """One cross-entity step over every active client's (student, teacher) pair (module docstring)."""
         p, rnd = self.params, self.round
         students, teachers = acts[0::2], acts[1::2]
-        feats, _ = self.receive(acts)  # the server waits for the last of them
+        feats = [a.x for a in acts]
         e = torch.cat(feats[0::2]).requires_grad_(True)
         e_t = torch.cat(feats[1::2])
         with torch.no_grad():

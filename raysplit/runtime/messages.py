@@ -32,6 +32,22 @@ class Activation:
 
 
 @dataclass
+class Batch:
+    """A client's activation as a server hook sees it (:func:`raysplit.runtime.batch_step`): features and labels
+    as tensors on the server's device, decoded from the wire by the runtime."""
+
+    x: torch.Tensor  # features (an owned copy the step may change)
+    y: torch.Tensor  # labels (int64)
+    tag: Tag
+    t_sent: float  # simulated time at which it reached the server
+    weight: float = 1.0  # the client's sample count
+
+    @property
+    def client(self) -> int:
+        return self.tag.client
+
+
+@dataclass
 class Gradient:
     tag: Tag
     g: np.ndarray | None  # dL/d(activation); None when the server sends nothing back

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import time
@@ -20,13 +21,35 @@ from raysplit.clock import FlopCache
 from raysplit.errors import BadClientInput
 from raysplit.runtime import batched, transport
 from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average
-from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
 from raysplit.runtime.hostspec import (HostSpec, ModelSlot, NonFiniteLossError, _bad_input,
                                        build_parts, check_finite, limit_threads)
 from raysplit.runtime.screening import activation_fault, screens_nonfinite, where_of
 from raysplit.runtime.evaluation import EvalTally, predict_batches
+
+
+def batch_step(fn: Callable | None = None, *, stamp: bool = True) -> Callable:
+    """Marks a server method that works on typed batches: the activations it is called with (the runtime's wire
+    messages) arrive as :class:`Batch` es, tensors on the server's device, each an owned copy; arguments that are
+    already batches (one hook calling another) and other arguments pass as they are. ``stamp``: the server waits
+    for the last of them to arrive (its clock); off for a step that starts at an arrival of its own (``ready_at``).
+    The method answers each batch with :meth:`ServerHost.answer` (its gradient as a tensor)."""
+
+    def deco(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def wrapper(self, *args, **kwargs):
+            args = tuple(self.decode(a) if isinstance(a, Activation) else a for a in args)
+            if stamp:
+                arrived = [a.t_sent for a in args if isinstance(a, Batch)]
+                if arrived:
+                    self.wait_until(max(arrived))
+            return f(self, *args, **kwargs)
+
+        return wrapper
+
+    return deco(fn) if fn is not None else deco
 
 
 class ServerHost:
@@ -187,18 +210,18 @@ class ServerHost:
             self.losses.append(lv)
         return lv
 
-    def step_activation(self, act: Activation, module, optimizers: list, flop_key="main") -> Gradient:
-        """One SGD step of ``module`` (and its ``optimizers``) on an activation; returns the client's gradient."""
-        x = transport.unpack(act.x, self.device, writable=True).requires_grad_(True)
-        y = torch.tensor(act.y, device=self.device)
-        lv = self.step_through(x, y, module, optimizers, tag=act.tag, flop_key=("train", flop_key, tuple(x.shape)),
-                               ready_at=act.t_sent)
-        return self.answer(act, x.grad, lv)
+    def step_batch(self, b: Batch, module, optimizers: list, flop_key="main") -> Gradient:
+        """One SGD step of ``module`` (and its ``optimizers``) on a batch, from its arrival on; returns the
+        client's gradient."""
+        x = b.x.requires_grad_(True)
+        lv = self.step_through(x, b.y, module, optimizers, tag=b.tag, flop_key=("train", flop_key, tuple(x.shape)),
+                               ready_at=b.t_sent)
+        return self.answer(b, x.grad, lv)
 
-    def answer(self, act: Activation | Tag, g: torch.Tensor | None, lv: float) -> Gradient:
-        """The client's gradient for ``act`` (an activation or its tag), sent at the server's clock, its norm
-        logged; ``g`` None: nothing goes back for this activation (e.g. a teacher stream)."""
-        tag = act.tag if isinstance(act, Activation) else act
+    def answer(self, b: Batch | Tag, g: torch.Tensor | None, lv: float) -> Gradient:
+        """The client's gradient for ``b`` (a batch or its tag), sent at the server's clock, its norm logged;
+        ``g`` None: nothing goes back for this batch (e.g. a teacher stream)."""
+        tag = b if isinstance(b, Tag) else b.tag
         if g is None:
             return Gradient(tag, None, self.clock, lv)
         self.grad_norms.append(float(g.norm()))
@@ -214,15 +237,10 @@ class ServerHost:
         self.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out]
         return out
 
-    def receive(self, acts: list[Activation] | tuple, writable: bool = True, stamp: bool = True
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The activations' features and labels as tensors on the server's device (``writable``: owned copies a
-        step may change); ``stamp``: the server waits for the last of them to arrive (its clock)."""
-        feats = [transport.unpack(a.x, self.device, writable=writable) for a in acts]
-        ys = [torch.as_tensor(np.array(a.y), device=self.device) for a in acts]
-        if stamp:
-            self.wait_until(max(a.t_sent for a in acts))
-        return feats, ys
+    def decode(self, act: Activation) -> Batch:
+        """An arrived activation as a :class:`Batch` on the server's device (an owned, writable copy)."""
+        return Batch(transport.unpack(act.x, self.device, writable=True),
+                     torch.as_tensor(np.array(act.y), device=self.device), act.tag, act.t_sent, act.weight)
 
     @staticmethod
     @contextmanager
@@ -248,12 +266,14 @@ class ServerHost:
         """``state`` as a message sent now (at the server's clock)."""
         return StateMsg.packed(state, t_sent=self.clock, **kw)
 
-    def train_step(self, act: Activation, key="main") -> Gradient:
-        """Forward the activation through ``models[key]``, step it, return dL/d(activation) to the client."""
+    @batch_step(stamp=False)
+    def train_step(self, b: Batch, key="main") -> Gradient:
+        """Forward the batch through ``models[key]``, step it, return dL/d(features) to the client."""
         slot = self.models[key]
-        return self.step_activation(act, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
+        return self.step_batch(b, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
 
-    def train_copies(self, *acts: Activation) -> list[Gradient]:
+    @batch_step(stamp=False)
+    def train_copies(self, *acts: Batch) -> list[Gradient]:
         """One step of each activation's client's copy (``models[client]``, forked by ``fork``); one gradient per
         activation, as ``train_step`` on each in the given order gives: same gradients, losses, gradient norms,
         finite checks and clock (each copy's FLOPs charged in that order from its activation's arrival on).
@@ -268,7 +288,7 @@ class ServerHost:
             uses = Counter(a.tag.client for a in acts)
             for i, a in enumerate(acts):
                 if uses[a.tag.client] == 1:
-                    groups[(a.x.shape, a.x.dtype.str, np.shape(a.y))].append(i)
+                    groups[(tuple(a.x.shape), str(a.x.dtype), tuple(a.y.shape))].append(i)
         done: dict[int, tuple] = {}
         for idx in (g for g in groups.values() if len(g) > 1):
             steps = self._batched_copies([acts[i] for i in idx])
@@ -288,14 +308,14 @@ class ServerHost:
             self.busy_wall += time.perf_counter() - t_wall
         return out
 
-    def _batched_copies(self, acts: list[Activation]) -> list[tuple[float, torch.Tensor, int]] | None:
+    def _batched_copies(self, acts: list[Batch]) -> list[tuple[float, torch.Tensor, int]] | None:
         """Forward and backward of the copies of ``acts`` (equal shapes) in one computation: per activation its
         loss, its gradient and the FLOPs its own step is charged (counted once per shape on a throwaway copy, as
         ``train_step`` counts them). None when vmap refuses the model: remembered, warned once."""
         t_wall = time.perf_counter()
         modules = [self.models[a.tag.client].module for a in acts]
-        x = torch.from_numpy(np.stack([a.x for a in acts])).to(self.device)
-        y = torch.from_numpy(np.stack([np.asarray(a.y) for a in acts])).to(self.device)
+        x = torch.stack([a.x for a in acts])
+        y = torch.stack([a.y for a in acts])
         try:
             losses, gx = batched.copies_backward(modules, x, y)
         except RuntimeError as e:
