@@ -21,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
                       field_validator, model_validator)
 
 from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
+from raysplit.algorithms.base import config_error
 from raysplit.errors import ConfigError
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -59,14 +60,7 @@ def _checked_options(data: Any, section: str, registry: dict, builder_of) -> Any
     try:
         checked = model.model_validate(data["options"])
     except ValidationError as err:
-        allowed = ", ".join(model.model_fields) or "none"
-        msgs = []
-        for e in err.errors():
-            where = f"{section}.options." + ".".join(str(p) for p in e["loc"])
-            msgs.append(f"unknown key '{where}' for {kind} {name!r}; allowed: {allowed}"
-                        if e["type"] == "extra_forbidden" else f"bad value for '{where}': {e['msg']} "
-                        f"(got {e.get('input')!r})")
-        raise ConfigError("invalid config: " + "; ".join(msgs)) from None
+        raise config_error(err, f"{section}.options", f"{kind} {name!r}", model.model_fields) from None
     given = set(data["options"])
     return {**data, "options": {k: v for k, v in checked.model_dump().items() if k in given}}
 

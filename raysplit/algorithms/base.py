@@ -237,17 +237,23 @@ def get_algorithm(name: str) -> type[Algorithm]:
         raise ConfigError(f"unknown algorithm.name {name!r}; registered: {', '.join(sorted(ALGORITHMS))}") from None
 
 
+def config_error(err: ValidationError, section: str, owner: str, allowed) -> ConfigError:
+    """One ConfigError for a section validated by its own model (an algorithm's parameters, a model's or
+    dataset's options): each problem named by its dotted key (``section.<key>``), an unknown key with ``owner``
+    and what it allows."""
+    msgs = []
+    for e in err.errors():
+        key = f"{section}." + ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            msgs.append(f"unknown key '{key}' for {owner}; allowed: {', '.join(sorted(allowed)) or 'none'}")
+        else:
+            msgs.append(f"bad value for '{key}': {e['msg']} (got {e.get('input')!r})")
+    return ConfigError("invalid config: " + "; ".join(msgs))
+
+
 def algorithm_params(raw: dict) -> AlgorithmParams:
     cls = get_algorithm(str(raw.get("name")))
     try:
         return cls.Params.model_validate(raw)
     except ValidationError as err:
-        msgs = []
-        for e in err.errors():
-            key = "algorithm." + ".".join(str(p) for p in e["loc"])
-            if e["type"] == "extra_forbidden":
-                msgs.append(f"unknown key '{key}' for {cls.name}; allowed: "
-                            f"{', '.join(sorted(f for f in cls.Params.model_fields))}")
-            else:
-                msgs.append(f"bad value for '{key}': {e['msg']} (got {e.get('input')!r})")
-        raise ConfigError("invalid config: " + "; ".join(msgs)) from None
+        raise config_error(err, "algorithm", cls.name, cls.Params.model_fields) from None
