@@ -130,8 +130,8 @@ def test_a_refused_login_fails_the_run_at_once_naming_the_server(tmp_path, auth_
         built.append(1)
         return real_runtime(*a, **k)
 
-    real_runtime = experiment_module.Runtime
-    monkeypatch.setattr(experiment_module, "Runtime", runtime)
+    real_runtime = experiment_module.runtime_for
+    monkeypatch.setattr(experiment_module, "runtime_for", runtime)
     with pytest.raises(TrackingAuthError) as e:
         run_experiment(_config(tmp_path, auth_server, experiment))
     msg = str(e.value)
