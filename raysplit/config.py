@@ -9,6 +9,7 @@ exactly like the file. Algorithm-specific parameters are validated by the parame
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import typing
@@ -27,6 +28,7 @@ from raysplit.errors import ConfigError
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
 
 
+@functools.cache  # one model per builder or loader, not one per config read (Tune validates every trial)
 def options_model(fn: Any, label: str) -> type[BaseModel]:
     """A pydantic model of ``fn``'s keyword arguments (a model builder's or a dataset loader's), from its signature:
     each argument's annotation and default; unknown keys forbidden unless ``fn`` takes ``**kwargs``. The sizes the
@@ -310,10 +312,13 @@ MOVED_RUNTIME_KEYS = {"placement": "placement.strategy", "transport": "transport
                       "on_bad_client": "faults.on_bad_client"}
 
 
-def _moved(old: str, new: str) -> None:
+def _config_warning(message: str) -> None:
     # one line, no source line of ours under it: the user's config is at fault, not this file
-    warnings.warn_explicit(f"runtime.{old} is now runtime.{new} (the old key still works; write the new one)",
-                           FutureWarning, "raysplit config", 0)
+    warnings.warn_explicit(message, FutureWarning, "raysplit config", 0)
+
+
+def _moved(old: str, new: str) -> None:
+    _config_warning(f"runtime.{old} is now runtime.{new} (the old key still works; write the new one)")
 
 
 def moved_key(key: str, value: Any = None) -> str:
@@ -453,12 +458,11 @@ class ExperimentConfig(_Strict):
                                  "only algorithm.batched_copies")
             alg["batched_copies"] = value
             data["algorithm"] = alg
-            warnings.warn_explicit("runtime.batched_copies is now algorithm.batched_copies (the old key still "
-                                   "works; write the new one)", FutureWarning, "raysplit config", 0)
+            _config_warning("runtime.batched_copies is now algorithm.batched_copies (the old key still works; write "
+                            "the new one)")
         elif value:
-            warnings.warn_explicit(f"runtime.batched_copies is ignored: {name} has no per-client server copies to "
-                                   "batch (it is algorithm.batched_copies now, for psl, sflv1 and their variants, "
-                                   "sglr)", FutureWarning, "raysplit config", 0)
+            _config_warning(f"runtime.batched_copies is ignored: {name} has no per-client server copies to batch "
+                            "(it is algorithm.batched_copies now, for psl, sflv1 and their variants, sglr)")
         return data
 
     @field_validator("algorithm", mode="before")
