@@ -328,10 +328,15 @@ def runtime_private_names(runtime_dir) -> set[str]:
     return names
 
 
+MESSAGES = {"Activation", "Gradient", "StateMsg"}
+
+
 def contract_violations(source: str, private: set[str]) -> list[str]:
     """Where an algorithm module steps outside the public runtime contract: it names the wire format (the
-    ``transport`` module), reads or writes a host's clock field (``self.clock``: the cost meter's ``now``,
-    ``wait_until``, ``charge_*`` and ``answer`` stamp time), or uses or overrides a private runtime name."""
+    ``transport`` module), builds a message from a raw payload (``Activation(...)``, ``Gradient(...)``,
+    ``StateMsg(...)``: the runtime makes them; ``StateMsg.packed(tensors)`` and ``answer`` are the ways in), reads or
+    writes a host's clock field (``self.clock``: the cost meter's ``now``, ``wait_until``, ``charge_*`` and
+    ``answer`` stamp time), or uses or overrides a private runtime name."""
     import ast
 
     out = []
@@ -340,6 +345,8 @@ def contract_violations(source: str, private: set[str]) -> list[str]:
                     [a.name for a in n.names] if isinstance(n, ast.Import) else [])
         if any(name.split(".")[-1] == "transport" for name in imported):
             out.append(f"line {n.lineno}: imports the transport module")
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in MESSAGES:
+            out.append(f"line {n.lineno}: builds a {n.func.id} from a raw payload")
         elif isinstance(n, ast.Name) and n.id == "transport":
             out.append(f"line {n.lineno}: names transport")
         elif isinstance(n, ast.Attribute) and n.attr == "clock" and isinstance(n.value, ast.Name) and n.value.id == "self":

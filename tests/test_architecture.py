@@ -236,8 +236,8 @@ def test_algorithms_keep_to_the_public_runtime_contract():
     """No algorithm module names the wire format (``transport``), a host's clock field, or a private name of the
     runtime (a ``_charge_*``, ``_draw``, ``_eval_client``...): hosts offer ``charge_*``, ``draw``, ``seeded``,
     ``receive``, ``answer``, ``now``/``wait_until``, ``state_message`` and ``eval_client``, messages offer
-    ``tensors``, ``packed`` and ``nbytes`` (issue 27's contract; checked on attribute access, not
-    only on imports)."""
+    ``tensors``, ``packed`` and ``nbytes``, and no algorithm builds a message from a raw payload (issue 27's
+    contract; checked on attribute access and calls, not only on imports)."""
     root = Path(__file__).resolve().parent.parent / "raysplit"
     private = runtime_private_names(root / "runtime")
     assert {"_pool", "_dirty", "_new_module"} <= private  # what the runtime keeps to itself is seen
@@ -256,14 +256,16 @@ class S(ServerHost):
     def step(self, a):
         self.clock = max(self.clock, a.t_sent)
         self._charge_upload(0, 1, "x")
-        return transport.pack(a)
+        self.kept = StateMsg(a.state, a.t_sent)
+        return Gradient(a.tag, transport.pack(a), 0.0)
 """
     got = contract_violations(src, {"_new_module", "_charge_upload"})
     assert [g.split(": ", 1)[1] for g in got].count("self.clock") == 2
     for what in ("imports the transport module", "names transport", "private runtime name ._charge_upload",
-                 "overrides private runtime name _new_module"):
+                 "overrides private runtime name _new_module", "builds a StateMsg", "builds a Gradient"):
         assert any(what in g for g in got), (what, got)
     assert contract_violations("def f(cfg):\n    return cfg.clock.charge_server, self_.clock\n", set()) == []
+    assert contract_violations("def f(s):\n    return StateMsg.packed(s)\n", set()) == []  # from tensors: fine
 
 
 @pytest.mark.parametrize("stop", [True, False])

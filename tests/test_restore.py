@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import capture_runtimes
-from raysplit.runtime.hosts import invoke, owned
+from raysplit.runtime.hosts import Checkpointed, invoke, owned
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import golden  # noqa: E402
@@ -141,3 +141,36 @@ def test_a_host_taking_state_over_gets_a_writable_copy_of_its_own():
         h.load_state_dict(arr)  # without invoke: the failure of the issue
     t = torch.ones(2)
     assert owned({"t": t})["t"].data_ptr() != t.data_ptr()
+
+
+class _Keeps(Checkpointed):
+    checkpointed = ("count", "net")
+
+    def __init__(self, seed: int):
+        self.count, self.net = seed, torch.nn.Linear(2, 2)
+        torch.nn.init.constant_(self.net.weight, float(seed))
+
+
+class _KeepsMore(_Keeps):
+    checkpointed = ("extra",)
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.extra = [seed]
+
+
+def test_checkpointed_attributes_gather_over_the_classes_load_modules_in_place_and_name_what_is_missing():
+    """A host or algorithm names the attributes a checkpoint carries; a subclass adds its own to its parents'; a
+    module is loaded into the object that others hold; a checkpoint without one of them is refused by name."""
+    from raysplit.algorithms.asyncfl import CA2FLServer
+
+    assert CA2FLServer.checkpointed_names() == ["events", "version", "_global", "uploads", "start_of", "pending",
+                                                "cache"]
+    saved = pickle.loads(pickle.dumps(_KeepsMore(3).own_state()))
+    fresh = _KeepsMore(0)
+    net = fresh.net
+    fresh.load_own_state(saved)
+    assert fresh.net is net and torch.equal(net.weight, torch.full((2, 2), 3.0))
+    assert (fresh.count, fresh.extra) == (3, [3])
+    with pytest.raises(ValueError, match=r"_KeepsMore: the checkpoint holds no \['extra'\]"):
+        _KeepsMore(0).load_own_state({"count": 1, "net": saved["net"]})

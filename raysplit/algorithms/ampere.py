@@ -86,10 +86,10 @@ class AuxClient(ClientHost):
 class AuxServer(ServerHost):
     """A server whose client models are (device block, auxiliary net): aggregation and evaluation know it."""
 
-    def __init__(self, spec, init_state, client_init_state, *data):
-        super().__init__(spec, init_state, client_init_state, *data)
+    def __init__(self, spec, *data):
+        super().__init__(spec, *data)
         self.eval_client = aux_parts(spec)[0].to(self.device)
-        self.eval_client.load_state_dict(StateMsg(client_init_state).tensors())
+        self.eval_client.load_state_dict(self.client_init.tensors())
 
     def client_encoder(self) -> torch.nn.Module:
         return self.eval_client[0]
@@ -151,13 +151,15 @@ class AmpereClient(AuxClient):
 class AmpereServer(AuxServer):
     """Holds the consolidated stores and trains the server block on them."""
 
+    checkpointed = ("epochs_done", "arrivals", "server_init", "store_path", "best_val", "best_state", "last_val")
+
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         self.server_init = copy.deepcopy(self.models["main"].module.state_dict())
         self.best_val, self.best_state, self.last_val = -1.0, None, float("nan")
         self.stores: dict[str, ActivationStore] = {}
         self.arrivals: list[float] = []
-        self.epochs_done = 0
+        self.epochs_done, self.store_path = 0, None
 
     # ---- transfer ----------------------------------------------------------------------------------------------
     def open_stores(self, path: str, expected_bytes: int) -> None:
@@ -259,21 +261,9 @@ class AmpereServer(AuxServer):
             out["server_val_accuracy"] = self.last_val  # the epoch's validation accuracy (restore_best picks on it)
         return out
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "ampere": {"epochs_done": self.epochs_done, "arrivals": self.arrivals,
-                                                   "server_init": self.server_init,
-                                                   "store_path": getattr(self, "store_path", None),
-                                                   "best_val": self.best_val, "best_state": self.best_state,
-                                                   "last_val": self.last_val}}
-
     def load_state_dict(self, st: dict) -> None:
         super().load_state_dict(st)
-        a = st["ampere"]
-        self.epochs_done, self.arrivals, self.server_init = a["epochs_done"], a["arrivals"], a["server_init"]
-        self.store_path = a["store_path"]
-        self.best_val, self.best_state = a.get("best_val", -1.0), a.get("best_state")
-        self.last_val = a.get("last_val", float("nan"))
-        self.stores = {}
+        self.stores = {}  # reopened from the restored store_path when first read
 
 
 class AmpereParams(AlgorithmParams):
@@ -304,6 +294,7 @@ class Ampere(Algorithm):
     Params = AmpereParams
     client_host = AmpereClient
     server_host = AmpereServer
+    checkpointed = ("phase", "round_phase", "best", "bad", "done", "device_rounds", "server_epochs", "store_path")
 
     @classmethod
     def check_config(cls, params, cfg) -> None:
@@ -408,13 +399,8 @@ class Ampere(Algorithm):
     def evaluate(self, rt, mode, global_handle, clients):
         return rt.get(rt.server.evaluate_phase(global_handle, self.round_phase))
 
-    def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("phase", "round_phase", "best", "bad", "done", "device_rounds",
-                                              "server_epochs", "store_path")}
-
     def load_state_dict(self, state: dict) -> None:
         made = self.store_path if self.params.store_path is None else None  # setup's fresh temporary folder
-        for k, v in state.items():
-            setattr(self, k, v)
+        super().load_state_dict(state)
         if made and made != self.store_path:  # the checkpoint's store is the one to use
             shutil.rmtree(made, ignore_errors=True)

@@ -37,6 +37,8 @@ def _to_float(msg: StateMsg) -> dict[str, torch.Tensor]:
 class UpdateServer(AsyncServer):
     """Asynchronous FL server: remembers the global model each job started from, turns uploads into updates."""
 
+    checkpointed = ("start_of", "pending")
+
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         self.start_of: dict[int, StateMsg] = {}
@@ -58,18 +60,6 @@ class UpdateServer(AsyncServer):
             moved = v.double() + scale * step[k]
             new[k] = (moved if v.is_floating_point() else moved.round()).to(v.dtype)
         self.set_global(StateMsg.packed(new, weight=1.0))
-
-    def state_dict(self) -> dict:
-        st = super().state_dict()
-        st["asyncfl"] = {k: getattr(self, k) for k in self._persist}
-        return st
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        for k, v in st["asyncfl"].items():
-            setattr(self, k, v)
-
-    _persist = ("start_of", "pending")
 
 
 class FedBuffParams(AlgorithmParams):
@@ -119,7 +109,7 @@ class CA2FLParams(FedBuffParams):
 
 
 class CA2FLServer(UpdateServer):
-    _persist = UpdateServer._persist + ("cache",)
+    checkpointed = ("cache",)
 
     def __init__(self, spec, *data):
         super().__init__(spec, *data)

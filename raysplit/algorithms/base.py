@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
 from ..errors import ConfigError
-from ..runtime import ClientHost, ServerHost
+from ..runtime import Checkpointed, ClientHost, ServerHost
 from ..runtime.drivers import RoundDriver
 from ..runtime.events import AsyncServer, EventDriver, EventSetup
 
@@ -60,7 +60,7 @@ class SetupInfo:
     profiles: tuple = ()  # every client's virtual-clock profile
 
 
-class Algorithm:
+class Algorithm(Checkpointed):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
@@ -134,11 +134,12 @@ class Algorithm:
         temporary activation store). Not called after a failure, so a resumed run finds what it needs."""
 
     def state_dict(self) -> dict:
-        """The algorithm's own state across rounds on the driver (phases, patience counters), for checkpoints."""
-        return {}
+        """The algorithm's own state across rounds on the driver (phases, patience counters), for checkpoints: the
+        attributes its classes name in ``checkpointed``."""
+        return self.own_state()
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.load_own_state(state)
 
     def positions(self) -> list[int] | None:
         """For ordered processing: the label dominant at the clients served at each position of a cycle."""

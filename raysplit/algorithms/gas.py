@@ -36,7 +36,7 @@ Choices where the paper, the code and this implementation differ:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -83,6 +83,9 @@ class GASParams(AlgorithmParams):
 
 class GASServer(AsyncServer):
     """The server of GAS: activation buffer, per-label Gaussians, model buffer (module docstring)."""
+
+    checkpointed = ("stats", "buffer", "models_in", "weight_count", "total_weight", "server_updates", "gen_rng",
+                    "last_update")
 
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
@@ -179,7 +182,7 @@ class GASServer(AsyncServer):
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
         self.weight_count.pop(cid, None)
         size = float(self.setup.client_sizes[cid]) if self.params.model_weights == "samples" else 1.0
-        self.models_in.append(StateMsg(msg.state, msg.t_sent, size))
+        self.models_in.append(replace(msg, weight=size))
         if len(self.models_in) < self.model_buffer_size:
             return False
         self.set_global(self.average(self.models_in, [m.weight for m in self.models_in]))
@@ -222,18 +225,6 @@ class GASServer(AsyncServer):
         if self.dissimilarity is not None:
             out["grad_dissimilarity"] = self.dissimilarity
         return out
-
-    # ---- checkpoint -------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        st = super().state_dict()
-        st["gas"] = {k: getattr(self, k) for k in ("stats", "buffer", "models_in", "weight_count", "total_weight",
-                                                     "server_updates", "gen_rng", "last_update")}
-        return st
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        for k, v in st["gas"].items():
-            setattr(self, k, v)
 
 
 @register

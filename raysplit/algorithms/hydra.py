@@ -216,6 +216,7 @@ class Hydra(SFLV2):
     Params = HydraParams
     client_host = LabelClient
     server_host = HydraServer
+    checkpointed = ("groups",)  # a round 0 redone after a failure groups (and charges the labels) again
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
@@ -259,14 +260,6 @@ class Hydra(SFLV2):
         K = len(self.label_groups)
         return {**super().resolved(), "hydra.heads": K, "hydra.head_start_in_server": self.head_at,
                 "hydra.head_bytes": self.head_bytes, "hydra.extra_head_bytes": (K - 1) * self.head_bytes}
-
-    def state_dict(self) -> dict:
-        """The client grouping is state: a round 0 redone after a failure groups (and charges the labels) again."""
-        return {**super().state_dict(), "groups": None if self.groups is None else list(self.groups)}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.groups = state.get("groups")  # checkpoints older than this: regrouped next round, labels not recharged
 
     def run_round(self, rt, rnd, clients, rng):
         if self.groups is None:  # Algorithm 2 on the label vectors the clients send once (counted in round 0)

@@ -203,12 +203,14 @@ class SemiServer(ServerHost):
     """The server of Semi-SFL: student encoder (for the supervised phase), classifier (``models['main']``),
     projection head, their EMA teacher, the feature queue, the labelled set and the K_s schedule."""
 
+    checkpointed = ("encoder", "heads", "t_encoder", "t_heads", "queue", "ks", "ema_steps", "history")
+
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         p = self.params
         self.cluster_reg = spec.host_setup.cluster_reg
         client, _ = build_parts(spec)
-        client.load_state_dict(StateMsg(data[1]).tensors())
+        client.load_state_dict(self.client_init.tensors())
         self.encoder = client.to(self.device).train()
         self.classifier = self.models["main"].module
         with torch.no_grad():
@@ -343,20 +345,6 @@ class SemiServer(ServerHost):
                                "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"]
                                else float("nan")})
         return out
-
-    def state_dict(self) -> dict:
-        st = super().state_dict()
-        st["semi"] = {"encoder": self.encoder.state_dict(), "heads": self.heads.state_dict(),
-                      "t_encoder": self.t_encoder.state_dict(), "t_heads": self.t_heads.state_dict(),
-                      "queue": self.queue, "ks": self.ks, "ema_steps": self.ema_steps, "history": self.history}
-        return st
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        s = st["semi"]
-        for name in ("encoder", "heads", "t_encoder", "t_heads"):
-            getattr(self, name).load_state_dict(s[name])
-        self.queue, self.ks, self.ema_steps, self.history = s["queue"], s["ks"], s["ema_steps"], s["history"]
 
 
 # ---- algorithms ----------------------------------------------------------------------------------------------------
@@ -512,19 +500,21 @@ class SemiFLClient(SemiClient):
 class SemiFLServer(ServerHost):
     """Holds the labelled set; fine-tunes the global (whole) model on it each round."""
 
+    checkpointed = ("global_state",)
+
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         self.augment = Augmenter(spec.data_spec)
-        self.global_state = data[1]  # packed; the clients' average after every round
+        self.global_state = self.client_init  # the clients' average after every round
 
     def keep_global(self, msg: StateMsg) -> None:
-        self.global_state = msg.state
+        self.global_state = msg
 
     def supervised_global(self) -> StateMsg:
         """The global model after ``ks_initial`` supervised steps on the labelled set (weak views)."""
         p, rnd = self.params, self.round
         model = self.eval_client
-        model.load_state_dict(StateMsg(self.global_state).tensors())
+        model.load_state_dict(self.global_state.tensors())
         model.train()
         lr = round_lr(self.spec.server_optimizer, rnd, self.spec.rounds)
         opt = make_optimizer(model.parameters(), {**self.spec.server_optimizer, "lr": lr})
@@ -539,13 +529,6 @@ class SemiFLServer(ServerHost):
                               tag=Tag(-1, rnd, step, "supervised"), flop_key=("semifl_server", len(idx)),
                               where=f"the supervised phase, round {rnd}, step {step}")
         return self.state_message(model.state_dict())
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "global_state": self.global_state}
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        self.global_state = st["global_state"]
 
 
 class SemiFLParams(AlgorithmParams):

@@ -125,6 +125,7 @@ class ScaffoldClient(ClientHost):
     """Control variates of the device block: the global ``c`` and every client's own ``c_i``."""
 
     client_fields = ClientHost.client_fields + ("c_own",)  # a client's c_i moves with it
+    checkpointed = ("c_global",)
 
     def __init__(self, spec, *args):
         super().__init__(spec, *args)
@@ -177,15 +178,10 @@ class ScaffoldClient(ClientHost):
             return None
         return StateMsg.packed(total, t_sent=t)
 
-    def state_dict(self, clients=None) -> dict:
-        return {**super().state_dict(clients), "scaffold": self.c_global}
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        self.c_global = st["scaffold"]
-
 
 class ScaffoldServer(ServerHost):
+    checkpointed = ("control",)
+
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
@@ -198,13 +194,6 @@ class ScaffoldServer(ServerHost):
         parts = [p.tensors() for p in partials if p is not None]
         step = {k: sum(p[k] for p in parts) / num_clients for k in parts[0]}
         self.control = {k: self.control.get(k, 0) + step[k] for k in step}
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "control": self.control}
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        self.control = st["control"]
 
 
 @register

@@ -5,9 +5,9 @@ requested.
 """
 
 from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs
-from raysplit.runtime.hosts import ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
+from raysplit.runtime.hosts import Checkpointed, ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
 from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag
-from raysplit.runtime.server_host import batch_step
+from raysplit.runtime.messages import batch_step
 
 
 def make_backend(rcfg):
@@ -26,6 +26,6 @@ def runtime_for(rcfg, inputs: RuntimeInputs, backend=None) -> Runtime:
                    rcfg.placement.strategy)
 
 
-__all__ = ["Activation", "Batch", "ClientHost", "Gradient", "HostCalls", "HostSpec", "LocalBackend", "ModelSlot",
-           "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag",
+__all__ = ["Activation", "Batch", "Checkpointed", "ClientHost", "Gradient", "HostCalls", "HostSpec", "LocalBackend",
+           "ModelSlot", "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag",
            "batch_step", "make_backend", "runtime_for"]

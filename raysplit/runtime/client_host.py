@@ -19,7 +19,7 @@ from raysplit.runtime.aggregation import weighted_sum
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 from raysplit.runtime.spill import SpillStore
-from raysplit.runtime.hostspec import (HostSpec, ModelSlot, _Counters, _bad_input,
+from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, _Counters, _bad_input,
                                        _clone_state, advance_cursor, build_parts, check_finite, limit_threads)
 from raysplit.runtime.screening import gradient_fault, screens_nonfinite, where_of
 from raysplit.runtime.evaluation import EvalTally, predict_batches
@@ -27,7 +27,7 @@ from raysplit.runtime.client_jobs import ClientJobs
 from raysplit.runtime.client_moves import ClientMoves
 
 
-class ClientHost(ClientJobs, ClientMoves):
+class ClientHost(ClientJobs, ClientMoves, Checkpointed):
     """Hosts a set of virtual clients on one worker; ``train_idx``'s keys are the clients it holds now."""
 
     # per-client mappings that move with a client to another host (``export_clients``); a subclass that keeps

@@ -73,7 +73,7 @@ class ClientMoves:
         return {"global": self.global_state, "held": held,
                 "clients": {c: self._fields_of(c, take=False) for c in which},
                 "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(self._replay),
-                "dropped": dict(self.dropped)}
+                "dropped": dict(self.dropped), "own": self.own_state()}
 
     def load_state_dict(self, st: dict) -> None:
         """Restore :meth:`state_dict`'s result (with every held client's state)."""
@@ -86,6 +86,7 @@ class ClientMoves:
         self._perm.clear()
         self.import_clients(st["clients"])
         self.dropped = dict(st.get("dropped", {}))
+        self.load_own_state(st.get("own", {}))
         for c, (weights, opt) in st.get("slots", {}).items():
             module = self._new_module()
             module.load_state_dict(weights)

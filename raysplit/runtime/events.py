@@ -383,16 +383,7 @@ class AsyncServer(ServerHost):
     def event_totals(self) -> dict[int, dict]:
         return {c: dict(v, t_last=v.get("t_end", 0.0)) for c, v in self.events.totals.items()}
 
-    def state_dict(self) -> dict:
-        st = super().state_dict()
-        st["events"] = {"loop": self.events, "version": self.version, "global": self._global,
-                        "uploads": self.uploads}
-        return st
-
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
-        ev = st["events"]
-        self.events, self.version, self._global, self.uploads = ev["loop"], ev["version"], ev["global"], ev["uploads"]
+    checkpointed = ("events", "version", "_global", "uploads")
 
 
 class EventDriver(Driver):

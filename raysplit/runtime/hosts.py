@@ -2,7 +2,8 @@
 
 The rooms: ``hostspec`` (spec, model slot, shared helpers), ``screening`` (bad input), ``evaluation`` (the one
 evaluation loop), ``client_host`` (with ``client_jobs``: the event driver's jobs, and ``client_moves``: placement
-moves and checkpoints) and ``server_host``; this module gathers them.
+moves and checkpoints) and ``server_host`` (with ``server_copies``: the per-client copies of the server model);
+this module gathers them.
 
 The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms that need other
 server or client behaviour subclass them (``Algorithm.server_host`` / ``client_host``) and add methods, which the
@@ -30,11 +31,11 @@ by the same code (:meth:`ServerHost.settle_step`).
 
 from raysplit.runtime.client_host import ClientHost
 from raysplit.runtime.evaluation import EvalTally, predict_batches
-from raysplit.runtime.hostspec import (HostSpec, ModelSlot, NonFiniteInput, NonFiniteLossError, advance_cursor,
+from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteInput, NonFiniteLossError, advance_cursor,
                                        build_parts, check_finite, invoke, limit_threads, owned)
 from raysplit.runtime.screening import activation_fault, gradient_fault, screens_nonfinite, where_of
 from raysplit.runtime.server_host import ServerHost
 
-__all__ = ["ClientHost", "EvalTally", "HostSpec", "ModelSlot", "NonFiniteInput", "NonFiniteLossError", "ServerHost",
+__all__ = ["Checkpointed", "ClientHost", "EvalTally", "HostSpec", "ModelSlot", "NonFiniteInput", "NonFiniteLossError", "ServerHost",
            "activation_fault", "advance_cursor", "build_parts", "check_finite", "gradient_fault", "invoke",
            "limit_threads", "owned", "predict_batches", "screens_nonfinite", "where_of"]

@@ -98,6 +98,37 @@ def check_finite(loss: float, stop: bool, where: str) -> bool:
     return False
 
 
+class Checkpointed:
+    """A host's or an algorithm's own attributes that checkpoints carry: each class names its own in
+    ``checkpointed`` (gathered over the class hierarchy), and the base ``state_dict``/``load_state_dict`` carry
+    them, so a subclass that keeps state across rounds writes no pair of its own. A module or an optimizer is
+    carried as its ``state_dict`` and loaded into the object in place (what else holds it keeps holding it); any
+    other value is replaced."""
+
+    checkpointed: tuple[str, ...] = ()
+
+    def own_state(self) -> dict:
+        return {k: v.state_dict() if hasattr(v, "load_state_dict") else v
+                for k in self.checkpointed_names() for v in [getattr(self, k)]}
+
+    def load_own_state(self, saved: dict) -> None:
+        names = self.checkpointed_names()
+        missing = [k for k in names if k not in saved]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: the checkpoint holds no {missing} (written by an older "
+                             f"raysplit?)")
+        for k in names:
+            current = getattr(self, k, None)
+            if hasattr(current, "load_state_dict"):
+                current.load_state_dict(saved[k])
+            else:
+                setattr(self, k, saved[k])
+
+    @classmethod
+    def checkpointed_names(cls) -> list[str]:
+        return [n for c in reversed(cls.__mro__) for n in vars(c).get("checkpointed", ())]
+
+
 # host methods that take state over (a snapshot, a checkpoint, clients moving in): what they are given is copied first
 RESTORES = frozenset({"load_state_dict", "import_clients"})
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -82,3 +84,25 @@ class StateMsg:
     @property
     def nbytes(self) -> int:
         return transport.state_nbytes(self.state)
+
+
+def batch_step(fn: Callable | None = None, *, stamp: bool = True) -> Callable:
+    """Marks a server method that works on typed batches: the activations it is called with (the runtime's wire
+    messages) arrive as :class:`Batch` es, tensors on the server's device, each an owned copy; arguments that are
+    already batches (one hook calling another) and other arguments pass as they are. ``stamp``: the server waits
+    for the last of them to arrive (its clock); off for a step that starts at an arrival of its own (``ready_at``).
+    The method answers each batch with :meth:`ServerHost.answer` (its gradient as a tensor)."""
+
+    def deco(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def wrapper(self, *args, **kwargs):
+            args = tuple(self.decode(a) if isinstance(a, Activation) else a for a in args)
+            if stamp:
+                arrived = [a.t_sent for a in args if isinstance(a, Batch)]
+                if arrived:
+                    self.wait_until(max(arrived))
+            return f(self, *args, **kwargs)
+
+        return wrapper
+
+    return deco(fn) if fn is not None else deco

@@ -1,15 +1,11 @@
-"""The server host: the server model, its per-client copies, FedAvg sums and evaluation (see
-:mod:`raysplit.runtime.hosts`)."""
+"""The server host: the server model, FedAvg sums and evaluation (its per-client copies in
+:mod:`raysplit.runtime.server_copies`; see :mod:`raysplit.runtime.hosts`)."""
 
 from __future__ import annotations
 
-import copy
-import functools
 import inspect
 import math
 import time
-import warnings
-from collections import Counter, defaultdict
 from contextlib import contextmanager
 from typing import Callable
 
@@ -19,40 +15,19 @@ import torch.nn.functional as F
 
 from raysplit.clock import FlopCache
 from raysplit.errors import BadClientInput
-from raysplit.runtime import batched, transport
-from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average
-from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag
+from raysplit.runtime import transport
+from raysplit.runtime.aggregation import finish_average
+from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
+from raysplit.runtime.server_copies import ServerCopies
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
-from raysplit.runtime.hostspec import (HostSpec, ModelSlot, NonFiniteLossError, _bad_input,
+from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError, _bad_input,
                                        build_parts, check_finite, limit_threads)
 from raysplit.runtime.screening import activation_fault, screens_nonfinite, where_of
 from raysplit.runtime.evaluation import EvalTally, predict_batches
 
 
-def batch_step(fn: Callable | None = None, *, stamp: bool = True) -> Callable:
-    """Marks a server method that works on typed batches: the activations it is called with (the runtime's wire
-    messages) arrive as :class:`Batch` es, tensors on the server's device, each an owned copy; arguments that are
-    already batches (one hook calling another) and other arguments pass as they are. ``stamp``: the server waits
-    for the last of them to arrive (its clock); off for a step that starts at an arrival of its own (``ready_at``).
-    The method answers each batch with :meth:`ServerHost.answer` (its gradient as a tensor)."""
-
-    def deco(f: Callable) -> Callable:
-        @functools.wraps(f)
-        def wrapper(self, *args, **kwargs):
-            args = tuple(self.decode(a) if isinstance(a, Activation) else a for a in args)
-            if stamp:
-                arrived = [a.t_sent for a in args if isinstance(a, Batch)]
-                if arrived:
-                    self.wait_until(max(arrived))
-            return f(self, *args, **kwargs)
-
-        return wrapper
-
-    return deco(fn) if fn is not None else deco
-
-
-class ServerHost:
+class ServerHost(ServerCopies, Checkpointed):
     """Owns the server-side model(s) and optimizer(s). ``models['main']`` is the server model; per-client copies
     (PSL, SFLV1) are forked from it and merged back by weighted averaging."""
 
@@ -70,6 +45,7 @@ class ServerHost:
         server.to(self.device).train()
         self.models: dict = {"main": ModelSlot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
         self.eval_client = client.to(self.device)
+        self.client_init = StateMsg(client_init_state)  # the client part as the run started (a message)
         self.test_x, self.test_y = test["x"], test["y"]
         self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
         self.flops = FlopCache()
@@ -272,97 +248,12 @@ class ServerHost:
         slot = self.models[key]
         return self.step_batch(b, slot.module, [slot.optimizer], "main" if key == "main" else "copy")
 
-    @batch_step(stamp=False)
-    def train_copies(self, *acts: Batch) -> list[Gradient]:
-        """One step of each activation's client's copy (``models[client]``, forked by ``fork``); one gradient per
-        activation, as ``train_step`` on each in the given order gives: same gradients, losses, gradient norms,
-        finite checks and clock (each copy's FLOPs charged in that order from its activation's arrival on).
-
-        With ``algorithm.batched_copies`` the copies whose activations have equal shapes run their forward and
-        backward as one batched computation (:func:`batched.copies_backward`), and each copy's own optimizer steps
-        on its own gradients (:meth:`settle_step`). A shape only one client sent (a short last batch) takes the
-        per-copy path, and so does everything once vmap has refused the model (dropout in training mode, ...), or
-        a copy that more than one activation of the call steps (its steps depend on each other)."""
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        if self.spec.batched_copies and self._unbatched is None:
-            uses = Counter(a.tag.client for a in acts)
-            for i, a in enumerate(acts):
-                if uses[a.tag.client] == 1:
-                    groups[(tuple(a.x.shape), str(a.x.dtype), tuple(a.y.shape))].append(i)
-        done: dict[int, tuple] = {}
-        for idx in (g for g in groups.values() if len(g) > 1):
-            steps = self._batched_copies([acts[i] for i in idx])
-            if steps is None:
-                break
-            done.update(zip(idx, steps))
-        out = []
-        for i, a in enumerate(acts):
-            if i not in done:
-                out.append(self.train_step(a, key=a.tag.client))
-                continue
-            t_wall = time.perf_counter()
-            lv, g, fl = done[i]
-            slot = self.models[a.tag.client]
-            self.settle_step(lv, fl, slot.module, [slot.optimizer], tag=a.tag, ready_at=a.t_sent)
-            out.append(self.answer(a, g, lv))
-            self.busy_wall += time.perf_counter() - t_wall
-        return out
-
-    def _batched_copies(self, acts: list[Batch]) -> list[tuple[float, torch.Tensor, int]] | None:
-        """Forward and backward of the copies of ``acts`` (equal shapes) in one computation: per activation its
-        loss, its gradient and the FLOPs its own step is charged (counted once per shape on a throwaway copy, as
-        ``train_step`` counts them). None when vmap refuses the model: remembered, warned once."""
-        t_wall = time.perf_counter()
-        modules = [self.models[a.tag.client].module for a in acts]
-        x = torch.stack([a.x for a in acts])
-        y = torch.stack([a.y for a in acts])
-        try:
-            losses, gx = batched.copies_backward(modules, x, y)
-        except RuntimeError as e:
-            self._unbatched = f"{type(e).__name__}: {e}"
-            warnings.warn(f"algorithm.batched_copies: the server model cannot be batched ({self._unbatched}); its "
-                          f"copies step one after another")
-            return None
-
-        def per_copy():
-            xi = x[0].detach().clone().requires_grad_(True)
-            F.cross_entropy(copy.deepcopy(modules[0])(xi), y[0]).backward()
-
-        fl = self.flops.count(("train", "copy", tuple(x.shape[1:])), per_copy)
-        self.busy_wall += time.perf_counter() - t_wall
-        return [(float(lv), g, fl) for lv, g in zip(losses.tolist(), gx)]
-
     def _check(self, loss: float, tag: Tag, where: str | None = None) -> None:
         if not math.isfinite(loss) and self.nonfinite is None:
             self.nonfinite = tag
         where = where or (f"round {tag.round}, client {tag.client} (step {tag.step})" if tag.client >= 0 else
                           f"round {tag.round}, server update {tag.step}")  # a server-only step (Tag client -1)
         check_finite(loss, self.spec.stop_on_nonfinite, where)
-
-    # ---- per-client copies ------------------------------------------------------------------------------------
-    def fork(self, keys: list) -> None:
-        """A copy of the main model and its optimizer per key, each with its own optimizer state (a copy:
-        ``load_state_dict`` keeps the tensors it is given, which the copies would then update in place in turn)."""
-        main = self.models["main"]
-        for k in keys:
-            module = copy.deepcopy(main.module)
-            opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
-            opt.load_state_dict(copy.deepcopy(main.optimizer.state_dict()))  # carries the round's lr too
-            self.models[k] = ModelSlot(module, opt)
-
-    def merge(self, weights: dict) -> None:
-        """Replace the main server model by the weighted average of the copies (which are dropped). The copies'
-        optimizer states (momentum, Adam moments) are averaged with the same weights, so one copy merges back
-        exactly (SFLV1 with one client equals SFLV2)."""
-        keys = list(weights)
-        w = [weights[k] for k in keys]
-        avg = average_states([self.models[k].module.state_dict() for k in keys], w)
-        self.models["main"].module.load_state_dict(avg)
-        merged = average_optimizer_states([self.models[k].optimizer.state_dict() for k in keys], w)
-        if merged is not None:
-            self.models["main"].optimizer.load_state_dict(merged)
-        for k in keys:
-            del self.models[k]
 
     # ---- client-model aggregation --------------------------------------------------------------------------
     def aggregate(self, *partials: StateMsg | None) -> StateMsg:
@@ -411,7 +302,8 @@ class ServerHost:
     # ---- checkpoint ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"models": {k: (s.module.state_dict(), s.optimizer.state_dict()) for k, s in self.models.items()},
-                "clock": self.clock, "torch_rng": torch.get_rng_state(), "dropped": dict(self.dropped)}
+                "clock": self.clock, "torch_rng": torch.get_rng_state(), "dropped": dict(self.dropped),
+                "own": self.own_state()}
 
     def load_state_dict(self, st: dict) -> None:
         for k, (ms, os_) in st["models"].items():
@@ -421,4 +313,5 @@ class ServerHost:
             self.models[k].optimizer.load_state_dict(os_)
         self.clock = st["clock"]
         self.dropped = dict(st.get("dropped", {}))
+        self.load_own_state(st.get("own", {}))
         torch.set_rng_state(st["torch_rng"])
