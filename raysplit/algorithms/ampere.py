@@ -92,17 +92,7 @@ class AuxServer(ServerHost):
         self.eval_client.load_state_dict(self.client_init.tensors())
 
     def client_encoder(self) -> torch.nn.Module:
-        return self.eval_client[0]
-
-    @torch.no_grad()
-    def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
-        """The device block of the given client model with ``models[key]`` (the auxiliary net unused)."""
-        model, server = self.eval_client, self.models[key].module
-        model.load_state_dict(client_state.tensors())
-        model.eval(), server.eval()
-        out = self.predict(lambda x: server(model[0](x)))
-        server.train()
-        return out
+        return self.eval_client[0]  # evaluation: the device block with the server block, the auxiliary net unused
 
 
 class AmpereClient(AuxClient):

@@ -279,11 +279,11 @@ class ServerHost(ServerCopies, Checkpointed):
 
     @torch.no_grad()
     def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
-        """The given client model and ``models[key]`` on the global test set."""
-        client, server = self.eval_client, self.models[key].module
-        client.load_state_dict(transport.unpack_state(client_state.state))
+        """The given client model's encoder (:meth:`client_encoder`) and ``models[key]`` on the global test set."""
+        client, server, encoder = self.eval_client, self.models[key].module, self.client_encoder()
+        client.load_state_dict(client_state.tensors())
         client.eval(), server.eval()
-        out = self.predict(lambda x: server(client(x)))
+        out = self.predict(lambda x: server(encoder(x)))
         server.train()
         return out
 
