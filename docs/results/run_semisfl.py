@@ -1,6 +1,6 @@
 """Reproduce docs/results/semisfl.md: Semi-SFL against its baselines on Fashion-MNIST (configs/semisfl/fmnist.yaml).
 
-    .venv/bin/python docs/results/run_semisfl.py [--rounds 60] [--seeds 0 1 2] [--jobs 2] [--target 0.8]
+    .venv/bin/python docs/results/run_semisfl.py [--rounds 60] [--seeds 0 1 2] [--jobs 2] [--target 0.8] [--methods ...]
 
 1,000 labelled samples on the server, 30 clients (10 active), IID and Dirichlet(0.1): Semi-SFL (K_s by the paper's
 milestones rule), Semi-SFL with a fixed K_s, FedSwitch-SL, supervised-only and SemiFL; every run a full raysplit
@@ -36,8 +36,12 @@ OUT = HERE / ".semisfl_runs"
 CLIENTS = 30
 
 
+def cached(method, part_label, seed, rounds) -> Path:
+    return OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_")
+
+
 def one(method, alg, part_label, partition, seed, rounds):
-    out = OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_")
+    out = cached(method, part_label, seed, rounds)
     res = run_config(ROOT / "configs/semisfl/fmnist.yaml", {
         "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds,
         "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
@@ -59,9 +63,11 @@ def to_target(res: dict, target: float) -> float | None:
 
 def table(results, rounds, target) -> str:
     head = " | ".join(f"{p} acc. @{rounds} | {p} best | {p} MB/client to {target:.0%}" for p, _ in PARTITIONS)
-    lines = [f"| method | {head} |", "|---" * (1 + 3 * len(PARTITIONS)) + "|"]
+    lines = [f"| method | seeds | {head} |", "|---" * (2 + 3 * len(PARTITIONS)) + "|"]
     for method, _ in METHODS:
-        cells = []
+        if (method, PARTITIONS[0][0]) not in results:
+            continue
+        cells = [str(len(results[(method, PARTITIONS[0][0])]))]
         for part, _ in PARTITIONS:
             rs = results[(method, part)]
             a = np.array([r["accuracy"] for r in rs]) * 100
@@ -81,7 +87,7 @@ def figures(results) -> None:
 
     fig, axes = plt.subplots(1, len(PARTITIONS), figsize=(6 * len(PARTITIONS), 4), squeeze=False)
     for ax, (part, _) in zip(axes[0], PARTITIONS):
-        for method, _ in METHODS:
+        for method in (m for m, _ in METHODS if (m, part) in results):
             curves = [np.array(r["curve"]) for r in results[(method, part)]]
             n = min(len(c) for c in curves)
             ax.plot(curves[0][:n, 0], np.median([c[:n, 2] for c in curves], axis=0) * 100, marker="o", ms=3,
@@ -111,9 +117,12 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.8)
+    ap.add_argument("--methods", nargs="*", choices=[m for m, _ in METHODS], default=[m for m, _ in METHODS],
+                    help="run only these rows; the other rows show the seeds already cached")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
-    todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS]
+    todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS
+            if m in args.methods or cached(m, pl, s, args.rounds).exists()]
     done = run_all("semisfl-fmnist", todo, lambda *job: one(*job, args.rounds), args.jobs)
     results: dict = {}
     for (m, _, pl, _, _), res in done:
