@@ -7,8 +7,9 @@ milestones rule), Semi-SFL with a fixed K_s, FedSwitch-SL, supervised-only and S
 run logged to MLflow (experiment semisfl-fmnist in ./mlflow.db), on the local backend with one torch thread and
 ``--jobs`` runs at a time.
 
-Prints the markdown table (accuracy at the last round, best evaluated accuracy: mean ± std over seeds; traffic per
-client until the first evaluation at or above ``--target``, median over the seeds that reach it) and writes
+Prints the markdown table (accuracy at the last round, best evaluated accuracy: median [min, max] over seeds; traffic
+per client until the first evaluation at or above ``--target``, median over the seeds that reach it), Semi-SFL's
+differences to every other row paired by seed, and writes
 docs/results/semisfl_rounds.png (accuracy against rounds) and semisfl_ks.png (K_s per round of the adaptive
 runs). Cached per run under docs/results/.semisfl_runs/.
 """
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, run_all, run_config
+from _runs import ROOT, median_range, run_all, run_config
 
 SEMI = {"ks_initial": 20, "milestones": [20, 30, 40, 50], "window": 5, "ratio_every": 20, "server_batch_size": 32,
         "server_views": ["strong", "strong"]}
@@ -67,15 +68,31 @@ def table(results, rounds, target) -> str:
     for method, _ in METHODS:
         if (method, PARTITIONS[0][0]) not in results:
             continue
-        cells = [str(len(results[(method, PARTITIONS[0][0])]))]
+        cells = [", ".join(str(s) for s, _ in results[(method, PARTITIONS[0][0])])]
         for part, _ in PARTITIONS:
-            rs = results[(method, part)]
+            rs = [r for _, r in results[(method, part)]]
             a = np.array([r["accuracy"] for r in rs]) * 100
             b = np.array([max(c[2] for c in r["curve"]) for r in rs]) * 100
             reach = [x for x in (to_target(r, target) for r in rs) if x is not None]
             mb = f"{np.median(reach) / 1e6:.1f} ({len(reach)}/{len(rs)} seeds)" if reach else "not reached"
-            cells += [f"{a.mean():.2f} ± {a.std():.2f}", f"{b.mean():.2f} ± {b.std():.2f}", mb]
+            cells += [median_range(a), median_range(b), mb]
         lines.append(f"| {method} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def paired(results, rounds) -> str:
+    """Semi-SFL minus every other method at the last round, paired by seed (seeds both ran)."""
+    lines = [f"| partition | Semi-SFL minus | accuracy difference @{rounds} (points), paired by seed | per seed |",
+             "|---" * 4 + "|"]
+    for part, _ in PARTITIONS:
+        semi = {s: 100 * r["accuracy"] for s, r in results.get(("Semi-SFL", part), [])}
+        for method, _ in METHODS[1:]:
+            other = {s: 100 * r["accuracy"] for s, r in results.get((method, part), [])}
+            seeds = sorted(set(semi) & set(other))
+            if seeds:
+                d = [semi[s] - other[s] for s in seeds]
+                lines.append(f"| {part} | {method} | {median_range(d, '+.2f')} | "
+                             f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(seeds, d))} |")
     return "\n".join(lines)
 
 
@@ -88,7 +105,7 @@ def figures(results) -> None:
     fig, axes = plt.subplots(1, len(PARTITIONS), figsize=(6 * len(PARTITIONS), 4), squeeze=False)
     for ax, (part, _) in zip(axes[0], PARTITIONS):
         for method in (m for m, _ in METHODS if (m, part) in results):
-            curves = [np.array(r["curve"]) for r in results[(method, part)]]
+            curves = [np.array(r["curve"]) for _, r in results[(method, part)]]
             n = min(len(c) for c in curves)
             ax.plot(curves[0][:n, 0], np.median([c[:n, 2] for c in curves], axis=0) * 100, marker="o", ms=3,
                     label=method)
@@ -100,7 +117,7 @@ def figures(results) -> None:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for part, _ in PARTITIONS:
-        for i, r in enumerate(results[("Semi-SFL", part)]):
+        for i, (_, r) in enumerate(results[("Semi-SFL", part)]):
             ks = [(h["round"], h["ks"]) for h in r["history"] if "ks" in h]
             ax.step(*zip(*ks), where="post", alpha=0.7, label=f"{part}" if i == 0 else None,
                     color="C0" if part == "IID" else "C1")
@@ -125,9 +142,11 @@ def main() -> int:
             if m in args.methods or cached(m, pl, s, args.rounds).exists()]
     done = run_all("semisfl-fmnist", todo, lambda *job: one(*job, args.rounds), args.jobs)
     results: dict = {}
-    for (m, _, pl, _, _), res in done:
-        results.setdefault((m, pl), []).append(res)
+    for (m, _, pl, _, s), res in done:
+        results.setdefault((m, pl), []).append((s, res))
     print(table(results, args.rounds, args.target))
+    print()
+    print(paired(results, args.rounds))
     figures(results)
     (OUT / f"summary_r{args.rounds}.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
     return 0
