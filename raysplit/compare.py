@@ -1,21 +1,26 @@
-"""Compare the runs of an MLflow experiment: a table of final metrics and an optional overlay plot."""
+"""Compare the runs of an MLflow experiment: a table of final metrics and an optional overlay plot. Columns and
+legends name the params in which the runs differ (a sweep's swept values), not trial names."""
 
 from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
+from raysplit.errors import ConfigError
 from raysplit.tracking import resolve_uri
 
 COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"), ("cut", "params.resolved.cut_name"),
            ("dataset", "params.data.dataset"), ("seed", "params.seed")]
+# params that differ between runs without being a choice of the user's: where each run wrote, and what was derived
+DERIVED = ("tracking.", "resolved.", "partition.", "name")
 
 
 def runs_table(experiment: str, uri: str | None = None, metric: str = "accuracy") -> list[dict]:
     client = MlflowClient(resolve_uri(uri))
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        names = [e.name for e in client.search_experiments()]
-        raise ValueError(f"no MLflow experiment {experiment!r} at {resolve_uri(uri)}; experiments: {names}")
+        names = sorted(e.name for e in client.search_experiments())
+        raise ConfigError(f"no MLflow experiment {experiment!r} at {resolve_uri(uri)}; experiments there: "
+                          f"{', '.join(names) or 'none'}")
     rows = []
     for run in client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]):
         p, m = run.data.params, run.data.metrics
@@ -29,8 +34,16 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "accuracy"
         row["sim_time"] = m.get("sim_time")
         row["bytes_up"] = m.get("bytes_up")
         row["_history"] = [(h.step, h.value) for h in sorted(hist, key=lambda h: h.step)]
+        row["_params"] = dict(p)
         rows.append(row)
     return rows
+
+
+def differing(rows: list[dict]) -> list[str]:
+    """The params (dotted config keys) whose values are not the same in every run, derived ones left out."""
+    keys = sorted({k for r in rows for k in r["_params"]})
+    return [k for k in keys if not k.startswith(DERIVED)
+            and len({r["_params"].get(k) for r in rows}) > 1]
 
 
 def _fmt(v) -> str:
@@ -45,6 +58,10 @@ def compare_runs(experiment: str, uri: str | None = None, metric: str = "accurac
     rows = runs_table(experiment, uri, metric)
     if not rows:
         return f"experiment {experiment!r} has no runs"
+    varied = differing(rows) if len(rows) > 1 else []
+    shown = {key.split(".", 1)[1] for _, key in COLUMNS}
+    for r in rows:  # a varied param gets a column of its own unless a fixed column shows it already
+        r.update({k: r["_params"].get(k, "") for k in varied if k not in shown})
     cols = [c for c in rows[0] if not c.startswith("_")]
     table = [[_fmt(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
@@ -55,12 +72,15 @@ def compare_runs(experiment: str, uri: str | None = None, metric: str = "accurac
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in rows:
             if r["_history"]:
                 xs, ys = zip(*r["_history"])
-                ax.plot(xs, ys, label=f"{r['algorithm']} {r['name']} ({r['run_id']})")
+                label = ", ".join(f"{k}={r['_params'].get(k, '-')}" for k in varied) or f"{r['algorithm']} {r['name']}"
+                ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=f"{label} ({r['run_id']})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
         ax.set_xlabel("round"), ax.set_ylabel(metric), ax.legend(fontsize=7), ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(plot, dpi=110)

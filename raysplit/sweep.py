@@ -26,7 +26,9 @@ A sweep file (every key optional except ``base``; unknown keys are errors):
                                          #   from its last Tune checkpoint
     checkpoint_every: null               # rounds between a trial's Tune checkpoints; default: the base's
                                          #   tracking.checkpoint_every if set, else 1 (every round); 0: none
-    name: my-sweep                       # Tune experiment name and MLflow experiment (unless the base sets one)
+    name: my-sweep                       # Tune experiment name and MLflow experiment (default: the file's stem;
+                                         #   the base config's tracking.experiment is not used: overrides or
+                                         #   key=value on the command line may set it)
 
 Each trial reserves its server and client actors through a placement-group factory (one bundle for the trial,
 one for the server actor, one per client actor), so concurrent trials cannot oversubscribe the cluster. The MLflow
@@ -343,6 +345,15 @@ def closing_callback(uri: str, experiment: str):
     return CloseTrialRuns()
 
 
+def sets_experiment(overrides: dict, extra: list[str] | None) -> bool:
+    """Whether the sweep itself names its MLflow experiment (its overrides or the command line's key=value): by
+    default a sweep's trials go to an experiment of the sweep's own name, not the base config's, so that a
+    sweep's runs are found (and compared) apart from the base config's single runs."""
+    nested = overrides.get("tracking")
+    return ("tracking.experiment" in overrides or (isinstance(nested, dict) and "experiment" in nested)
+            or any(o.split("=", 1)[0].strip() == "tracking.experiment" for o in extra or []))
+
+
 def run_sweep(path: str, extra_overrides: list[str] | None = None):
     import mlflow
     import ray
@@ -355,7 +366,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     space = space_spec(spec, cfg0)
     n = validate_trials(base_raw, space)
     name = spec.name or Path(path).stem
-    experiment = cfg0.tracking.experiment if "experiment" in base_raw.get("tracking", {}) else name
+    experiment = cfg0.tracking.experiment if sets_experiment(spec.overrides, extra_overrides) else name
     uri = resolve_uri(cfg0.tracking.uri)
     mlflow.set_tracking_uri(uri)
     with store_lock(uri):  # another sweep or run may be creating the same store now

@@ -48,11 +48,54 @@ def test_compare_prints_known_runs(tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
-def test_compare_unknown_experiment_names_it(tmp_path):
-    from raysplit.compare import compare_runs
+def test_compare_unknown_experiment_is_one_line_naming_the_ones_there(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'e.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("digits")
+    assert main(["compare", "nope", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("raysplit")]  # MLflow's own store-setup lines aside
+    assert "Traceback" not in err and len(ours) == 1, err
+    assert "no MLflow experiment 'nope'" in ours[0] and "experiments there: Default, digits" in ours[0], ours
 
-    with pytest.raises(ValueError, match="no MLflow experiment 'nope'"):
-        compare_runs("nope", uri=f"sqlite:///{tmp_path / 'e.db'}")
+
+def test_compare_labels_a_sweeps_runs_by_what_was_swept(tmp_path, capsys):
+    """Runs that differ in the learning rate (and, as every sweep's trials do, in where they wrote): the table gets
+    a column for the learning rate and none for the output paths, and the plot's legend names the swept value."""
+    from raysplit.compare import differing, runs_table
+
+    uri = f"sqlite:///{tmp_path / 's.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("grid")
+    for i, lr in enumerate((0.1, 0.01)):
+        with mlflow.start_run(run_name=f"trainable_{i:05d}"):
+            mlflow.log_params({"algorithm.name": "sflv1", "train.optimizer.lr": lr, "seed": 0,
+                               "tracking.output_dir": f"outputs/trial_{i}", "resolved.cut_index": i})
+            mlflow.log_metrics({"accuracy": 0.5 + lr}, step=0)
+    assert differing(runs_table("grid", uri)) == ["train.optimizer.lr"]
+    plot = tmp_path / "grid.png"
+    assert main(["compare", "grid", "--tracking-uri", uri, "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = out[0].split()
+    assert header[-1] == "train.optimizer.lr" and not any(h.startswith("tracking") for h in header)
+    assert sorted(line.split()[-1] for line in out[1:3]) == ["0.01", "0.1"]
+    import matplotlib.pyplot as plt
+
+    from raysplit import compare
+
+    seen = {}
+    real = plt.Axes.legend
+
+    def spy(ax, *a, **k):
+        seen["labels"] = [line.get_label() for line in ax.get_lines()]
+        seen["ticks"] = ax.xaxis.get_major_locator()
+        return real(ax, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Axes, "legend", spy)
+        compare.compare_runs("grid", uri, plot=str(plot))
+    assert [lab.split(" (")[0] for lab in seen["labels"]] == ["train.optimizer.lr=0.1", "train.optimizer.lr=0.01"]
+    assert seen["ticks"]._integer  # whole rounds on the axis
 
 
 def test_cluster_yaml_passes_rays_validator():

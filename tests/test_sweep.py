@@ -40,7 +40,7 @@ def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_pa
     assert (df["training_iteration"] < 2).any() and (df["training_iteration"] == 2).any()
     assert (df["start_round"] == 0).all()  # trials that did not die began at round index 0
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("digits")  # the base config names its experiment
+    exp = client.get_experiment_by_name("grid")  # the sweep's own name, not the base config's experiment
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 2
     seen = {(r.data.params["algorithm.name"], float(r.data.params["train.optimizer.lr"])) for r in runs}
@@ -147,7 +147,7 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
     results = run_sweep(str(path), [f"tracking.uri={uri}"])
     assert not results.errors and len(results) == 1
     hit, client = results[0], MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("hit").experiment_id])
     assert (tmp_path / "trial-died").is_file()  # the first attempt did die
     rows = hit.metrics_dataframe
     assert rows["round"].tolist() == [1, 2, 3, 4]  # every round reported to Tune once
@@ -169,3 +169,15 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
     for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up"):
         assert hit.metrics[k] == pytest.approx(clean[k], rel=1e-6), k
     assert hit.metrics["round"] == 4
+
+
+def test_a_sweep_logs_under_its_own_name_unless_it_names_an_experiment():
+    """The base config's tracking.experiment (digits.yaml: digits) does not decide where a sweep's trials go; the
+    sweep's overrides or its command line may."""
+    from raysplit.sweep import sets_experiment
+
+    assert not sets_experiment({"train.rounds": 2}, None)
+    assert sets_experiment({"tracking.experiment": "mine"}, None)
+    assert sets_experiment({"tracking": {"experiment": "mine"}}, None)
+    assert sets_experiment({}, ["train.rounds=2", "tracking.experiment = mine"])
+    assert not sets_experiment({}, ["tracking.uri=sqlite:///x.db"])
