@@ -239,7 +239,7 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
     of the file the run ``resume_run_id`` names; with ``resume_run_id`` that MLflow run is continued.
     ``on_checkpoint(round, path, run_id)`` is called after each checkpoint is written (after ``on_round``)."""
     from raysplit.reporting import Reporter
-    from raysplit.tracking import Tracker
+    from raysplit.tracking import Tracker, code_version
 
     ckpt = None
     if checkpoint_file is not None:
@@ -264,7 +264,8 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         reporter = Reporter(prepared, tracker, out_dir, ckpt["history"] if ckpt else None, on_round)
         if ckpt is None:
             reporter.start()
-        tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path})
+        tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path,
+                          **code_version()})
         if ckpt is None and tracker.enabled:  # the files' digest only where it is logged (it reads every file)
             from raysplit.data import files_digest
 

@@ -360,7 +360,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from raysplit.tracking import resolve_uri, store_lock
+    from raysplit.tracking import ensure_experiment, resolve_uri, store_lock
 
     spec, base_raw, cfg0 = load_sweep(path, extra_overrides)
     space = space_spec(spec, cfg0)
@@ -370,7 +370,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     uri = resolve_uri(cfg0.tracking.uri)
     mlflow.set_tracking_uri(uri)
     with store_lock(uri):  # another sweep or run may be creating the same store now
-        mlflow.set_experiment(experiment)  # create the tables and the experiment once, on the driver
+        ensure_experiment(mlflow.MlflowClient(uri), experiment)  # tables and experiment made once, on the driver
 
     bundles = trial_bundles(cfg0)
     per_trial = sum(b.get("CPU", 0) for b in bundles)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import math
 import os
@@ -97,6 +98,43 @@ def store_lock(uri: str):
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow 3's UI: "Training runs", not GenAI
+
+
+def ensure_experiment(client, name: str) -> str:
+    """The id of experiment ``name``, created if missing, marked as model training for MLflow 3's UI (which
+    otherwise lists the runs as GenAI "Evaluation runs"); an experiment made before, without a kind, gets it, one
+    whose kind someone set keeps theirs."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags=EXPERIMENT_KIND)
+    if "mlflow.experimentKind" not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
+    return exp.experiment_id
+
+
+@functools.cache
+def code_version() -> dict[str, str]:
+    """Tags naming the code a run ran: ``raysplit.version`` and ``raysplit.commit`` (the checkout's commit, with
+    ``-dirty`` when tracked files differ from it; ``unknown`` outside a git checkout, e.g. a job's uploaded
+    working_dir)."""
+    import subprocess
+
+    import raysplit
+
+    root = Path(raysplit.__file__).resolve().parent.parent
+    commit = "unknown"
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--"], timeout=10).returncode
+            commit = head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"raysplit.version": raysplit.__version__, "raysplit.commit": commit}
 
 
 def _client(uri: str):
@@ -210,8 +248,7 @@ class Tracker:
                 self._run_id = self.resume_id
             else:
                 with store_lock(self.uri):  # runs started together: one creates the experiment, the others find it
-                    exp = self.client.get_experiment_by_name(self.experiment)
-                    exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
+                    exp_id = ensure_experiment(self.client, self.experiment)
                 tags = resolve_tags({"mlflow.runName": self.run_name} if self.run_name else {})
                 self._run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
         except Exception as e:

@@ -61,3 +61,31 @@ def test_a_run_logs_its_dataset_as_an_mlflow_input(tmp_path, mlflow_uri):
     assert profile["partition"]["name"] == "dirichlet" and profile["partition"]["alpha"] == 0.5
     assert profile["train_samples"] == 120 and profile["test_samples"] == 40 and sorted(profile["files"]) == sorted(files)
     assert {t.key: t.value for t in inputs[0].tags}["mlflow.data.context"] == "training"
+
+
+def test_a_run_names_its_code_and_opens_in_mlflow_as_a_training_run(tmp_path, mlflow_uri):
+    """Every run carries raysplit.version and raysplit.commit (this checkout's HEAD, -dirty when tracked files
+    differ); the experiment is marked for model training (MLflow 3's UI lists its runs as training runs); an
+    experiment made before without that mark gets it, one marked otherwise keeps its own."""
+    import subprocess
+
+    import raysplit
+    from raysplit.tracking import ensure_experiment
+
+    client = MlflowClient(mlflow_uri)
+    client.create_experiment("theirs", tags={"mlflow.experimentKind": "genai_development"})
+    old = client.create_experiment("old")
+    assert ensure_experiment(client, "old") == old and ensure_experiment(client, "theirs")
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment_by_name("theirs").tags["mlflow.experimentKind"] == "genai_development"
+    cfg = make_config(tmp_path, mlflow_uri, **{"train.rounds": 1, "train.local_steps": 1, "runtime.backend": "local",
+                                               "tracking.experiment": "fresh"})
+    run = client.get_run(run_experiment(cfg)["run_id"])
+    assert client.get_experiment_by_name("fresh").tags["mlflow.experimentKind"] == "custom_model_development"
+    assert run.data.tags["raysplit.version"] == raysplit.__version__
+    root = Path(raysplit.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert run.data.tags["raysplit.commit"].split("-")[0] == head.stdout.strip()
+    else:
+        assert run.data.tags["raysplit.commit"] == "unknown"
