@@ -56,7 +56,7 @@ flower-venv: benchmarks/.flower-venv/bin/python
 bench-flower: flower-venv
 	$(PY) benchmarks/flower.py --rounds 8 --reps 3
 
-# Tests (README, "Testing"): the fast tier, the full tier, and what CI runs (.ci/run: full tier, then check-docs).
+# Tests (README, "Tests"; docs/testing.md): the fast tier, the full tier, and what CI runs (.ci/run: full tier, then check-docs).
 test:
 	bash scripts/test.sh
 

@@ -13,7 +13,7 @@ if ! .venv/bin/python -c "from raysplit.data import load_dataset; load_dataset('
   if ! .venv/bin/python -c "import torchvision, sys; torchvision.datasets.FashionMNIST(sys.argv[1], download=True)" "$ROOT" >/dev/null 2>&1 \
      || ! .venv/bin/python -c "from raysplit.data import load_dataset; load_dataset('fashion_mnist')" >/dev/null 2>&1; then
     echo "NOTE: Fashion-MNIST is unavailable (no apt package, no download); running the quickstart on the bundled"
-    echo "      scikit-learn digits instead (data.dataset=digits). Accuracy targets in README.md refer to Fashion-MNIST."
+    echo "      scikit-learn digits instead (data.dataset=digits). The figures in docs/quickstart.md refer to Fashion-MNIST."
     EXTRA=(data.dataset=digits)
   fi
 fi
