@@ -213,3 +213,16 @@ def test_model_and_data_options_are_checked_against_the_builders_signature():
     assert cfg.model.options == {"channels": (8, 16)} and cfg.data.options == {"test_fraction": 0.3}
     assert load_config(None, ["model.name=not_registered", "model.options.anything=1"]).model.options == \
         {"anything": 1}  # an unknown model is prepare's error, which lists the registered ones
+
+
+def test_the_readme_config_is_the_shipped_one_and_valid():
+    """The front door's example is configs/first.yaml, byte for byte, and validates (its run is seconds long)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    block = re.search(r"```yaml\n(.*?)```", (root / "README.md").read_text(), re.S).group(1)
+    shipped = (root / "configs" / "first.yaml").read_text()
+    assert shipped.split("\n", 1)[1] == block  # after its one comment line
+    cfg = load_config(root / "configs" / "first.yaml")
+    assert cfg.algorithm_name == "sflv1" and cfg.data.dataset == "digits"
