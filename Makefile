@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc
+	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
 
 bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -101,3 +101,9 @@ doc-figures:
 
 check-docs:
 	$(PY) scripts/doc_figures.py --check
+
+# A run opened in MLflow's own UI in headless Chromium (scripts/check_ui.py): the run listed with its dataset, the
+# runs page's "Training runs", the metrics tab's count. Installs Debian's chromium only for this target (as root).
+check-ui:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium)
+	$(PY) scripts/check_ui.py

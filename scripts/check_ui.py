@@ -1,0 +1,112 @@
+"""Open a raysplit run in MLflow's own UI, in a real (headless) browser, and check what a researcher would see.
+
+    make check-ui            (installs Debian's chromium if it is missing, then runs this script)
+
+A tiny run (configs/first.yaml, 2 rounds, local backend) is logged to a fresh store in a temporary folder; `mlflow
+server` serves it on a free local port; headless Chromium renders three pages and the script checks their text:
+
+1. the experiment is marked for model training (``mlflow.experimentKind``), and in the UI's "Model training" view
+   (``?workflowType=machine_learning``) its runs page lists the run with its dataset (name and digest);
+2. the same runs page in the UI's default "GenAI" view lists it under "Training runs";
+3. the run's "Model metrics" tab counts every metric the run logged.
+
+Screenshots go to outputs/ui/ (ignored by git). Exit status 0 when every check passes; each failure is printed.
+MLflow 3.17's UI opens an experiment in whichever view (GenAI or Model training) the browser last used (stored in
+its localStorage, default GenAI); the experiment's kind tag does not switch it, so links to a run say
+``?workflowType=machine_learning``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "outputs" / "ui"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def page_text(browser: str, url: str, shot: Path, budget_ms: int = 20000) -> str:
+    """The rendered page's visible text (scripts and styles removed), and a screenshot of it."""
+    args = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            f"--virtual-time-budget={budget_ms}", "--window-size=1400,1000"]
+    subprocess.run(args + [f"--screenshot={shot}", url], capture_output=True, timeout=180)
+    dom = subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+    text = re.sub(r"<(style|script)\b.*?</\1>", " ", dom, flags=re.S)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text))
+
+
+def main() -> int:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        print("check-ui: no chromium on PATH (apt-get install chromium; make check-ui does it)", file=sys.stderr)
+        return 2
+    OUT.mkdir(parents=True, exist_ok=True)
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="raysplit-ui-") as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        env = {"RAY_AUTH_MODE": "disabled", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+        subprocess.run([sys.executable, "-m", "raysplit.cli", "run", str(ROOT / "configs" / "first.yaml"),
+                        "runtime.backend=local", "train.rounds=2", f"tracking.uri={uri}",
+                        f"tracking.output_dir={tmp}/out", "tracking.progress=false"],
+                       check=True, cwd=tmp, env=env, timeout=600)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+                                   "--host", "127.0.0.1", "--port", str(port)], cwd=tmp, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(120):
+                try:
+                    if urllib.request.urlopen(f"{base}/health", timeout=2).read().strip() == b"OK":
+                        break
+                except OSError:
+                    time.sleep(1)
+            else:
+                print("check-ui: mlflow server did not come up", file=sys.stderr)
+                return 1
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(base)
+            exp = client.get_experiment_by_name("my-first")
+            run = client.search_runs([exp.experiment_id])[0]
+            digest = run.inputs.dataset_inputs[0].dataset.digest if run.inputs.dataset_inputs else "?"
+            if exp.tags.get("mlflow.experimentKind") != "custom_model_development":
+                failures.append(f"experiment kind tag: {exp.tags.get('mlflow.experimentKind')!r}")
+            runs_url = f"{base}/#/experiments/{exp.experiment_id}/runs"
+            ml = page_text(browser, f"{runs_url}?workflowType=machine_learning", OUT / "runs_model_training.png")
+            if f"digits ({digest[:16]}" not in ml or run.info.run_name not in ml:
+                failures.append(f"Model training view: run {run.info.run_name} with dataset digits ({digest}) "
+                                f"not listed")
+            genai = page_text(browser, runs_url, OUT / "runs_genai_view.png")
+            if "Training runs" not in genai:
+                failures.append("GenAI view: the runs page has no 'Training runs'")
+            n = len(run.data.metrics)
+            metrics = page_text(browser, f"{base}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/"
+                                f"model-metrics?workflowType=machine_learning", OUT / "run_metrics.png")
+            found = re.search(r"Model metrics \((\d+)\)", metrics)
+            if found is None or int(found.group(1)) != n:
+                failures.append(f"Model metrics tab: {found.group(0) if found else 'no count'}, the run logged {n}")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    for f in failures:
+        print(f"check-ui: {f}", file=sys.stderr)
+    print(f"check-ui: {'FAILED' if failures else 'passed'}; screenshots in {OUT}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
