@@ -3,7 +3,8 @@
     .venv/bin/python docs/results/run_semisfl.py [--rounds 60] [--seeds 0 1 2] [--jobs 2] [--target 0.8] [--methods ...]
 
 1,000 labelled samples on the server, 30 clients (10 active), IID and Dirichlet(0.1): Semi-SFL (K_s by the paper's
-milestones rule), Semi-SFL with a fixed K_s, FedSwitch-SL, supervised-only and SemiFL; every run a full raysplit
+milestones rule), Semi-SFL with a fixed K_s, FedSwitch-SL, supervised-only (milestones and fixed K_s: each Semi-SFL
+row has a supervised-only row with the same schedule) and SemiFL; every run a full raysplit
 run logged to MLflow (experiment semisfl-fmnist in ./mlflow.db), on the local backend with one torch thread and
 ``--jobs`` runs at a time.
 
@@ -30,6 +31,7 @@ METHODS = [("Semi-SFL", {"name": "semisfl", "ks": "milestones", **SEMI}),
            ("Semi-SFL fixed K_s", {"name": "semisfl", "ks": "fixed", **SEMI}),
            ("FedSwitch-SL", {"name": "fedswitch_sl", "ks": "milestones", **SEMI}),
            ("Supervised-only", {"name": "supervised_only", "ks": "milestones", **SEMI}),
+           ("Supervised-only fixed K_s", {"name": "supervised_only", "ks": "fixed", **SEMI}),
            ("SemiFL", {"name": "semifl", "ks_initial": 20, "server_batch_size": 32})]
 PARTITIONS = [("IID", {"name": "iid"}), ("Dirichlet 0.1", {"name": "dirichlet", "alpha": 0.1})]
 HERE = Path(__file__).resolve().parent
