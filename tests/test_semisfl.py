@@ -245,3 +245,23 @@ def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, 
     cfg = load_config(Path(__file__).parent.parent / f"configs/semisfl/{name}.yaml", over)
     final = run_experiment(cfg)
     assert final["ks"] == 2 and 0 <= final["accuracy"] <= 1
+
+
+def test_the_teachers_pseudo_labels_and_keys_come_from_eval_mode():
+    """A teacher with dropout gives the same pseudo-labels and keys twice (no dropout sample), and its training
+    flags are what they were before (a side-by-side read of the authors' code found raysplit's teacher in train
+    mode: dropout noise in every pseudo-label of alexnet2)."""
+    from raysplit.algorithms.semisfl import _Heads, _Supervised, teacher_outputs
+
+    torch.manual_seed(0)
+    heads = _Heads(torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 4)),
+                   torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)))
+    e = torch.randn(16, 8)
+    a, b = teacher_outputs(heads, e), teacher_outputs(heads, e)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and heads.training
+    assert not torch.equal(heads(e)[0], heads(e)[0])  # in train mode the same input gives two dropout samples
+    t_encoder = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+    student = _Heads(torch.nn.Linear(8, 4), torch.nn.Linear(8, 3))
+    sup = _Supervised(torch.nn.Flatten(), student, t_encoder, heads.proj)
+    views = torch.randn(2, 16, 8)
+    assert torch.equal(sup(views)[2], sup(views)[2]) and t_encoder.training and heads.proj.training

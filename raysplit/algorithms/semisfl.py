@@ -36,6 +36,10 @@ Choices where the paper, the code and this implementation differ (seed-code.md Â
   so they count as positives in the cross-entity phase. ``stale_masks: true`` reproduces the code's quirk: the
   supervised phase writes no masks, its keys keep the stale (zero) masks and are never positives later.
 - The CE mask is averaged over all samples, not only the confident ones (the code).
+- The server runs its teacher in eval mode (no dropout, batch norm on its EMA'd running statistics) for the
+  pseudo-labels and the keys, as the code runs its teacher classifier and head; the clients' copy of the teacher
+  encoder runs in train mode, as in the code. Until 2026-11-26 the server's teacher ran in train mode: the same on
+  models without dropout or batch norm (semisfl_cnn, cnn_small), noisier pseudo-labels with alexnet2's dropout.
 - ``milestones`` implements the paper's rule on the supervised loss (the early code computed it on the
   unsupervised loss and never applied the new K_s to its loop, only to the EMA exponent).
 """
@@ -43,6 +47,7 @@ Choices where the paper, the code and this implementation differ (seed-code.md Â
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,6 +111,28 @@ def pseudo_label_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         mask = (conf >= tau).float()
     ce = (F.cross_entropy(student_logits, labels, reduction="none") * mask).mean()
     return ce, labels, mask
+
+
+@contextmanager
+def teacher_mode(*modules: torch.nn.Module):
+    """The teacher's forwards on the server in eval mode (no dropout; batch norm on its EMA'd running statistics),
+    as the authors' code runs its teacher classifier and projection head (and, from the first test on, its
+    encoder): a pseudo-label is the teacher's answer, not a dropout sample of it. Training flags are restored."""
+    was = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, w in zip(modules, was):
+            m.train(w)
+
+
+def teacher_outputs(t_heads: torch.nn.Module, e_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's logits and L2-normalised key of the teacher features ``e_t`` (no graph, eval mode)."""
+    with torch.no_grad(), teacher_mode(t_heads):
+        logits, k = t_heads(e_t)
+    return logits, k
 
 
 def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, a: float) -> None:
@@ -185,7 +212,7 @@ class _Supervised(torch.nn.Module):
 
     def forward(self, views):
         logits, q = self.heads(self.encoder(views[0]))
-        with torch.no_grad():
+        with torch.no_grad(), teacher_mode(self.t_encoder, self.t_proj):
             k = F.normalize(self.t_proj(self.t_encoder(views[1])), dim=1)
         return logits, q, k
 
@@ -284,9 +311,7 @@ class SemiServer(ServerHost):
         feats = [a.x for a in acts]
         e = torch.cat(feats[0::2]).requires_grad_(True)
         e_t = torch.cat(feats[1::2])
-        with torch.no_grad():
-            t_logits, _ = self.t_heads(e_t)
-            k = F.normalize(self.t_heads.proj(e_t), dim=1)
+        t_logits, k = teacher_outputs(self.t_heads, e_t)
         if self._opt_u is None:  # a fresh optimiser for the phase (the code)
             self._opt_u = make_optimizer(self.heads.parameters(), {
                 **self.spec.server_optimizer, "lr": round_lr(self.spec.server_optimizer, rnd, self.spec.rounds)})
