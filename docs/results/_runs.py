@@ -20,6 +20,24 @@ def median_range(values, fmt: str = ".2f") -> str:
     return f"{np.median(v):{fmt}} [{np.min(v):{fmt}}, {np.max(v):{fmt}}]"
 
 
+def paired_table(results: dict, pairs: list[tuple[str, str]], partitions: list[str], rounds: int,
+                 head: str = "difference", label=lambda a, b: f"{a} minus {b}") -> str:
+    """Accuracy at the last round of ``a`` minus ``b`` for every pair and partition, paired by seed (the seeds both
+    ran): median [min, max] and each seed's. ``results[(method, partition)]``: ``[(seed, result), ...]``."""
+    lines = [f"| partition | {head} | accuracy difference @{rounds} (points), paired by seed | per seed |",
+             "|---" * 4 + "|"]
+    for part in partitions:
+        for a, b in pairs:
+            first = {s: 100 * r["accuracy"] for s, r in results.get((a, part), [])}
+            other = {s: 100 * r["accuracy"] for s, r in results.get((b, part), [])}
+            seeds = sorted(set(first) & set(other))
+            if seeds:
+                d = [first[s] - other[s] for s in seeds]
+                lines.append(f"| {part} | {label(a, b)} | {median_range(d, '+.2f')} | "
+                             f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(seeds, d))} |")
+    return "\n".join(lines)
+
+
 def run_cached(code: str, out: Path, what: str) -> dict:
     """Run ``code`` (which prints one ``RESULT{json}`` line) with this interpreter in the repository root and
     return the parsed result; reuse ``out`` when it exists, write it otherwise."""

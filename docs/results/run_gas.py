@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, run_all, run_config
+from _runs import ROOT, median_range, paired_table, run_all, run_config
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -61,22 +61,6 @@ def table(results, rounds) -> str:
             b = [100 * max(c[2] for c in r["curve"]) for _, r in rs]
             lines.append(f"| {method} | {part} | {median_range(a, '.2f')} | {median_range(b, '.2f')} | "
                          f"{np.median([r['sim_time'] for _, r in rs]):.0f} | {', '.join(str(s) for s, _ in rs)} |")
-    return "\n".join(lines)
-
-
-def paired(results, rounds) -> str:
-    """GAS minus every other method at the last round, paired by seed (seeds both ran)."""
-    lines = [f"| partition | GAS minus | accuracy difference @{rounds} (points), paired by seed | per seed |",
-             "|---" * 4 + "|"]
-    for part, _ in PARTITIONS:
-        gas = {s: 100 * r["accuracy"] for s, r in results.get(("GAS", part), [])}
-        for method, _ in METHODS[1:]:
-            other = {s: 100 * r["accuracy"] for s, r in results.get((method, part), [])}
-            seeds = sorted(set(gas) & set(other))
-            if seeds:
-                d = [gas[s] - other[s] for s in seeds]
-                lines.append(f"| {part} | {method} | {median_range(d, '+.2f')} | "
-                             f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(seeds, d))} |")
     return "\n".join(lines)
 
 
@@ -140,7 +124,8 @@ def main() -> int:
                     results.setdefault((m, pl), []).append((s, json.loads(f.read_text())))
     print(table(results, args.rounds))
     print()
-    print(paired(results, args.rounds))
+    print(paired_table(results, [("GAS", m) for m, _ in METHODS[1:]], [p for p, _ in PARTITIONS], args.rounds,
+                       head="GAS minus", label=lambda _, b: b))
     if results:
         figures(results)
     return 0

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, run_all, run_config
+from _runs import ROOT, median_range, paired_table, run_all, run_config
 
 SEMI = {"ks_initial": 20, "milestones": [20, 30, 40, 50], "window": 5, "ratio_every": 20, "server_batch_size": 32,
         "server_views": ["strong", "strong"]}
@@ -87,22 +87,6 @@ def table(results, rounds, target) -> str:
 PAIRS = [("Semi-SFL", m) for m, _ in METHODS[1:]] + [("Semi-SFL fixed K_s", "Supervised-only fixed K_s")]
 
 
-def paired(results, rounds) -> str:
-    """Each pair's difference at the last round, paired by seed (seeds both ran)."""
-    lines = [f"| partition | difference | accuracy difference @{rounds} (points), paired by seed | per seed |",
-             "|---" * 4 + "|"]
-    for part, _ in PARTITIONS:
-        for a, b in PAIRS:
-            first = {s: 100 * r["accuracy"] for s, r in results.get((a, part), [])}
-            other = {s: 100 * r["accuracy"] for s, r in results.get((b, part), [])}
-            seeds = sorted(set(first) & set(other))
-            if seeds:
-                d = [first[s] - other[s] for s in seeds]
-                lines.append(f"| {part} | {a} minus {b} | {median_range(d, '+.2f')} | "
-                             f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(seeds, d))} |")
-    return "\n".join(lines)
-
-
 def figures(results) -> None:
     import matplotlib
 
@@ -153,7 +137,7 @@ def main() -> int:
         results.setdefault((m, pl), []).append((s, res))
     print(table(results, args.rounds, args.target))
     print()
-    print(paired(results, args.rounds))
+    print(paired_table(results, PAIRS, [p for p, _ in PARTITIONS], args.rounds))
     figures(results)
     (OUT / f"summary_r{args.rounds}.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
     return 0
