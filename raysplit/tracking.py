@@ -100,18 +100,18 @@ def store_lock(uri: str):
         os.close(fd)  # releases the lock
 
 
-EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow 3's UI: "Training runs", not GenAI
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def ensure_experiment(client, name: str) -> str:
-    """The id of experiment ``name``, created if missing, marked as model training for MLflow 3's UI (which
-    otherwise lists the runs as GenAI "Evaluation runs"); an experiment made before, without a kind, gets it, one
-    whose kind someone set keeps theirs."""
+    """The id of experiment ``name``, created if missing, tagged as model training (MLflow's experiment kind; its
+    3.17 UI still opens an experiment in the view the browser last used, scripts/check_ui.py); an experiment made
+    before, without a kind, gets it, one whose kind someone set keeps theirs."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        return client.create_experiment(name, tags=EXPERIMENT_KIND)
-    if "mlflow.experimentKind" not in exp.tags:
-        client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
+        return client.create_experiment(name, tags={KIND_TAG: KIND})
+    if KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
     return exp.experiment_id
 
 

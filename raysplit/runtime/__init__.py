@@ -6,8 +6,7 @@ requested.
 
 from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs
 from raysplit.runtime.hosts import Checkpointed, ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
-from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag
-from raysplit.runtime.messages import batch_step
+from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
 
 def make_backend(rcfg):

@@ -108,8 +108,8 @@ class Checkpointed:
     checkpointed: tuple[str, ...] = ()
 
     def own_state(self) -> dict:
-        return {k: v.state_dict() if hasattr(v, "load_state_dict") else v
-                for k in self.checkpointed_names() for v in [getattr(self, k)]}
+        values = {k: getattr(self, k) for k in self.checkpointed_names()}
+        return {k: v.state_dict() if hasattr(v, "load_state_dict") else v for k, v in values.items()}
 
     def load_own_state(self, saved: dict) -> None:
         names = self.checkpointed_names()
