@@ -99,7 +99,7 @@ def time_raysplit(kind: str, backend: str, rounds: int, workdir: Path) -> tuple[
     def series(key):
         return [h.value for h in sorted(client.get_metric_history(final["run_id"], key), key=lambda h: h.step)]
 
-    return series("wall_time_round"), [int(v) for v in series("server_updates")]
+    return series("time/wall_round"), [int(v) for v in series("method/server_updates")]
 
 
 def sampling_step_reference(rounds: int) -> dict:

@@ -20,7 +20,7 @@ def _cmd_run(args) -> int:
             print("raysplit run: give a CONFIG file (or --resume RUN_ID)", file=sys.stderr)
             return 2
         final = run_experiment(load_config(args.config, args.overrides))
-    keys = ("accuracy", "f1_macro", "mcc", "loss", "sim_time", "wall_time")
+    keys = ("eval/accuracy", "eval/f1_macro", "eval/mcc", "eval/loss", "time/sim", "time/wall")
     print("run", final["run_id"], " ".join(f"{k}={final[k]:.4f}" for k in keys if k in final))
     return 0
 
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(fn=_cmd_sweep)
     c = sub.add_parser("compare", help="table of an MLflow experiment's runs and their final metrics")
     c.add_argument("experiment")
-    c.add_argument("--metric", default="accuracy")
+    c.add_argument("--metric", default="eval/accuracy", help="a metric's grouped name (an old short name, e.g. "
+                   "accuracy, is read as its grouped one)")
     c.add_argument("--plot", default=None, help="write an overlay plot of the per-round metric to this PNG")
     c.add_argument("--tracking-uri", default=None)
     c.set_defaults(fn=_cmd_compare)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from mlflow.tracking import MlflowClient
 
 from raysplit.errors import ConfigError
+from raysplit.metrics import grouped_name, short_name
 from raysplit.tracking import resolve_uri
 
 COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"), ("cut", "params.resolved.cut_name"),
@@ -14,7 +15,13 @@ COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"
 DERIVED = ("tracking.", "resolved.", "partition.", "name")
 
 
-def runs_table(experiment: str, uri: str | None = None, metric: str = "accuracy") -> list[dict]:
+def _metric(run_metrics: dict, name: str) -> str:
+    """``name`` as this run logged it: the grouped name, or the short one of a run written before the groups."""
+    return name if name in run_metrics or short_name(name) not in run_metrics else short_name(name)
+
+
+def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accuracy") -> list[dict]:
+    metric = grouped_name(metric)
     client = MlflowClient(resolve_uri(uri))
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -24,15 +31,16 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "accuracy"
     rows = []
     for run in client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]):
         p, m = run.data.params, run.data.metrics
-        hist = client.get_metric_history(run.info.run_id, metric) if metric in m else []
+        logged_as = _metric(m, metric)
+        hist = client.get_metric_history(run.info.run_id, logged_as) if logged_as in m else []
         row = {"run_id": run.info.run_id[:8], "name": run.info.run_name, "status": run.info.status}
         for col, key in COLUMNS:
             row[col] = p.get(key.split(".", 1)[1], "")
-        row[f"final_{metric}"] = m.get(metric)
-        row[f"best_{metric}"] = max((h.value for h in hist), default=None)
+        row[metric] = m.get(logged_as)  # its last value
+        row["best"] = max((h.value for h in hist), default=None)
         row["rounds"] = (max(h.step for h in hist) + 1) if hist else None
-        row["sim_time"] = m.get("sim_time")
-        row["bytes_up"] = m.get("bytes_up")
+        row["time/sim"] = m.get(_metric(m, "time/sim"))
+        row["comm/bytes_up"] = m.get(_metric(m, "comm/bytes_up"))
         row["_history"] = [(h.step, h.value) for h in sorted(hist, key=lambda h: h.step)]
         row["_params"] = dict(p)
         rows.append(row)
@@ -54,7 +62,9 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def compare_runs(experiment: str, uri: str | None = None, metric: str = "accuracy", plot: str | None = None) -> str:
+def compare_runs(experiment: str, uri: str | None = None, metric: str = "eval/accuracy",
+                 plot: str | None = None) -> str:
+    metric = grouped_name(metric)
     rows = runs_table(experiment, uri, metric)
     if not rows:
         return f"experiment {experiment!r} has no runs"

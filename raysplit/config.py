@@ -233,7 +233,7 @@ class EvalConfig(_Strict):
     clients: Literal["sampled", "all"] = Field(default="sampled", description="whose test splits mode=clients uses")
     batch_size: int = Field(default=1000, ge=1, description="evaluation batch size")
     target_accuracy: float | None = Field(default=None, gt=0, le=1, description="log the first round at which "
-                                          "accuracy reaches it (rounds_to_target)")
+                                          "accuracy reaches it (eval/rounds_to_target)")
 
 
 class ActorResources(_Strict):
@@ -299,7 +299,7 @@ class FaultPolicy(_Strict):
     on_bad_client: Literal["fail", "drop"] = Field(
         default="fail", description="an activation or gradient that is non-finite, of the wrong shape or dtype, "
         "or tagged with another round: fail the run naming client, round and step, or drop that client for the "
-        "round (logged as the metric dropped_clients and a raysplit.dropped.round_N tag)")
+        "round (logged as the metric train/dropped_clients and a raysplit.dropped.round_N tag)")
 
 
 # Keys that RuntimeConfig held directly before it had sections: old key -> its place now. ``placement`` and

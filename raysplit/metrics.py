@@ -7,6 +7,8 @@ minus final accuracy). Labels with no test samples are excluded (Hydra's code co
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
@@ -68,3 +70,56 @@ def mean_std(values) -> tuple[float, float]:
     if v.size == 0:
         return float("nan"), float("nan")
     return float(v.mean()), float(v.std())
+
+
+# A run's metrics are named by group, as MLflow groups its charts (the prefix before the first "/"): eval/ (the
+# evaluation), train/ (the round's training), comm/ (bytes sent), compute/ (FLOPs), time/ (simulated and wall-clock
+# seconds), summary/ (logged once, at the end) and method/ (what one algorithm adds: Semi-SFL's ks, GAS's
+# generated_activations ...). Hosts and algorithms produce the short names below; ``grouped`` renames them where a
+# run's metrics leave it (MLflow, Tune, ``on_round``, ``run_experiment``'s result, the golden fingerprints).
+GROUPED = {
+    "accuracy": "eval/accuracy", "best_accuracy": "eval/best_accuracy", "f1_macro": "eval/f1_macro",
+    "mcc": "eval/mcc", "loss": "eval/loss", "performance_gap": "eval/performance_gap",
+    "backward_transfer": "eval/backward_transfer", "rounds_to_target": "eval/rounds_to_target",
+    "train_loss": "train/loss", "grad_norm_mean": "train/grad_norm_mean", "grad_norm_std": "train/grad_norm_std",
+    "dropped_clients": "train/dropped_clients",
+    "client_flops": "compute/client_flops", "server_flops": "compute/server_flops",
+    "sim_time": "time/sim", "sim_time_round": "time/sim_round", "wall_time": "time/wall",
+    "wall_time_round": "time/wall_round", "server_busy_s": "time/server_busy",
+    "final_best_accuracy": "summary/best_accuracy", "grad_norm_mean_all": "summary/grad_norm_mean",
+    "grad_norm_std_all": "summary/grad_norm_std", "sim_time_total": "summary/sim_time",
+    "wall_time_total": "summary/wall_time",
+}
+_PATTERNS = [(re.compile(r"label_acc_(\d+)"), r"eval/label_acc/\1"),
+             (re.compile(r"position_acc_(\d+)"), r"eval/position_acc/\1"),
+             (re.compile(r"(bytes_\w+)"), r"comm/\1")]
+_SHORT = {v: k for k, v in GROUPED.items()}
+
+
+def grouped_name(name: str) -> str:
+    """The grouped name of a metric: ``accuracy`` -> ``eval/accuracy``, ``label_acc_3`` -> ``eval/label_acc/3``,
+    ``bytes_up`` -> ``comm/bytes_up``, a method's own ``ks`` -> ``method/ks``; a name with a "/" is kept. Also the
+    one-release alias for stores written before the groups: an old name given where a grouped one is expected."""
+    if "/" in name:
+        return name
+    if name in GROUPED:
+        return GROUPED[name]
+    for pattern, repl in _PATTERNS:
+        if pattern.fullmatch(name):
+            return pattern.sub(repl, name)
+    return f"method/{name}"
+
+
+def short_name(name: str) -> str:
+    """The name a metric had before the groups (``grouped_name``'s inverse): what stores written before hold."""
+    if name in _SHORT:
+        return _SHORT[name]
+    group, _, rest = name.partition("/")
+    if group == "eval" and "/" in rest:
+        return rest.replace("/", "_")
+    return rest if group in ("comm", "method") else name
+
+
+def grouped(metrics: dict) -> dict:
+    """``metrics`` with every name grouped (``grouped_name``), values and order unchanged."""
+    return {grouped_name(k): v for k, v in metrics.items()}

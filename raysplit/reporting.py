@@ -153,10 +153,12 @@ class Reporter:
         dropped = dropped_clients(stats) if cfg.runtime.faults.on_bad_client == "drop" else None
         if dropped is not None:
             m["dropped_clients"] = len(dropped)
+        train_loss = m["train_loss"]
+        m = M.grouped(m)  # the names a run's metrics leave it with (eval/accuracy, comm/bytes_up, ...)
         todo = {k: v for k, v in m.items() if self.logged.get(k, -1) < rnd}
         if todo:
             self.tracker.log_metrics(todo, step=rnd)
-            if dropped and "dropped_clients" in todo:
+            if dropped and "train/dropped_clients" in todo:
                 self.tracker.set_tags({f"raysplit.dropped.round_{rnd}": "; ".join(dropped.values())[:4000]})
             self.logged.update(dict.fromkeys(todo, rnd))
         self.final = m
@@ -166,7 +168,7 @@ class Reporter:
         if self.progress is not None:
             self.progress.update(1)
             last_acc = hist.curves["accuracy"][-1][1] if hist.curves.get("accuracy") else float("nan")
-            self.progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{m['train_loss']:.3f}", sim=f"{hist.t_sim:.1f}s")
+            self.progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{train_loss:.3f}", sim=f"{hist.t_sim:.1f}s")
         return m
 
     _LISTS = ("rounds", "label_acc", "grad_norms", "client_rows")  # History's append-only lists
@@ -223,8 +225,8 @@ class Reporter:
             self.progress.close()
         cfg, hist, tr, out = self.cfg, self.hist, self.tracker, self.out_dir
         gm, gs = M.mean_std(hist.grad_norms)
-        tr.log_metrics({"final_best_accuracy": hist.best_accuracy, "grad_norm_mean_all": gm,
-                        "grad_norm_std_all": gs, "sim_time_total": hist.t_sim, "wall_time_total": hist.wall},
+        tr.log_metrics({"summary/best_accuracy": hist.best_accuracy, "summary/grad_norm_mean": gm,
+                        "summary/grad_norm_std": gs, "summary/sim_time": hist.t_sim, "summary/wall_time": hist.wall},
                        step=hist.last_round)
         plot_curves(hist.curves, str(out / "curves.png"), title=cfg.name)
         tr.log_artifact(out / "curves.png")
@@ -247,7 +249,7 @@ class Reporter:
                   ([c] + [totals[c].get(k, 0) for k in keys] for c in sorted(totals)))
         if cfg.tracking.log_checkpoint_artifact and ckpt_path.is_file():
             tr.log_artifact(ckpt_path)
-        return dict(self.final, run_id=tr.run_id, grad_norm_mean_all=gm, grad_norm_std_all=gs)
+        return {**self.final, "run_id": tr.run_id, "summary/grad_norm_mean": gm, "summary/grad_norm_std": gs}
 
     def _csv(self, name: str, header: list, rows) -> None:
         with open(self.out_dir / name, "w", newline="") as f:

@@ -11,7 +11,8 @@ A sweep file (every key optional except ``base``; unknown keys are errors):
       algorithm.name: {grid: [sflv1, sflv2]}
     presets: [cut_points]                # named spaces for the papers' questions (PRESETS below); a preset may
                                          # carry its own values: {server_epochs: [1, 2]}
-    metric: accuracy                     # reported every evaluated round (eval.every)
+    metric: eval/accuracy                # reported every evaluated round (eval.every); an old short name
+                                         #   (accuracy) is read as its grouped one
     mode: max
     num_samples: 1                       # repeats of the grid x samples of the random dimensions
     scheduler: asha                      # asha | fifo  (ASHA stops trials on the per-round metric)
@@ -60,7 +61,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from raysplit.config import ConfigError, apply_overrides, load_config
 
@@ -102,7 +103,7 @@ class SweepFile(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict)
     space: dict[str, dict[str, Any]] = Field(default_factory=dict)
     presets: list[str | dict[str, list]] = Field(default_factory=list)
-    metric: str = "accuracy"
+    metric: str = "eval/accuracy"
     mode: Literal["max", "min"] = "max"
     num_samples: int = Field(default=1, ge=1)
     scheduler: Literal["asha", "fifo"] = "asha"
@@ -118,6 +119,13 @@ class SweepFile(BaseModel):
                                          "None: the base's tracking.checkpoint_every if set, else 1; 0: none (a "
                                          "retried trial starts over)")
     name: str | None = None
+
+    @field_validator("metric")
+    @classmethod
+    def _grouped(cls, v: str) -> str:  # the one-release alias: a sweep file written before the groups still runs
+        from raysplit.metrics import grouped_name
+
+        return grouped_name(v)
 
 
 def load_sweep(path: str, extra_overrides: list[str] | None = None) -> tuple[SweepFile, dict, Any]:
@@ -426,7 +434,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     results = tuner.fit()
     df = results.get_dataframe()
     cols = [c for c in df.columns if c.startswith("config/")]
-    cols += [c for c in (spec.metric, "best_accuracy", "round", "sim_time") if c in df.columns]
+    cols += [c for c in (spec.metric, "eval/best_accuracy", "round", "time/sim") if c in df.columns]
     print(df[cols].sort_values(spec.metric, ascending=spec.mode == "min").to_string(index=False))
     return results
 

@@ -8,7 +8,9 @@ server` serves it on a free local port; headless Chromium renders three pages an
 1. the experiment is marked for model training (``mlflow.experimentKind``), and in the UI's "Model training" view
    (``?workflowType=machine_learning``) its runs page lists the run with its dataset (name and digest);
 2. the same runs page in the UI's default "GenAI" view lists it under "Training runs";
-3. the run's "Model metrics" tab counts every metric the run logged.
+3. the run's "Model metrics" tab shows one section per metric group (eval, train, comm, compute, time, ...), the
+   sections together holding every metric the run logged, the eval section one chart per eval/ metric, and the
+   run's overview lists eval/accuracy with its value.
 
 Screenshots go to outputs/ui/ (ignored by git). Exit status 0 when every check passes; each failure is printed.
 MLflow 3.17's UI opens an experiment in whichever view (GenAI or Model training) the browser last used (stored in
@@ -38,10 +40,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def page_text(browser: str, url: str, shot: Path, budget_ms: int = 20000) -> str:
-    """The rendered page's visible text (scripts and styles removed), and a screenshot of it."""
+def page_text(browser: str, url: str, shot: Path, budget_ms: int = 20000, height: int = 1000) -> str:
+    """The rendered page's visible text (scripts and styles removed), and a screenshot of it. MLflow draws only the
+    charts in view: a taller window (``height``) draws more of them."""
     args = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            f"--virtual-time-budget={budget_ms}", "--window-size=1400,1000"]
+            f"--virtual-time-budget={budget_ms}", f"--window-size=1400,{height}"]
     subprocess.run(args + [f"--screenshot={shot}", url], capture_output=True, timeout=180)
     dom = subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
     text = re.sub(r"<(style|script)\b.*?</\1>", " ", dom, flags=re.S)
@@ -95,10 +98,25 @@ def main() -> int:
                 failures.append("GenAI view: the runs page has no 'Training runs'")
             n = len(run.data.metrics)
             metrics = page_text(browser, f"{base}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/"
-                                f"model-metrics?workflowType=machine_learning", OUT / "run_metrics.png")
-            found = re.search(r"Model metrics \((\d+)\)", metrics)
-            if found is None or int(found.group(1)) != n:
-                failures.append(f"Model metrics tab: {found.group(0) if found else 'no count'}, the run logged {n}")
+                                f"model-metrics?workflowType=machine_learning", OUT / "run_metrics.png", height=4000)
+            # one collapsible section per group, "eval (7)", "eval/label_acc (10)", ... together every metric
+            sections = {g: int(k) for g, k in re.findall(r"\b([a-z_]+(?:/[a-z_]+)?) \((\d+)\)", metrics)}
+            missing = {"eval", "train", "comm", "compute", "time"} - set(sections)
+            if missing or sum(sections.values()) != n:
+                failures.append(f"Model metrics tab: sections {sections} (missing {sorted(missing)}), "
+                                f"the run logged {n} metrics")
+            # MLflow 3.17 draws a page's charts a few at a time (headless, the first six, all in the comm section,
+            # come in): the eval section's charts are counted against the run's eval/ metrics instead, and the
+            # run's overview must list eval/accuracy with its value
+            evals = sorted(k for k in run.data.metrics if k.startswith("eval/") and k.count("/") == 1)
+            if "eval/accuracy" not in evals or sections.get("eval") != len(evals):
+                failures.append(f"Model metrics tab: eval section of {sections.get('eval')} charts, the run logged "
+                                f"{evals}")
+            overview = page_text(browser, f"{base}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+                                 "?workflowType=machine_learning", OUT / "run_overview.png")
+            if f"eval/accuracy {run.data.metrics['eval/accuracy']}"[:21] not in overview:
+                (OUT / "run_overview.txt").write_text(overview)
+                failures.append("run overview: eval/accuracy and its value not listed (text in run_overview.txt)")
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -65,19 +65,19 @@ def _frac(x: float) -> str:
 def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str) -> dict[str, str]:
     """The page's figures, as the page writes them, from a run's evaluations (``(round, metrics)``, round 0-based,
     in order) and its final metrics. ``clock``: how the simulated time is defined, written next to it."""
-    first = next(((r, m) for r, m in evals if m["accuracy"] >= TARGET), None)
+    first = next(((r, m) for r, m in evals if m["eval/accuracy"] >= TARGET), None)
     return {
         "seed": str(seed),
         "rounds": str(evals[-1][0] + 1) if evals else "0",
-        "accuracy": f"{100 * final['accuracy']:.2f} %",
-        "f1_macro": f"{final['f1_macro']:.4f}",
-        "mcc": f"{final['mcc']:.4f}",
-        "loss": f"{final['loss']:.3f}",
+        "accuracy": f"{100 * final['eval/accuracy']:.2f} %",
+        "f1_macro": f"{final['eval/f1_macro']:.4f}",
+        "mcc": f"{final['eval/mcc']:.4f}",
+        "loss": f"{final['eval/loss']:.3f}",
         "eval_rounds": " ".join(str(r + 1) for r, _ in evals),
-        "curve": " ".join(_frac(m["accuracy"]) for _, m in evals),
-        "first_target": (f"round {first[0] + 1}, at {first[1]['sim_time']:.0f} s of simulated time" if first
+        "curve": " ".join(_frac(m["eval/accuracy"]) for _, m in evals),
+        "first_target": (f"round {first[0] + 1}, at {first[1]['time/sim']:.0f} s of simulated time" if first
                          else "none"),
-        "sim_time": f"{final['sim_time']:.0f} s ({clock})",
+        "sim_time": f"{final['time/sim']:.0f} s ({clock})",
         "machine": machine(),
     }
 
@@ -168,10 +168,10 @@ def produce(config: Path = CONFIG) -> dict[str, str]:
     t0 = time.perf_counter()
 
     def on_round(rnd: int, m: dict) -> None:
-        if "accuracy" in m:
+        if "eval/accuracy" in m:
             evals.append((rnd, dict(m)))
-            print(f"  round {rnd + 1}: accuracy {m['accuracy']:.4f}, simulated {m['sim_time']:.0f} s, "
-                  f"wall {m['wall_time']:.0f} s of rounds", flush=True)
+            print(f"  round {rnd + 1}: accuracy {m['eval/accuracy']:.4f}, simulated {m['time/sim']:.0f} s, "
+                  f"wall {m['time/wall']:.0f} s of rounds", flush=True)
 
     try:
         final = run_experiment(cfg, on_round=on_round)

@@ -35,7 +35,7 @@ GOLDEN = ROOT / "tests" / "golden"
 
 # a fingerprint holds every metric a round logs (accuracy, losses, bytes, FLOPs, simulated time, per-label and
 # method-specific numbers) but those that measure the machine rather than the method
-WALL_CLOCK = ("wall_time", "wall_time_round", "server_busy_s")
+WALL_CLOCK = ("time/wall", "time/wall_round", "time/server_busy")
 # floats are compared with this relative tolerance: far below what any change of a method moves (the first digit
 # of a loss after a changed step; flipping GAS's `generate` moves accuracy by 3 %), above what another CPU's vector
 # units give. Measured: fingerprints made on an AVX2 machine, rerun on an AVX-512 one (AMD EPYC), differ in the

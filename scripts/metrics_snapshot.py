@@ -18,7 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-WALL = {"wall_time", "wall_time_round", "wall_time_total", "server_busy_s"}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from raysplit.metrics import grouped_name  # noqa: E402
+
+WALL = {"time/wall", "time/wall_round", "summary/wall_time", "time/server_busy"}  # grouped names (grouped_name)
 
 CASES: dict[str, tuple[str, list[str]]] = {
     "quickstart": ("configs/quickstart.yaml", []),
@@ -54,16 +57,20 @@ def run(out_path: str, cases: list[str]) -> None:
         client = MlflowClient(uri)
         hist = {}
         for k in sorted(client.get_run(final["run_id"]).data.metrics):
-            if k not in WALL:
+            if grouped_name(k) not in WALL:
                 hist[k] = [(m.step, m.value) for m in sorted(client.get_metric_history(final["run_id"], k),
                                                               key=lambda m: (m.step, m.timestamp))]
         out[name] = hist
-        print(f"{name}: {time.time() - t:.0f}s accuracy={final.get('accuracy')}", flush=True)
+        print(f"{name}: {time.time() - t:.0f}s accuracy={final.get('eval/accuracy', final.get('accuracy'))}",
+              flush=True)
         Path(out_path).write_text(json.dumps(out, indent=0, sort_keys=True))
 
 
 def compare(before_path: str, after_path: str) -> int:
-    a, b = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
+    """Metrics are compared under their grouped names, so a snapshot taken before the names were grouped
+    (accuracy, not eval/accuracy) compares with one taken after."""
+    a, b = ({case: {grouped_name(k): v for k, v in hist.items()} for case, hist in snap.items()}
+            for snap in (json.loads(Path(p).read_text()) for p in (before_path, after_path)))
     bad = 0
     for name in sorted(set(a) | set(b)):
         if name not in a or name not in b:

@@ -33,7 +33,7 @@ import raysplit.experiment as experiment  # noqa: E402
 from raysplit.config import load_config  # noqa: E402
 from raysplit.runtime import drivers  # noqa: E402
 
-KEYS = ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up", "bytes_down")
+KEYS = ("eval/accuracy", "eval/loss", "eval/f1_macro", "train/loss", "time/sim", "comm/bytes_up", "comm/bytes_down")
 CLIENT_NODE = {"num_cpus": 1, "resources": {"client": 4}}
 
 work = sys.argv[1]

@@ -147,9 +147,9 @@ def test_ampere_device_phase_sends_no_gradient_and_the_bytes_match_the_analytic_
     hist = []
     cfg = amp_cfg(tmp_path, mlflow_uri, fmnist_root)
     final = run_experiment(cfg, on_round=lambda r, m: hist.append(m))
-    assert [m["server_epochs"] for m in hist] == [0, 0, 1, 2]  # 2 device rounds, then 2 server epochs
-    assert all(m["bytes_down_gradients"] == 0 for m in hist)  # no gradient ever goes down
-    assert sum(m["bytes_up_activations"] for m in hist) == sum(m["bytes_up_activations"] for m in hist[1:2])
+    assert [m["method/server_epochs"] for m in hist] == [0, 0, 1, 2]  # 2 device rounds, then 2 server epochs
+    assert all(m["comm/bytes_down_gradients"] == 0 for m in hist)  # no gradient ever goes down
+    assert sum(m["comm/bytes_up_activations"] for m in hist) == sum(m["comm/bytes_up_activations"] for m in hist[1:2])
     p = prepare(cfg)
     model_bytes = sum(v.nbytes for v in p.inputs.client_init.values())  # device block + auxiliary net
     rows = sum(len(i) for i in p.inputs.train_idx) + sum(len(i) for i in p.inputs.test_idx)
@@ -158,9 +158,9 @@ def test_ampere_device_phase_sends_no_gradient_and_the_bytes_match_the_analytic_
     devices = 4
     want_up = 2 * devices * model_bytes + rows * row_bytes  # two rounds of uploads, one activation set
     want_down = 2 * devices * model_bytes + devices * model_bytes  # two rounds of downloads, the final block
-    assert sum(m["bytes_up"] for m in hist) == want_up
-    assert sum(m["bytes_down"] for m in hist) == want_down
-    assert hist[-1]["accuracy"] > 0.3 and final["cache_peak_mb"] <= 1.0 < rows * row_bytes / 2**20
+    assert sum(m["comm/bytes_up"] for m in hist) == want_up
+    assert sum(m["comm/bytes_down"] for m in hist) == want_down
+    assert hist[-1]["eval/accuracy"] > 0.3 and final["method/cache_peak_mb"] <= 1.0 < rows * row_bytes / 2**20
 
 
 def test_ampere_stops_each_phase_on_patience(tmp_path, mlflow_uri, fmnist_root):
@@ -170,7 +170,7 @@ def test_ampere_stops_each_phase_on_patience(tmp_path, mlflow_uri, fmnist_root):
         "store_path": str(tmp_path / "st")}, "train.rounds": 100, "train.optimizer.lr": 1e-9})
     run_experiment(cfg, on_round=lambda r, m: hist.append(m))
     # lr ~ 0: validation accuracy never improves after the first round of a phase, so each phase lasts 2
-    assert [m["server_epochs"] for m in hist] == [0, 0, 1, 2]
+    assert [m["method/server_epochs"] for m in hist] == [0, 0, 1, 2]
     assert (tmp_path / "st" / "train" / "manifest.json").is_file()  # a store the user named is kept
 
 
@@ -188,7 +188,7 @@ def test_a_temporary_store_is_removed_after_the_run(tmp_path, mlflow_uri, fmnist
 def test_ampere_no_consolidation_ablation_trains_per_device_blocks(tmp_path, mlflow_uri, fmnist_root):
     a = run_experiment(amp_cfg(tmp_path / "a", mlflow_uri, fmnist_root))
     b = run_experiment(amp_cfg(tmp_path / "b", mlflow_uri, fmnist_root, **{"algorithm.consolidate": False}))
-    assert a["accuracy"] != b["accuracy"] and b["server_epochs"] == 2
+    assert a["eval/accuracy"] != b["eval/accuracy"] and b["method/server_epochs"] == 2
 
 
 @pytest.mark.parametrize("over,match", [
@@ -265,11 +265,11 @@ def test_ampere_family_with_mlflow(tmp_path, mlflow_uri, fmnist_root, algorithm)
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED"
-    assert any(h.value > 0 for h in client.get_metric_history(final["run_id"], "client_flops"))
+    assert any(h.value > 0 for h in client.get_metric_history(final["run_id"], "compute/client_flops"))
     arts = {a.path for a in client.list_artifacts(final["run_id"])}
     assert "client_accounting.csv" in arts
     if algorithm == "ampere":
-        assert run.data.metrics["server_epochs"] == 2
+        assert run.data.metrics["method/server_epochs"] == 2
 
 
 def test_the_server_phase_ends_with_its_best_validated_block(tmp_path, mlflow_uri, fmnist_root):
@@ -294,14 +294,14 @@ def test_the_server_phase_ends_with_its_best_validated_block(tmp_path, mlflow_ur
         return hist
 
     last = run(False, 6)
-    server = [m for m in last if m.get("server_epochs", 0) > 0 and "server_val_accuracy" in m]
+    server = [m for m in last if m.get("method/server_epochs", 0) > 0 and "method/server_val_accuracy" in m]
     assert len(last) == 8 and len(server) == 6
-    val = [m["server_val_accuracy"] for m in server]
+    val = [m["method/server_val_accuracy"] for m in server]
     drop = next((i for i in range(1, len(val)) if val[i] < max(val[:i])), None)
     assert drop is not None, f"validation accuracy never fell in six epochs: {val}"
     best = run(True, drop + 1)
     assert len(best) == drop + 3
-    top = max(server[:drop + 1], key=lambda m: m["server_val_accuracy"])  # the first epoch reaching the best
+    top = max(server[:drop + 1], key=lambda m: m["method/server_val_accuracy"])  # the first epoch reaching the best
     assert top is not server[drop]
-    assert best[-1]["accuracy"] == pytest.approx(top["accuracy"])
-    assert [m["accuracy"] for m in best[:-1]] == pytest.approx([m["accuracy"] for m in last[:len(best) - 1]])
+    assert best[-1]["eval/accuracy"] == pytest.approx(top["eval/accuracy"])
+    assert [m["eval/accuracy"] for m in best[:-1]] == pytest.approx([m["eval/accuracy"] for m in last[:len(best) - 1]])

@@ -127,13 +127,13 @@ def test_drop_leaves_the_client_out_of_its_round_and_logs_it(tmp_path, mlflow_ur
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED"
-    assert _metric(client, run.info.run_id, "dropped_clients") == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    assert _metric(client, run.info.run_id, "train/dropped_clients") == [(0, 0.0), (1, 1.0), (2, 0.0)]
     tags = {k: v for k, v in run.data.tags.items() if k.startswith("raysplit.dropped")}
     assert list(tags) == ["raysplit.dropped.round_1"]
     assert tags["raysplit.dropped.round_1"].startswith("client 3, round 1, step 0")
     assert "NaN or inf" in tags["raysplit.dropped.round_1"]
-    assert all(math.isfinite(v) for _, v in _metric(client, run.info.run_id, "train_loss"))
-    got, want = (_metric(client, r, "accuracy") for r in (final["run_id"], clean["run_id"]))
+    assert all(math.isfinite(v) for _, v in _metric(client, run.info.run_id, "train/loss"))
+    got, want = (_metric(client, r, "eval/accuracy") for r in (final["run_id"], clean["run_id"]))
     assert got[0] == want[0]  # round 0 untouched
     assert got[1:] != want[1:] and abs(got[-1][1] - want[-1][1]) < 0.1  # client 3 missed round 1, nothing broke
 
@@ -212,8 +212,8 @@ def test_gas_drops_a_bad_client_for_its_job_through_the_event_loop(ray_session, 
     final = experiment.run_experiment(make_config(tmp_path, mlflow_uri, **over))
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])
-    dropped = _metric(client, run.info.run_id, "dropped_clients")
+    dropped = _metric(client, run.info.run_id, "train/dropped_clients")
     assert run.info.status == "FINISHED" and sum(v for _, v in dropped) >= 1
     tags = [v for k, v in run.data.tags.items() if k.startswith("raysplit.dropped.round_")]
     assert tags and all(v.startswith("client 3, round ") and "NaN or inf" in v for v in tags)
-    assert all(math.isfinite(v) for _, v in _metric(client, run.info.run_id, "train_loss"))
+    assert all(math.isfinite(v) for _, v in _metric(client, run.info.run_id, "train/loss"))

@@ -32,16 +32,17 @@ def test_algorithm_two_rounds_logs_mlflow(tmp_path, mlflow_uri, algorithm):
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["algorithm.name"] == algorithm
-    hist = client.get_metric_history(final["run_id"], "accuracy")
+    hist = client.get_metric_history(final["run_id"], "eval/accuracy")
     assert [h.step for h in hist] == [0, 1]
     # trained something on 10-class digits: well above chance (0.1) after 2 rounds of 4 clients x 10 steps
     assert hist[-1].value > 0.25
-    for key in ("train_loss", "sim_time", "bytes_up", "bytes_down", "client_flops", "f1_macro", "mcc",
-                "performance_gap", "backward_transfer"):
+    for key in ("train/loss", "time/sim", "comm/bytes_up", "comm/bytes_down", "compute/client_flops", "eval/f1_macro",
+                "eval/mcc",
+                "eval/performance_gap", "eval/backward_transfer"):
         assert key in run.data.metrics, key
-    assert run.data.metrics["bytes_up"] > 0 and run.data.metrics["client_flops"] > 0
+    assert run.data.metrics["comm/bytes_up"] > 0 and run.data.metrics["compute/client_flops"] > 0
     if algorithm != "fedavg":
-        assert run.data.metrics["server_flops"] > 0 and run.data.metrics["grad_norm_mean"] > 0
+        assert run.data.metrics["compute/server_flops"] > 0 and run.data.metrics["train/grad_norm_mean"] > 0
     arts = {a.path for a in client.list_artifacts(final["run_id"])}
     assert {"config.yaml", "partition.png", "curves.png", "label_accuracy.png", "checkpoint.pt",
             "client_rounds.csv", "client_accounting.csv"} <= arts
@@ -53,7 +54,7 @@ def test_algorithm_two_rounds_logs_mlflow(tmp_path, mlflow_uri, algorithm):
     assert sorted({int(r["round"]) for r in rows}) == [0, 1]
     assert len(rows) == 2 * cfg.data.num_clients  # full participation
     last = [r for r in rows if r["round"] == "1"]
-    assert sum(float(r["bytes_up"]) for r in last) == pytest.approx(run.data.metrics["bytes_up"])
+    assert sum(float(r["bytes_up"]) for r in last) == pytest.approx(run.data.metrics["comm/bytes_up"])
 
 
 def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
@@ -79,14 +80,14 @@ def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
     resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
     assert resumed["run_id"] == crashed.info.run_id
     assert client.get_run(crashed.info.run_id).info.status == "FINISHED"
-    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up"):
+    for k in ("eval/accuracy", "eval/loss", "eval/f1_macro", "train/loss", "time/sim", "comm/bytes_up"):
         assert resumed[k] == pytest.approx(full[k], rel=1e-6), k
-    hist = client.get_metric_history(crashed.info.run_id, "accuracy")
+    hist = client.get_metric_history(crashed.info.run_id, "eval/accuracy")
     assert sorted(h.step for h in hist) == [0, 1, 2, 3]  # round index 2, logged before the crash, once
-    for key in ("train_loss", "sim_time"):
+    for key in ("train/loss", "time/sim"):
         assert sorted(h.step for h in client.get_metric_history(crashed.info.run_id, key)) == [0, 1, 2, 3], key
     final = [h.value for h in hist if h.step == 3]
-    assert final == [pytest.approx(full["accuracy"])]
+    assert final == [pytest.approx(full["eval/accuracy"])]
 
 
 def test_nonfinite_loss_stops_naming_round_and_client_and_marks_failed(ray_session, tmp_path, mlflow_uri):
@@ -135,11 +136,11 @@ def test_missing_resources_fail_at_once_naming_them(ray_session, tmp_path, mlflo
 def test_same_seed_same_metrics(ray_session, tmp_path, mlflow_uri):
     a = run_experiment(make_config(tmp_path / "a", mlflow_uri, **{"algorithm.name": "sflv1"}))
     b = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{"algorithm.name": "sflv1"}))
-    for k in ("accuracy", "loss", "train_loss", "sim_time", "bytes_up"):
+    for k in ("eval/accuracy", "eval/loss", "train/loss", "time/sim", "comm/bytes_up"):
         assert a[k] == b[k], k
     c = run_experiment(make_config(tmp_path / "c", mlflow_uri, **{"algorithm.name": "sflv1", "seed": 1,
                                                                    "runtime.backend": "local"}))
-    assert c["loss"] != a["loss"]
+    assert c["eval/loss"] != a["eval/loss"]
 
 
 def test_sampling_stream_identical_across_algorithms():
@@ -156,7 +157,7 @@ def test_sflv1_with_plain_sgd_equals_fedavg(tmp_path, mlflow_uri):
     over = {"runtime.backend": "local", "train.rounds": 3, "tracking.experiment": "equiv"}
     a = run_experiment(make_config(tmp_path / "a", mlflow_uri, **{**over, "algorithm.name": "sflv1"}))
     b = run_experiment(make_config(tmp_path / "b", mlflow_uri, **{**over, "algorithm.name": "fedavg"}))
-    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
+    assert a["eval/loss"] == pytest.approx(b["eval/loss"], rel=1e-5) and a["eval/accuracy"] == b["eval/accuracy"]
 
 
 @pytest.mark.parametrize("alg,test_fraction", [("sflv2", 0.2), ("gas", 0.2), ("sflv2", 0.0)])

@@ -140,7 +140,7 @@ def test_slots_refill_from_the_latest_global_model(tmp_path, mlflow_uri):
     arrivals = [e for e in RecordingServer.log if e[0] == "arrival"]
     assert all(b[4] >= a[4] for a, b in zip(RecordingServer.log, RecordingServer.log[1:]))  # time never goes back
     assert len({e[1] for e in arrivals}) > 2  # replaced clients joined
-    assert final["sim_time"] == pytest.approx(ups[-1][4])  # a global round ends with its last upload
+    assert final["time/sim"] == pytest.approx(ups[-1][4])  # a global round ends with its last upload
 
 
 @pytest.mark.parametrize("algorithm", [AsyncSL.name, "gas", "fedbuff"])
@@ -148,7 +148,8 @@ def test_same_metrics_with_three_client_actors_as_in_process(ray_session, tmp_pa
     """Clients computing ahead on three actors are consumed in simulated-time order: the in-process run's metrics.
     (One client actor: tests/test_golden.py runs every event method through Ray with one; whole-model uploads are
     fedbuff's here.)"""
-    keys = ("accuracy", "loss", "train_loss", "sim_time", "bytes_up", "bytes_down", "client_flops", "server_flops")
+    keys = ("eval/accuracy", "eval/loss", "train/loss", "time/sim", "comm/bytes_up", "comm/bytes_down",
+            "compute/client_flops", "compute/server_flops")
     runs = []
     for backend, workers in (("local", 2), ("ray", 3)):
         cfg = async_cfg(tmp_path / f"{backend}{workers}", mlflow_uri, **{
@@ -158,7 +159,7 @@ def test_same_metrics_with_three_client_actors_as_in_process(ray_session, tmp_pa
     for r in runs[1:]:
         for k in keys:
             assert r[k] == runs[0][k] or (np.isnan(r[k]) and np.isnan(runs[0][k])), k
-    assert runs[0]["accuracy"] > 0.15, runs[0]  # it trained (digits, 10 classes)
+    assert runs[0]["eval/accuracy"] > 0.15, runs[0]  # it trained (digits, 10 classes)
 
 
 @pytest.mark.parametrize("backend,algorithm", [("local", AsyncSL.name), pytest.param("ray", "gas", marks=pytest.mark.ray),
@@ -190,7 +191,7 @@ def test_async_resume_equals_uninterrupted(request, tmp_path, mlflow_uri, backen
     crashed = client.search_runs([client.get_experiment_by_name(over["tracking.experiment"]).experiment_id],
                                  order_by=["attributes.start_time DESC"])[0]
     resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
-    for k in ("accuracy", "loss", "train_loss", "sim_time", "bytes_up", "client_flops"):
+    for k in ("eval/accuracy", "eval/loss", "train/loss", "time/sim", "comm/bytes_up", "compute/client_flops"):
         assert resumed[k] == full[k], k
 
 

@@ -24,7 +24,7 @@ from raysplit.runtime import runtime_for
 
 pytestmark = [pytest.mark.faults]
 
-WALL_CLOCK = ("wall_time", "wall_time_round", "server_busy_s")
+WALL_CLOCK = ("time/wall", "time/wall_round", "time/server_busy")
 FMNIST = {"data.dataset": "fashion_mnist", "data.root": None, "data.options": {}, "data.max_train_samples": 1200,
           "data.max_test_samples": 500}
 

@@ -48,7 +48,7 @@ def backends(monkeypatch):
     return made
 
 
-def _curves(mlflow_uri, run_id, keys=("accuracy", "train_loss", "sim_time", "bytes_up")):
+def _curves(mlflow_uri, run_id, keys=("eval/accuracy", "train/loss", "time/sim", "comm/bytes_up")):
     client = MlflowClient(mlflow_uri)
     out = {}
     for k in keys:
@@ -85,7 +85,7 @@ def test_a_dead_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_se
     assert "died" in run.data.tags["raysplit.restart_1"]
     got, want = _curves(mlflow_uri, hit["run_id"]), _curves(mlflow_uri, full["run_id"])
     assert got == want  # every round logged once, every value as in the uninterrupted run
-    assert [s for s, _ in got["train_loss"]] == [0, 1, 2, 3]
+    assert [s for s, _ in got["train/loss"]] == [0, 1, 2, 3]
 
 
 def test_an_actor_killed_mid_round_is_survived(ray_session, tmp_path, mlflow_uri, backends):
@@ -196,7 +196,7 @@ def test_node_removed_with_room_elsewhere_the_run_equals_an_uninterrupted_one(no
     assert hit["status"] == "FINISHED" and hit["tags"]["raysplit.actor_restarts"] == "1", hit["tags"]
     assert before in hit["tags"]["raysplit.restart_1"], hit["tags"]
     assert hit["curves"] == ref["curves"]
-    assert [s for s, _ in hit["curves"]["train_loss"]] == [0, 1, 2, 3]
+    assert [s for s, _ in hit["curves"]["train/loss"]] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
@@ -235,7 +235,7 @@ def test_a_killed_driver_resumes_with_every_round_of_every_metric_logged_once(tm
         runs = client.search_runs([exp.experiment_id]) if exp else []
         if runs:
             run = runs[0].info.run_id
-            logged = len(client.get_metric_history(run, "train_loss"))
+            logged = len(client.get_metric_history(run, "train/loss"))
             if logged >= 4:
                 break
         time.sleep(0.1)
@@ -253,8 +253,8 @@ def test_a_killed_driver_resumes_with_every_round_of_every_metric_logged_once(tm
     assert full.returncode == 0, full.stderr[-3000:]
     ref = client.search_runs([client.get_experiment_by_name("uninterrupted").experiment_id])[0].info.run_id
     keys = set(client.get_run(ref).data.metrics)
-    assert keys == set(client.get_run(run).data.metrics) and {"accuracy", "train_loss", "sim_time"} <= keys
-    for k in {k for k in keys if not k.startswith("wall") and k != "server_busy_s"}:  # wall clock differs
+    assert keys == set(client.get_run(run).data.metrics) and {"eval/accuracy", "train/loss", "time/sim"} <= keys
+    for k in {k for k in keys if not k.startswith("time/wall") and k != "time/server_busy"}:  # wall clock differs
         got = [(m.step, m.value) for m in client.get_metric_history(run, k)]
         want = [(m.step, m.value) for m in client.get_metric_history(ref, k)]
         assert sorted(s for s, _ in got) == sorted(s for s, _ in want), k  # every step once, none missing

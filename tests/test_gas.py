@@ -133,7 +133,7 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
     rt.shutdown()
     final = run_experiment(gas_cfg(tmp_path, mlflow_uri, **{
         "algorithm": {"name": "gas", "dissimilarity_batches": 2}, "tracking.experiment": "gas-v"}))
-    hist = MlflowClient(mlflow_uri).get_metric_history(final["run_id"], "grad_dissimilarity")
+    hist = MlflowClient(mlflow_uri).get_metric_history(final["run_id"], "method/grad_dissimilarity")
     assert [h.step for h in hist] == [0, 1] and all(h.value > 0 for h in hist)
 
 
@@ -277,15 +277,15 @@ def test_new_algorithms_two_rounds_with_mlflow(tmp_path, mlflow_uri, algorithm):
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == algorithm
-    hist = client.get_metric_history(final["run_id"], "accuracy")
+    hist = client.get_metric_history(final["run_id"], "eval/accuracy")
     assert [h.step for h in hist] == [0, 1]
-    for key in ("sim_time", "bytes_up", "client_flops", "train_loss"):
+    for key in ("time/sim", "comm/bytes_up", "compute/client_flops", "train/loss"):
         assert key in run.data.metrics, key
-    assert run.data.metrics["sim_time"] > 0 and run.data.metrics["bytes_up"] > 0
+    assert run.data.metrics["time/sim"] > 0 and run.data.metrics["comm/bytes_up"] > 0
     if algorithm in ("gas", "fedbuff", "ca2fl", "fedasync"):
-        assert "staleness_mean" in run.data.metrics
+        assert "method/staleness_mean" in run.data.metrics
     if algorithm == "gas":
-        assert run.data.metrics["server_updates"] >= 1
+        assert run.data.metrics["method/server_updates"] >= 1
     arts = {a.path for a in client.list_artifacts(final["run_id"])}
     assert {"client_accounting.csv", "client_rounds.csv", "curves.png"} <= arts
 
@@ -310,4 +310,4 @@ def test_shipped_gas_configs_run_a_round(tmp_path, mlflow_uri, name):
     p = prepare(cfg)
     assert p.cut_name == "conv2" and p.inputs.spec.clip_grad_norm == 10.0
     final = run_experiment(cfg)
-    assert final["server_updates"] >= 1 and final["sim_time"] > 0
+    assert final["method/server_updates"] >= 1 and final["time/sim"] > 0

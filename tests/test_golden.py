@@ -29,7 +29,7 @@ def test_algorithm_reproduces_its_golden_fingerprint(name):
         "(run `make golden`)")
     got = golden.run(name)
     assert len(got["rounds"]) == expected["overrides"]["train.rounds"] and all(
-        "accuracy" in r for r in got["rounds"]), got["rounds"]
+        "eval/accuracy" in r for r in got["rounds"]), got["rounds"]
     diff = golden.differences(expected, got)
     assert not diff, (f"{name}'s behaviour changed ({len(diff)} metric(s) x rounds differ; if intended, run "
                       "`make golden`, say why in the commit and rerun its results pages):\n  " + "\n  ".join(diff[:12]))
@@ -80,10 +80,11 @@ def test_every_host_and_path_through_ray_actors_reproduces_its_fingerprint(ray_s
 def test_a_difference_is_named_by_algorithm_metric_and_round():
     rec = golden.load("sflv2")
     other = copy.deepcopy(rec)
-    other["rounds"][1]["loss"] *= 1.01  # a change far smaller than any changed step gives
+    other["rounds"][1]["eval/loss"] *= 1.01  # a change far smaller than any changed step gives
     assert golden.differences(rec, other) == [
-        f"sflv2: loss at round 1: expected {rec['rounds'][1]['loss']!r}, got {other['rounds'][1]['loss']!r}"]
-    other["rounds"][2]["loss"] = rec["rounds"][2]["loss"] * (1 + golden.REL_TOL / 10)  # last-bit noise: tolerated
+        f"sflv2: eval/loss at round 1: expected {rec['rounds'][1]['eval/loss']!r}, "
+        f"got {other['rounds'][1]['eval/loss']!r}"]
+    other["rounds"][2]["eval/loss"] = rec["rounds"][2]["eval/loss"] * (1 + golden.REL_TOL / 10)  # last-bit noise: ok
     assert len(golden.differences(rec, other)) == 1
     del other["rounds"][2]
     assert "2 rounds, expected 3" in golden.differences(rec, other)[0]
@@ -94,6 +95,6 @@ def test_fingerprint_is_a_digest_of_the_stored_rounds(tmp_path, monkeypatch):
     monkeypatch.setattr(golden, "GOLDEN", tmp_path)
     before = golden.fingerprint("sflv2")
     edited = golden.load("sflv2")
-    edited["rounds"][0]["accuracy"] += 0.01
+    edited["rounds"][0]["eval/accuracy"] += 0.01
     golden.write(edited)
     assert golden.fingerprint("sflv2") != before and len(before) == 12

@@ -124,8 +124,8 @@ def test_confident_inference_with_one_client_equals_sflv1(tmp_path, mlflow_uri, 
             "tracking.experiment": "confident", "eval.mode": "global"}
     ref = run_experiment(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "sflv1", **over}))
     got = run_experiment(make_config(tmp_path, mlflow_uri, **{"algorithm.name": algorithm, **over}))
-    assert got["accuracy"] == ref["accuracy"] and got["accuracy"] > 0.5
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["eval/accuracy"] == ref["eval/accuracy"] and got["eval/accuracy"] > 0.5
+    assert got["eval/loss"] == pytest.approx(ref["eval/loss"], rel=1e-5)
 
 
 # ---- Hydra's server ----------------------------------------------------------------------------------------------
@@ -224,14 +224,14 @@ def test_hydra_family_end_to_end(tmp_path, mlflow_uri, algorithm):
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED"
     if algorithm["name"] != "sflv3":  # V3's un-averaged client models stay near chance this early under DL 0.8
-        assert final["accuracy"] > 0.2  # digits, 10 classes, 2 rounds of one local epoch
-    for key in ("performance_gap", "backward_transfer", "label_acc_0"):
+        assert final["eval/accuracy"] > 0.2  # digits, 10 classes, 2 rounds of one local epoch
+    for key in ("eval/performance_gap", "eval/backward_transfer", "eval/label_acc/0"):
         assert key in run.data.metrics
     arts = {a.path for a in client.list_artifacts(final["run_id"])}
     if algorithm.get("order", "").startswith("cyclic"):
         assert {"position_accuracy.png", "position_accuracy.csv"} <= arts
         labels = [int(v) for v in run.data.params["resolved.order.labels"].split()]
-        assert run.data.metrics["position_acc_0"] == run.data.metrics[f"label_acc_{labels[0]}"]
+        assert run.data.metrics["eval/position_acc/0"] == run.data.metrics[f"eval/label_acc/{labels[0]}"]
     else:
         assert "position_accuracy.png" not in arts
     if algorithm["name"] == "hydra":
@@ -239,7 +239,7 @@ def test_hydra_family_end_to_end(tmp_path, mlflow_uri, algorithm):
         assert int(run.data.params["resolved.hydra.extra_head_bytes"]) == 9 * int(
             run.data.params["resolved.hydra.head_bytes"])
         # the label vector (10 int64) is counted as round-0 upload: round 0 sends 80 bytes more per client
-        b0 = client.get_metric_history(final["run_id"], "bytes_up")
+        b0 = client.get_metric_history(final["run_id"], "comm/bytes_up")
         assert b0[0].value - b0[1].value == pytest.approx(10 * 80)
 
 
@@ -262,4 +262,4 @@ def test_cifar10_mobilenet_config_runs_on_fake_cifar_files(tmp_path, mlflow_uri)
     assert res["hydra.heads"] == 5 and res["hydra.head_start_in_server"] == 23 - 4
     assert p.cut == 4 and p.partition_counts.shape == (10, 10)
     final = run_experiment(cfg)
-    assert 0.0 <= final["accuracy"] <= 1.0 and "position_acc_9" in final
+    assert 0.0 <= final["eval/accuracy"] <= 1.0 and "eval/position_acc/9" in final

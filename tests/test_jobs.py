@@ -82,14 +82,14 @@ def test_job_submit_with_token_auth_runs_a_two_round_experiment_into_mlflow(tmp_
         client = MlflowClient(uri)
         runs = client.search_runs([client.get_experiment_by_name("jobs").experiment_id])
         assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the refused submission left no run
-        assert [h.step for h in client.get_metric_history(runs[0].info.run_id, "accuracy")] == [0, 1]
+        assert [h.step for h in client.get_metric_history(runs[0].info.run_id, "eval/accuracy")] == [0, 1]
         # the job joined this cluster rather than starting its own Ray
         assert runs[0].data.params["runtime.address"] == "auto"
         # ... and the user finds it where they look: `raysplit compare` on their side of the store
         cmp = subprocess.run([str(BIN / "raysplit"), "compare", "jobs", "--tracking-uri", uri], env=env,
                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert cmp.returncode == 0 and runs[0].info.run_id[:8] in cmp.stdout, cmp.stdout + cmp.stderr
-        acc = client.get_metric_history(runs[0].info.run_id, "accuracy")[-1].value
+        acc = client.get_metric_history(runs[0].info.run_id, "eval/accuracy")[-1].value
         assert f"{acc:.4f}" in cmp.stdout, cmp.stdout
 
         # a job with no tracking store the user can read is refused at start, saying how to set one: the job's
@@ -113,23 +113,23 @@ def test_job_submit_with_token_auth_runs_a_two_round_experiment_into_mlflow(tmp_
         while time.time() < deadline:  # stop the job once round 1 is logged and checkpointed
             found = client.search_runs([client.get_experiment_by_name("jobs").experiment_id],
                                        filter_string="tags.mlflow.runName = 'resumable'")
-            if found and client.get_metric_history(found[0].info.run_id, "train_loss"):
+            if found and client.get_metric_history(found[0].info.run_id, "train/loss"):
                 run_id = found[0].info.run_id
                 ckpt = found[0].data.tags.get("raysplit.checkpoint")
-                if len(client.get_metric_history(run_id, "train_loss")) >= 2 and ckpt and Path(ckpt).is_file():
+                if len(client.get_metric_history(run_id, "train/loss")) >= 2 and ckpt and Path(ckpt).is_file():
                     break
             time.sleep(0.3)
         subprocess.run([ray_cli, "job", "stop", "--address", "http://127.0.0.1:8271", job_id], env=env,
                        capture_output=True, text=True, timeout=120)
         assert run_id is not None, first.stdout + first.stderr
-        stopped_at = len(client.get_metric_history(run_id, "train_loss"))
+        stopped_at = len(client.get_metric_history(run_id, "train/loss"))
         assert client.get_run(run_id).info.status in ("RUNNING", "KILLED") and stopped_at < ROUNDS  # stopped mid-run
         again = subprocess.run(resumable, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert again.returncode == 0 and f"resuming run {run_id}" in again.stdout + again.stderr, again.stdout[-3000:]
         found = client.search_runs([client.get_experiment_by_name("jobs").experiment_id],
                                    filter_string="tags.mlflow.runName = 'resumable'")
         assert [r.info.run_id for r in found] == [run_id] and found[0].info.status == "FINISHED"
-        assert [h.step for h in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda h: h.step)] == \
+        assert [h.step for h in sorted(client.get_metric_history(run_id, "train/loss"), key=lambda h: h.step)] == \
             list(range(ROUNDS))  # every round exactly once
 
         # with this head running, a plain `raysplit run` (no address) still starts its own private Ray

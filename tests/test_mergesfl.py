@@ -192,8 +192,8 @@ def test_mergesfl_end_to_end_with_mlflow(tmp_path, mlflow_uri):
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED"
     assert int(run.data.params["resolved.mergesfl.total_batch_size"]) == 6 * 16
-    kl = client.get_metric_history(final["run_id"], "label_kl")
+    kl = client.get_metric_history(final["run_id"], "method/label_kl")
     # every client takes part, so the mix is off IID only through the unequal (regulated) batch sizes
     assert len(kl) == 2 and all(0 < m.value < 0.1 for m in kl)
-    assert len(client.get_metric_history(final["run_id"], "accuracy")) == 2
-    assert final["accuracy"] > 0.3  # digits, 10 classes: 0.39 after 2 rounds of 15 merged steps
+    assert len(client.get_metric_history(final["run_id"], "eval/accuracy")) == 2
+    assert final["eval/accuracy"] > 0.3  # digits, 10 classes: 0.39 after 2 rounds of 15 merged steps

@@ -34,3 +34,20 @@ def test_f1_and_mcc_match_hand_values():
     assert m["accuracy"] == 0.75 and m["loss"] == 0.5
     assert m["f1_macro"] == pytest.approx(f1_score(y, p, average="macro"))
     assert m["mcc"] == pytest.approx(matthews_corrcoef(y, p))
+
+
+def test_metric_names_are_grouped_and_the_old_names_map_back():
+    """MLflow groups a run's charts by the prefix before "/": every metric raysplit logs has one, and each old
+    short name (what stores written before hold) maps to its grouped name and back."""
+    from raysplit.metrics import GROUPED, grouped, grouped_name, short_name
+
+    assert grouped_name("accuracy") == "eval/accuracy" and grouped_name("train_loss") == "train/loss"
+    assert grouped_name("label_acc_3") == "eval/label_acc/3"
+    assert grouped_name("position_acc_12") == "eval/position_acc/12"
+    assert grouped_name("bytes_up_activations") == "comm/bytes_up_activations"
+    assert grouped_name("ks") == "method/ks" and grouped_name("eval/accuracy") == "eval/accuracy"
+    assert grouped_name("sim_time") == "time/sim" and grouped_name("final_best_accuracy") == "summary/best_accuracy"
+    for old in [*GROUPED, "label_acc_0", "position_acc_9", "bytes_down_gradients", "mask_rate", "server_epochs"]:
+        assert short_name(grouped_name(old)) == old, old
+    assert len(set(GROUPED.values())) == len(GROUPED)  # no two old names share a new one
+    assert list(grouped({"accuracy": 1.0, "ks": 2})) == ["eval/accuracy", "method/ks"]

@@ -209,14 +209,14 @@ def test_semi_algorithms_two_rounds_with_mlflow(tmp_path, mlflow_uri, fmnist_roo
     client = MlflowClient(mlflow_uri)
     run = client.get_run(final["run_id"])
     assert run.info.status == "FINISHED"
-    assert [h.step for h in client.get_metric_history(final["run_id"], "accuracy")] == [0, 1]
-    assert math.isfinite(run.data.metrics["train_loss"]) and run.data.metrics["server_flops"] > 0
+    assert [h.step for h in client.get_metric_history(final["run_id"], "eval/accuracy")] == [0, 1]
+    assert math.isfinite(run.data.metrics["train/loss"]) and run.data.metrics["compute/server_flops"] > 0
     if algorithm in ("semisfl", "fedswitch_sl"):
-        assert run.data.metrics["ks"] == 3 and 0 <= run.data.metrics["mask_rate"] <= 1
+        assert run.data.metrics["method/ks"] == 3 and 0 <= run.data.metrics["method/mask_rate"] <= 1
         # two streams per client step: the teacher features are counted too (features of both views, no labels)
-        assert run.data.metrics["bytes_up"] > 0 and run.data.metrics["client_flops"] > 0
+        assert run.data.metrics["comm/bytes_up"] > 0 and run.data.metrics["compute/client_flops"] > 0
     if algorithm == "supervised_only":
-        assert run.data.metrics["bytes_up"] == 0
+        assert run.data.metrics["comm/bytes_up"] == 0
 
 
 @pytest.mark.parametrize("name", ["fmnist", "svhn", pytest.param("cifar10", marks=pytest.mark.slow)])
@@ -244,7 +244,7 @@ def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, 
         write_fake_cifar10(tmp_path, per_batch=140)
     cfg = load_config(Path(__file__).parent.parent / f"configs/semisfl/{name}.yaml", over)
     final = run_experiment(cfg)
-    assert final["ks"] == 2 and 0 <= final["accuracy"] <= 1
+    assert final["method/ks"] == 2 and 0 <= final["eval/accuracy"] <= 1
 
 
 def test_the_teachers_pseudo_labels_and_keys_come_from_eval_mode():

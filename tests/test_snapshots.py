@@ -107,6 +107,6 @@ def test_a_round_redone_after_it_was_reported_is_reported_once(ray_session, tmp_
     want = []
     run_experiment(make_config(tmp_path / "ref", None, **{**over, "runtime.backend": "local"}),
                    on_round=lambda r, m: want.append((r, m)))
-    wall = ("wall_time", "wall_time_round", "server_busy_s")
+    wall = ("time/wall", "time/wall_round", "time/server_busy")
     assert [{k: v for k, v in m.items() if k not in wall} for _, m in seen] == \
         [{k: v for k, v in m.items() if k not in wall} for _, m in want]

@@ -67,6 +67,26 @@ def test_stale_on_purpose_is_printed_with_a_banner_at_the_top_and_does_not_fail(
     assert stamps.main(["check"]) == 1
 
 
+def test_a_page_made_before_metric_names_were_grouped_stays_current_until_a_value_changes(stamps, tmp_path, capsys):
+    """Renaming metrics (accuracy -> eval/accuracy) rewrites every golden record without changing a method: a page
+    stamped with the short-named record passes; once a value changes it fails like any other."""
+    golden = tmp_path / "tests" / "golden" / "gas.json"
+
+    def write(rounds):
+        golden.write_text(json.dumps({"algorithm": "gas", "rounds": rounds}, indent=1, sort_keys=True) + "\n")
+
+    write([{"round": 0, "accuracy": 0.5, "label_acc_3": 0.25, "bytes_up": 10.0, "ks": 4.0}])
+    page = tmp_path / "docs" / "results" / "gas.md"
+    page.write_text("# GAS\n\nrows\n")
+    stamps.main(["stamp", str(page), "--methods", "gas", "--seeds", "0", "--rounds", "1", "--command", "x"])
+    write([{"round": 0, "eval/accuracy": 0.5, "eval/label_acc/3": 0.25, "comm/bytes_up": 10.0, "method/ks": 4.0}])
+    assert stamps.main(["check"]) == 0
+    write([{"round": 0, "eval/accuracy": 0.5, "eval/label_acc/3": 0.25, "comm/bytes_up": 11.0, "method/ks": 4.0}])
+    capsys.readouterr()
+    assert stamps.main(["check"]) == 1
+    assert "docs/results/gas.md: gas changed" in capsys.readouterr().out
+
+
 def test_an_unknown_method_is_refused_naming_it(stamps, tmp_path):
     page = tmp_path / "docs" / "results" / "x.md"
     page.write_text("# X\n")

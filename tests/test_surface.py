@@ -31,20 +31,23 @@ def test_compare_prints_known_runs(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'c.db'}"
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("cmp")
-    for alg, accs in (("sflv2", [0.5, 0.7, 0.6]), ("psl", [0.4, 0.45, 0.5])):
+    # psl's run is one a store written before metric names were grouped holds (accuracy, sim_time, bytes_up)
+    for alg, accs, names in (("sflv2", [0.5, 0.7, 0.6], ("eval/accuracy", "time/sim", "comm/bytes_up")),
+                             ("psl", [0.4, 0.45, 0.5], ("accuracy", "sim_time", "bytes_up"))):
         with mlflow.start_run(run_name=f"run-{alg}"):
             mlflow.log_params({"algorithm.name": alg, "model.name": "cnn_small", "data.dataset": "digits",
                                "seed": 0, "resolved.cut_name": "conv1"})
             for i, a in enumerate(accs):
-                mlflow.log_metrics({"accuracy": a, "sim_time": 10.0 * (i + 1), "bytes_up": 1000.0}, step=i)
+                mlflow.log_metrics(dict(zip(names, (a, 10.0 * (i + 1), 1000.0))), step=i)
     plot = tmp_path / "cmp.png"
     assert main(["compare", "cmp", "--tracking-uri", uri, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out.splitlines()
     header = out[0].split()
     rows = {line.split()[1]: dict(zip(header, line.split())) for line in out[1:3]}
     assert rows["run-sflv2"]["algorithm"] == "sflv2" and rows["run-psl"]["algorithm"] == "psl"
-    assert float(rows["run-sflv2"]["final_accuracy"]) == 0.6 and float(rows["run-sflv2"]["best_accuracy"]) == 0.7
-    assert float(rows["run-psl"]["final_accuracy"]) == 0.5 and rows["run-psl"]["rounds"] == "3"
+    assert float(rows["run-sflv2"]["eval/accuracy"]) == 0.6 and float(rows["run-sflv2"]["best"]) == 0.7
+    assert float(rows["run-psl"]["eval/accuracy"]) == 0.5 and rows["run-psl"]["rounds"] == "3"
+    assert rows["run-psl"]["time/sim"] == "30" and float(rows["run-psl"]["best"]) == 0.5
     assert plot.stat().st_size > 0
 
 
@@ -71,7 +74,7 @@ def test_compare_labels_a_sweeps_runs_by_what_was_swept(tmp_path, capsys):
         with mlflow.start_run(run_name=f"trainable_{i:05d}"):
             mlflow.log_params({"algorithm.name": "sflv1", "train.optimizer.lr": lr, "seed": 0,
                                "tracking.output_dir": f"outputs/trial_{i}", "resolved.cut_index": i})
-            mlflow.log_metrics({"accuracy": 0.5 + lr}, step=0)
+            mlflow.log_metrics({"eval/accuracy": 0.5 + lr}, step=0)
     assert differing(runs_table("grid", uri)) == ["train.optimizer.lr"]
     plot = tmp_path / "grid.png"
     assert main(["compare", "grid", "--tracking-uri", uri, "--plot", str(plot)]) == 0
@@ -133,7 +136,7 @@ cfg = make_config(__import__("pathlib").Path({str(tmp_path)!r}), "sqlite:///unus
                   **{{"runtime.backend": "local", "tracking.enabled": False, "train.rounds": 1}})
 rounds = []
 res = run_experiment(cfg, on_round=lambda r, m: rounds.append(r))
-assert rounds == [0] and 0 <= res["accuracy"] <= 1, res
+assert rounds == [0] and 0 <= res["eval/accuracy"] <= 1, res
 print("OK")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

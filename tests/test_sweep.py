@@ -18,7 +18,7 @@ def write_sweep(tmp_path, **extra):
             "overrides": {"train.rounds": 2, "eval.every": 1, "tracking.output_dir": str(tmp_path / "out")},
             "space": {"algorithm.name": {"grid": ["sflv1", "sflv2"]},
                       "train.optimizer.lr": {"grid": [0.3, 1e-5]}},
-            "metric": "train_loss", "mode": "min", "scheduler": "asha", "grace_period": 1,
+            "metric": "train/loss", "mode": "min", "scheduler": "asha", "grace_period": 1,
             "max_concurrent_trials": 1, "storage_path": str(tmp_path / "tune"), "name": "grid"}
     spec.update(extra)
     path = tmp_path / "sweep.yaml"
@@ -46,7 +46,7 @@ def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_pa
     seen = {(r.data.params["algorithm.name"], float(r.data.params["train.optimizer.lr"])) for r in runs}
     assert seen == {("sflv1", 0.3), ("sflv1", 1e-5)}
     for r in runs:
-        steps = [h.step for h in client.get_metric_history(r.info.run_id, "accuracy")]
+        steps = [h.step for h in client.get_metric_history(r.info.run_id, "eval/accuracy")]
         assert steps and steps == list(range(len(steps))), steps  # per-round metrics, step = round
         assert r.data.tags["mlflow.runName"].startswith("trainable_")
         # a trial ASHA stopped is KILLED after its first round; one that ran to the end is FINISHED
@@ -161,12 +161,12 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
     clean = run_experiment(load_config(ROOT / "configs" / "digits.yaml", {
         **over, "tracking.uri": ref_uri, "tracking.output_dir": str(tmp_path / "ref"), "tracking.progress": False}))
     ref_client = MlflowClient(ref_uri)
-    for key in ("train_loss", "accuracy", "sim_time"):
+    for key in ("train/loss", "eval/accuracy", "time/sim"):
         got = client.get_metric_history(runs[0].info.run_id, key)
         assert sorted(h.step for h in got) == [0, 1, 2, 3], key  # round index 2: logged before the death, once
         want = {h.step: h.value for h in ref_client.get_metric_history(clean["run_id"], key)}
         assert {h.step: h.value for h in got} == pytest.approx(want, rel=1e-6), key
-    for k in ("accuracy", "loss", "f1_macro", "train_loss", "sim_time", "bytes_up"):
+    for k in ("eval/accuracy", "eval/loss", "eval/f1_macro", "train/loss", "time/sim", "comm/bytes_up"):
         assert hit.metrics[k] == pytest.approx(clean[k], rel=1e-6), k
     assert hit.metrics["round"] == 4
 

@@ -96,8 +96,8 @@ def test_a_run_logs_through_basic_auth_with_credentials_from_the_environment(tmp
     client = MlflowClient(auth_server.uri)  # the same credentials, from the environment
     run = client.get_run(out["run_id"])
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [0, 1]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "accuracy")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [0, 1]
     arts = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "downloaded")))
     assert (arts / "config.yaml").is_file()
     seen = _where(client, run, arts, marker)

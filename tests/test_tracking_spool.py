@@ -56,7 +56,7 @@ def test_a_store_outage_mid_run_is_delivered_once_in_order_when_it_returns(tmp_p
     client = MlflowClient(server.uri)
     run = client.get_run(out["run_id"])
     assert run.info.status == "FINISHED"
-    assert _history(client, out["run_id"], "train_loss") == list(range(ROUNDS))
+    assert _history(client, out["run_id"], "train/loss") == list(range(ROUNDS))
     assert "spooling to" in capfd.readouterr().err
     assert not list(Path(tmp_path / "outputs").rglob("mlflow-spool.jsonl"))
 
@@ -76,5 +76,5 @@ def test_a_store_down_until_the_end_leaves_a_spool_that_replay_delivers(tmp_path
     assert not spool.exists()
     client = MlflowClient(server.uri)
     assert client.get_run(out["run_id"]).info.status == "FINISHED"
-    assert _history(client, out["run_id"], "train_loss") == list(range(ROUNDS))
-    assert _history(client, out["run_id"], "accuracy")[-1] == ROUNDS - 1
+    assert _history(client, out["run_id"], "train/loss") == list(range(ROUNDS))
+    assert _history(client, out["run_id"], "eval/accuracy")[-1] == ROUNDS - 1

@@ -8,6 +8,26 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from raysplit.metrics import grouped_name  # noqa: E402
+
+# what a cached result holds besides metrics; every other key is a metric, under its grouped name
+NOT_METRICS = ("run_id", "curve", "history", "diverged", "round")
+
+
+def named(res: dict) -> dict:
+    """A cached result with its metrics under their grouped names (``eval/accuracy``, ``time/sim``), also when the
+    cache was written before the names were grouped (``accuracy``, ``sim_time``); a ``_last5`` mean keeps its
+    suffix (``eval/accuracy_last5``). The per-round ``history`` entries are renamed the same way."""
+    def name(k: str) -> str:
+        if k in NOT_METRICS or "/" in k:
+            return k
+        return grouped_name(k[:-6]) + "_last5" if k.endswith("_last5") else grouped_name(k)
+
+    out = {name(k): v for k, v in res.items()}
+    if "history" in out:
+        out["history"] = [{name(k): v for k, v in h.items()} for h in out["history"]]
+    return out
 
 
 def median_range(values, fmt: str = ".2f") -> str:
@@ -28,8 +48,8 @@ def paired_table(results: dict, pairs: list[tuple[str, str]], partitions: list[s
              "|---" * 4 + "|"]
     for part in partitions:
         for a, b in pairs:
-            first = {s: 100 * r["accuracy"] for s, r in results.get((a, part), [])}
-            other = {s: 100 * r["accuracy"] for s, r in results.get((b, part), [])}
+            first = {s: 100 * r["eval/accuracy"] for s, r in results.get((a, part), [])}
+            other = {s: 100 * r["eval/accuracy"] for s, r in results.get((b, part), [])}
             seeds = sorted(set(first) & set(other))
             if seeds:
                 d = [first[s] - other[s] for s in seeds]
@@ -42,14 +62,14 @@ def run_cached(code: str, out: Path, what: str) -> dict:
     """Run ``code`` (which prints one ``RESULT{json}`` line) with this interpreter in the repository root and
     return the parsed result; reuse ``out`` when it exists, write it otherwise."""
     if out.is_file():
-        return json.loads(out.read_text())
+        return named(json.loads(out.read_text()))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     if not line:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
     res = json.loads(line[-1][6:])
     out.write_text(json.dumps(res))
-    return res
+    return named(res)
 
 
 def run_config(config: Path, overrides: dict, label: str, out: Path, keys: tuple[str, ...] = ()) -> dict:
@@ -67,9 +87,10 @@ hist = []
 try:
     res = run_experiment(cfg, on_round=lambda r, m: hist.append((r, m)))
 except NonFiniteLossError as e:  # a diverged run is a result: kept, shown as diverged, never averaged
-    res = {{"accuracy": float("nan"), "diverged": str(e), "sim_time": hist[-1][1].get("sim_time", 0.0) if hist else 0.0}}
+    res = {{"eval/accuracy": float("nan"), "diverged": str(e),
+           "time/sim": hist[-1][1].get("time/sim", 0.0) if hist else 0.0}}
 out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
-out["curve"] = [(r + 1, m["sim_time"], m["accuracy"]) for r, m in hist if "accuracy" in m]
+out["curve"] = [(r + 1, m["time/sim"], m["eval/accuracy"]) for r, m in hist if "eval/accuracy" in m]
 out["history"] = [{{"round": r + 1, **{{k: m[k] for k in {list(keys)!r} if k in m}}}} for r, m in hist]
 print("RESULT" + json.dumps(out))
 """

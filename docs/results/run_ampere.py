@@ -31,8 +31,8 @@ METHODS = [("Ampere", None), ("SplitFed", {"name": "sflv1"}), ("PiPar", {"name":
            ("SplitGP", {"name": "splitgp"}), ("SplitFed+SCAFFOLD", {"name": "sflv1_scaffold"})]
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".ampere_runs"
-KEYS = ("bytes_up", "bytes_down", "bytes_up_model", "bytes_down_model", "bytes_up_activations",
-        "bytes_down_gradients", "client_flops", "server_epochs")
+KEYS = ("comm/bytes_up", "comm/bytes_down", "comm/bytes_up_model", "comm/bytes_down_model",
+        "comm/bytes_up_activations", "comm/bytes_down_gradients", "compute/client_flops", "method/server_epochs")
 DEVICES = 10
 
 
@@ -45,7 +45,7 @@ def one(method, alg, alpha, seed, extra=()):
     over.update(dict(extra))
     out = OUT / (label.replace(" ", "_").replace("=", "") + ".json")
     res = run_config(ROOT / "configs/ampere/fmnist.yaml", over, label, out, keys=KEYS)
-    print(f"{label:40s} accuracy {res['accuracy']:.4f} {res.get('diverged', '')}", flush=True)
+    print(f"{label:40s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
     return res
 
 
@@ -56,8 +56,8 @@ def per_device(res: dict, key: str) -> float:
 def _acc(rs: list) -> str:
     """Final accuracy mean ± std over the seeds that finished, and the mean best evaluated accuracy; diverged seeds
     are counted, never averaged."""
-    ok = np.array([r["accuracy"] for r in rs if "diverged" not in r]) * 100
-    best = np.array([r["best_accuracy"] for r in rs if "diverged" not in r]) * 100
+    ok = np.array([r["eval/accuracy"] for r in rs if "diverged" not in r]) * 100
+    best = np.array([r["eval/best_accuracy"] for r in rs if "diverged" not in r]) * 100
     bad = len(rs) - len(ok)
     cell = f"{ok.mean():.2f} ± {ok.std():.2f} (best {best.mean():.2f})" if len(ok) else ""
     return cell + (f" (diverged: {bad}/{len(rs)} seeds)" if bad else "")
@@ -73,13 +73,13 @@ def paired(res: dict, alphas, seeds) -> str:
     lines = ["| alpha | consolidation | no consolidation | difference, paired by seed | per seed | server epochs |",
              "|---|---|---|---|---|---|"]
     for a in alphas:
-        c = [100 * res[(ARMS[0][0], a, s)]["accuracy"] for s in seeds]
-        n = [100 * res[(ARMS[1][0], a, s)]["accuracy"] for s in seeds]
+        c = [100 * res[(ARMS[0][0], a, s)]["eval/accuracy"] for s in seeds]
+        n = [100 * res[(ARMS[1][0], a, s)]["eval/accuracy"] for s in seeds]
         d = [x - y for x, y in zip(c, n)]
-        ep = sorted({int(max(h.get("server_epochs", 0) for h in res[(arm, a, s)]["history"])) for arm, _ in ARMS
-                     for s in seeds})
-        lines.append(f"| {a} | {median_range(c)} | {median_range(n)} | {median_range(d)} | {' '.join(f'{x:+.2f}' for x in d)} | "
-                     f"{'/'.join(map(str, ep))} |")
+        ep = sorted({int(max(h.get("method/server_epochs", 0) for h in res[(arm, a, s)]["history"]))
+                     for arm, _ in ARMS for s in seeds})
+        lines.append(f"| {a} | {median_range(c)} | {median_range(n)} | {median_range(d, '+.2f')} | "
+                     f"{' '.join(f'{x:+.2f}' for x in d)} | {'/'.join(map(str, ep))} |")
     return "\n".join(lines)
 
 
@@ -95,11 +95,12 @@ def table(results, alphas) -> str:
         for a in alphas:
             accs.append(_acc(results[(method, a)]))
         rs = results[(method, mid)]
-        model = np.median([per_device(r, "bytes_up_model") + per_device(r, "bytes_down_model") for r in rs]) / 1e6
-        data = np.median([per_device(r, "bytes_up_activations") + per_device(r, "bytes_down_gradients")
+        model = np.median([per_device(r, "comm/bytes_up_model") + per_device(r, "comm/bytes_down_model")
+                           for r in rs]) / 1e6
+        data = np.median([per_device(r, "comm/bytes_up_activations") + per_device(r, "comm/bytes_down_gradients")
                           for r in rs]) / 1e6
-        flops = np.median([per_device(r, "client_flops") for r in rs]) / 1e9
-        sim = np.median([r["sim_time"] for r in rs])
+        flops = np.median([per_device(r, "compute/client_flops") for r in rs]) / 1e9
+        sim = np.median([r["time/sim"] for r in rs])
         rounds = np.median([len(r["history"]) for r in rs])
         lines.append(f"| {method} | {' | '.join(accs)} | {model:.1f} | {data:.1f} | {flops:.1f} | {sim:.1f} | "
                      f"{rounds:.0f} |")
@@ -114,7 +115,7 @@ def figure(results, alphas) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, _ in METHODS:
-        acc = [np.array([r["accuracy"] for r in results[(method, a)] if "diverged" not in r] or [np.nan]) * 100
+        acc = [np.array([r["eval/accuracy"] for r in results[(method, a)] if "diverged" not in r] or [np.nan]) * 100
                for a in alphas]
         ax.errorbar([str(a) for a in alphas], [a.mean() for a in acc], yerr=[a.std() for a in acc], marker="o",
                     capsize=3, label=method)

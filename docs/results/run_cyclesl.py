@@ -70,10 +70,10 @@ def main():
     for label, rs in by.items():
         def col(k, scale=1.0, fmt=".3f"):
             return median_range(np.array([r.get(k, np.nan) for r in rs], dtype=float) * scale, fmt)
-        rt_s = ", ".join(str(x) if x is not None else ">300" for x in (r.get("rounds_to_target") for r in rs))
-        print(f"| {label} | {col('accuracy', 100, '.2f')} | {col('f1_macro')} | {col('mcc')} | {rt_s} | "
-              f"{col('grad_norm_mean_all', fmt='.4f')} | {col('grad_norm_std_all', fmt='.4f')} |")
-    acc = {(label, seed): 100 * res["accuracy"] for label, seed, res in results}
+        rt_s = ", ".join(str(x) if x is not None else ">300" for x in (r.get("eval/rounds_to_target") for r in rs))
+        print(f"| {label} | {col('eval/accuracy', 100, '.2f')} | {col('eval/f1_macro')} | {col('eval/mcc')} | {rt_s} | "
+              f"{col('summary/grad_norm_mean', fmt='.4f')} | {col('summary/grad_norm_std', fmt='.4f')} |")
+    acc = {(label, seed): 100 * res["eval/accuracy"] for label, seed, res in results}
     print("\n| Cycle variant - original | accuracy difference (points), paired by seed | per seed |")
     print("|---|---|---|")
     for new_, old_ in PAIRS:

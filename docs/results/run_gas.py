@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, paired_table, run_all, run_config
+from _runs import ROOT, median_range, named, paired_table, run_all, run_config
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -43,7 +43,7 @@ def one(method, alg, part_label, partition, seed, rounds, eval_every):
         "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds, "eval.every": eval_every,
         "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
         f"{method} {part_label} seed {seed}", out)
-    print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['accuracy']:.4f} sim {res['sim_time']:.0f}s",
+    print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['eval/accuracy']:.4f} sim {res['time/sim']:.0f}s",
           flush=True)
     return res
 
@@ -57,10 +57,10 @@ def table(results, rounds) -> str:
             rs = results.get((method, part), [])
             if not rs:
                 continue
-            a = [100 * r["accuracy"] for _, r in rs]
+            a = [100 * r["eval/accuracy"] for _, r in rs]
             b = [100 * max(c[2] for c in r["curve"]) for _, r in rs]
             lines.append(f"| {method} | {part} | {median_range(a, '.2f')} | {median_range(b, '.2f')} | "
-                         f"{np.median([r['sim_time'] for _, r in rs]):.0f} | {', '.join(str(s) for s, _ in rs)} |")
+                         f"{np.median([r['time/sim'] for _, r in rs]):.0f} | {', '.join(str(s) for s, _ in rs)} |")
     return "\n".join(lines)
 
 
@@ -121,7 +121,7 @@ def main() -> int:
             for m, _ in METHODS:
                 f = cache_file(m, pl, s, args.rounds)
                 if f.is_file():
-                    results.setdefault((m, pl), []).append((s, json.loads(f.read_text())))
+                    results.setdefault((m, pl), []).append((s, named(json.loads(f.read_text()))))
     print(table(results, args.rounds))
     print()
     print(paired_table(results, [("GAS", m) for m, _ in METHODS[1:]], [p for p, _ in PARTITIONS], args.rounds,

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, run_cached
+from _runs import ROOT, median_range, named, run_cached
 
 # the two settings (--study): the first study (cnn_small, 2-layer heads = 98 % of the server) and the second, at
 # the paper's proportions (cnn_gap, heads conv4+fc = 62 % of the server, or fc alone = 1 %; phi 10 batches of 64)
@@ -80,7 +80,7 @@ cfg = load_config({str(ROOT / STUDY['config'])!r}, {{"algorithm": {alg!r}, "seed
 hist = []
 res = run_experiment(cfg, on_round=lambda r, m: hist.append(m))
 out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
-for key in ["accuracy", "performance_gap"] + [f"position_acc_{{i}}" for i in range(10)]:
+for key in ["eval/accuracy", "eval/performance_gap"] + [f"eval/position_acc/{{i}}" for i in range(10)]:
     h = [float(m[key]) for m in hist if key in m]
     if h:
         out[key + "_last5"] = sum(h[-5:]) / len(h[-5:])
@@ -88,7 +88,7 @@ print("RESULT" + json.dumps(out))
 """
     res = run_cached(code, out, f"{label} {order} c={c} seed {seed}")
     if not cached:
-        print(f"done {label} {order} c={c} seed {seed}: acc {res['accuracy']:.4f}", flush=True)
+        print(f"done {label} {order} c={c} seed {seed}: acc {res['eval/accuracy']:.4f}", flush=True)
     return c, order, label, seed, res
 
 
@@ -109,7 +109,7 @@ def figure(results, path):
             runs = {s: r for (cc, o, lab, s), r in results.items() if cc == c and o == "cyclic" and lab == label}
             if not runs:
                 continue
-            pos = np.array([[r[f"position_acc_{i}_last5"] for i in range(10)] for r in runs.values()])
+            pos = np.array([[r[f"eval/position_acc/{i}_last5"] for i in range(10)] for r in runs.values()])
             axes[0, col].plot(range(1, 11), np.median(pos, axis=0), "o-", color=color, ms=4, label=label)
             delta = []
             for s, r in runs.items():
@@ -117,7 +117,7 @@ def figure(results, path):
                 if rnd is None:
                     continue
                 labs = label_order(s, 10)
-                delta.append([r[f"position_acc_{i}"] - rnd[f"label_acc_{lab}"] for i, lab in enumerate(labs)])
+                delta.append([r[f"eval/position_acc/{i}"] - rnd[f"eval/label_acc/{lab}"] for i, lab in enumerate(labs)])
             if delta:
                 axes[1, col].plot(range(1, 11), np.median(delta, axis=0), "o-", color=color, ms=4, label=label)
                 print(f"c = {c}, {label}: position's label accuracy minus the random order's (pp, median of "
@@ -155,20 +155,21 @@ def sweeps(uri: str, run: bool = True) -> None:
     def finished(experiment):
         exp = client.get_experiment_by_name(experiment)
         runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'") if exp else []
-        return [(r.data.params, r.data.metrics) for r in runs]
+        return [(r.data.params, named(r.data.metrics)) for r in runs]  # trials logged before the groups too
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     print("| method | c | phi | global accuracy (%) | PG (pp) | BW (pp) |\n|---|---|---|---|---|---|")
     for exp, method, color in (("sflv2-phi", "SFLV2", "tab:red"), ("hydra-phi", "SFLV2+Hydra", "tab:blue")):
         rows = sorted((int(p["data.num_clients"]) // 10, int(p["algorithm.phi"]), m) for p, m in finished(exp))
         for c, style in ((1, "o-"), (2, "s--")):
-            for ax, key in zip(axes, ("performance_gap", "accuracy")):
+            for ax, key in zip(axes, ("eval/performance_gap", "eval/accuracy")):
                 pts = [(phi, 100 * m[key]) for cc, phi, m in rows if cc == c]
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, label=f"{method}, c = {c}")
         for c, phi, m in rows:
-            print(f"| {method} | {c} | {phi} | {100 * m['accuracy']:.2f} | {100 * m['performance_gap']:.2f} | "
-                  f"{100 * m['backward_transfer']:.2f} |")
+            print(f"| {method} | {c} | {phi} | {100 * m['eval/accuracy']:.2f} | "
+                  f"{100 * m['eval/performance_gap']:.2f} | "
+                  f"{100 * m['eval/backward_transfer']:.2f} |")
     for ax, what in zip(axes, ("performance gap (pp)", "global accuracy (%)")):
         ax.set_xscale("log"), ax.set_xticks([1, 5, 10, 20])
         ax.set_xticklabels(["1", "5", "10", "20"])
@@ -181,8 +182,9 @@ def sweeps(uri: str, run: bool = True) -> None:
     share = {"conv4": "fc, 1.1 %", "conv3": "conv4+fc, 62 %", "conv2": "conv3+conv4+fc, 92 %"}
     print("\n| head (share of the server) | c | global accuracy (%) | PG (pp) | BW (pp) |\n|---|---|---|---|---|")
     for p, m in sorted(finished("hydra-heads"), key=lambda r: (r[0]["data.num_clients"], r[0]["algorithm.cut_b"])):
-        print(f"| {share[p['algorithm.cut_b']]} | {int(p['data.num_clients']) // 10} | {100 * m['accuracy']:.2f} | "
-              f"{100 * m['performance_gap']:.2f} | {100 * m['backward_transfer']:.2f} |")
+        print(f"| {share[p['algorithm.cut_b']]} | {int(p['data.num_clients']) // 10} | "
+              f"{100 * m['eval/accuracy']:.2f} | "
+              f"{100 * m['eval/performance_gap']:.2f} | {100 * m['eval/backward_transfer']:.2f} |")
 
 
 def main():
@@ -249,8 +251,9 @@ def main():
                 return f"{median_range(v)} n={len(v)}"
             return f"{v.mean():.2f} ± {v.std():.2f}"
 
-        print(f"| {c} | {o} | {lab} | {ms('accuracy')} | {ms('performance_gap')} | {ms('backward_transfer')} | "
-              f"{ms('performance_gap_last5')} |")
+        print(f"| {c} | {o} | {lab} | {ms('eval/accuracy')} | {ms('eval/performance_gap')} | "
+              f"{ms('eval/backward_transfer')} | "
+              f"{ms('eval/performance_gap_last5')} |")
     if a.study == "gap":  # paired by seed: the spread between seeds is larger than most differences
         print("\n| c | order | method | minus SFLV2 (same seed; same order, else cyclic): accuracy (pp) | PG (pp) | "
               "seeds |\n|---|---|---|---|---|---|")
@@ -261,8 +264,8 @@ def main():
             if lab == "SFLV2" and o == "cyclic" or not pairs:
                 continue
             d = {k: " ".join(f"{100 * (r[k] - b[k]):+.2f}" for _, r, b in pairs)
-                 for k in ("accuracy", "performance_gap")}
-            print(f"| {c} | {o} | {lab} | {d['accuracy']} | {d['performance_gap']} | "
+                 for k in ("eval/accuracy", "eval/performance_gap")}
+            print(f"| {c} | {o} | {lab} | {d['eval/accuracy']} | {d['eval/performance_gap']} | "
                   f"{' '.join(str(s) for s, _, _ in pairs)} |")
     # the page's figure comes from the default runs only
     if a.out == default_out and (a.report or (a.only_c is None and a.methods is None and a.orders is None)):

@@ -48,8 +48,8 @@ def one(method, alg, part_label, partition, seed, rounds):
     res = run_config(ROOT / "configs/semisfl/fmnist.yaml", {
         "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds,
         "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
-        f"{method} {part_label} seed {seed}", out, keys=("ks", "bytes_up", "bytes_down"))
-    print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['accuracy']:.4f}", flush=True)
+        f"{method} {part_label} seed {seed}", out, keys=("method/ks", "comm/bytes_up", "comm/bytes_down"))
+    print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['eval/accuracy']:.4f}", flush=True)
     return res
 
 
@@ -58,7 +58,7 @@ def to_target(res: dict, target: float) -> float | None:
     total = 0.0
     evaluated = {r: acc for r, _, acc in res["curve"]}
     for h in res["history"]:
-        total += h.get("bytes_up", 0.0) + h.get("bytes_down", 0.0)
+        total += h.get("comm/bytes_up", 0.0) + h.get("comm/bytes_down", 0.0)
         if evaluated.get(h["round"], -1) >= target:
             return total / CLIENTS
     return None
@@ -73,7 +73,7 @@ def table(results, rounds, target) -> str:
         cells = [", ".join(str(s) for s, _ in results[(method, PARTITIONS[0][0])])]
         for part, _ in PARTITIONS:
             rs = [r for _, r in results[(method, part)]]
-            a = np.array([r["accuracy"] for r in rs]) * 100
+            a = np.array([r["eval/accuracy"] for r in rs]) * 100
             b = np.array([max(c[2] for c in r["curve"]) for r in rs]) * 100
             reach = [x for x in (to_target(r, target) for r in rs) if x is not None]
             mb = f"{np.median(reach) / 1e6:.1f} ({len(reach)}/{len(rs)} seeds)" if reach else "not reached"
@@ -109,7 +109,7 @@ def figures(results) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for part, _ in PARTITIONS:
         for i, (_, r) in enumerate(results[("Semi-SFL", part)]):
-            ks = [(h["round"], h["ks"]) for h in r["history"] if "ks" in h]
+            ks = [(h["round"], h["method/ks"]) for h in r["history"] if "method/ks" in h]
             ax.step(*zip(*ks), where="post", alpha=0.7, label=f"{part}" if i == 0 else None,
                     color="C0" if part == "IID" else "C1")
     ax.set_xlabel("round"), ax.set_ylabel("K_s (supervised steps)"), ax.grid(alpha=0.3), ax.legend()

@@ -24,7 +24,7 @@ takes one forward/backward/step of the single server model on it (mean cross-ent
 - **Label mix.** The paper also picks the round's workers (a genetic algorithm) so that the merged batch's label
   distribution, the clients' label distributions weighted by their batch sizes, is close to IID (KL divergence).
   Not implemented: raysplit draws every algorithm's clients from one shared sampling stream, and the public code
-  samples workers uniformly as well. The quantity is logged every round as ``label_kl`` (mean over the round's
+  samples workers uniformly as well. The quantity is logged every round as ``method/label_kl`` (mean over the round's
   steps of KL(merged batch's expected label mix || training label distribution)), so the effect of the sampled
   set and of the batch sizes on the mix is visible.
 - **Aggregation.** The paper aggregates the bottom models adaptively to the workers' batch sizes;

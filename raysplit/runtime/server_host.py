@@ -296,7 +296,7 @@ class ServerHost(ServerCopies, Checkpointed):
                 "dropped": dict(self.drops)}
 
     def round_metrics(self) -> dict:
-        """Method-specific numbers of the round, logged as they are (e.g. GAS's generated activations)."""
+        """Method-specific numbers of the round, logged under ``method/`` (GAS's ``method/generated_activations``)."""
         return {}
 
     # ---- checkpoint ---------------------------------------------------------------------------------------
