@@ -12,9 +12,10 @@ issue 26 asks for it: Ampere with and without consolidation at each alpha and se
 every activation (exact shuffling of the consolidated set); prints median [min, max] per arm and the difference
 paired by seed.
 
-Prints the markdown tables (final accuracy mean ± std over seeds; bytes per device split into model and
-activation/gradient traffic; on-device FLOPs per device; simulated time; device participation time) and writes
-docs/results/ampere_alpha.png (accuracy against alpha). Cached per run under docs/results/.ampere_runs/.
+Prints the markdown tables (final accuracy median [min, max] over seeds; bytes per device split into model and
+activation/gradient traffic; on-device FLOPs per device; simulated time; rounds; then each method minus SplitFed,
+paired by seed) and writes docs/results/ampere_alpha.png (accuracy against alpha, median with min-max bars). Cached
+per run under docs/results/.ampere_runs/.
 """
 
 from __future__ import annotations
@@ -54,13 +55,30 @@ def per_device(res: dict, key: str) -> float:
 
 
 def _acc(rs: list) -> str:
-    """Final accuracy mean ± std over the seeds that finished, and the mean best evaluated accuracy; diverged seeds
-    are counted, never averaged."""
-    ok = np.array([r["eval/accuracy"] for r in rs if "diverged" not in r]) * 100
-    best = np.array([r["eval/best_accuracy"] for r in rs if "diverged" not in r]) * 100
+    """Final accuracy, median [min, max] over the seeds that finished, and the median best evaluated accuracy;
+    diverged seeds are counted, never averaged."""
+    ok = [100 * r["eval/accuracy"] for r in rs if "diverged" not in r]
+    best = [100 * r["eval/best_accuracy"] for r in rs if "diverged" not in r]
     bad = len(rs) - len(ok)
-    cell = f"{ok.mean():.2f} ± {ok.std():.2f} (best {best.mean():.2f})" if len(ok) else ""
+    cell = f"{median_range(ok)} (best {np.median(best):.2f})" if ok else ""
     return cell + (f" (diverged: {bad}/{len(rs)} seeds)" if bad else "")
+
+
+def versus(seeded: dict, alphas, reference: str = "SplitFed") -> str:
+    """Each method's final accuracy minus ``reference``'s, paired by seed (the seeds both finished), per alpha:
+    median [min, max] and each seed's. ``seeded[(method, alpha)]``: ``{seed: result}``."""
+    lines = [f"| method minus {reference} | alpha | accuracy difference (points), paired by seed | per seed |",
+             "|---|---|---|---|"]
+    for method, _ in METHODS:
+        for a in alphas:
+            mine, ref = seeded.get((method, a), {}), seeded.get((reference, a), {})
+            both = [s for s in sorted(mine) if s in ref and "diverged" not in mine[s] and "diverged" not in ref[s]]
+            if method == reference or not both:
+                continue
+            d = [100 * (mine[s]["eval/accuracy"] - ref[s]["eval/accuracy"]) for s in both]
+            lines.append(f"| {method} | {a} | {median_range(d, '+.2f')} | "
+                         f"{', '.join(f'{x:+.2f} (seed {s})' for s, x in zip(both, d))} |")
+    return "\n".join(lines)
 
 
 ARMS = [("Ampere, equal epochs", True), ("Ampere without consolidation, equal epochs", False)]
@@ -114,11 +132,12 @@ def figure(results, alphas) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, _ in METHODS:
+    for method, _ in METHODS:  # median over seeds, bars from min to max; diverged seeds are left out
         acc = [np.array([r["eval/accuracy"] for r in results[(method, a)] if "diverged" not in r] or [np.nan]) * 100
                for a in alphas]
-        ax.errorbar([str(a) for a in alphas], [a.mean() for a in acc], yerr=[a.std() for a in acc], marker="o",
-                    capsize=3, label=method)
+        med = np.array([np.median(a) for a in acc])
+        ax.errorbar([str(a) for a in alphas], med, yerr=[med - [a.min() for a in acc], [a.max() for a in acc] - med],
+                    marker="o", capsize=3, label=method)
     ax.set_xlabel("alpha (Ampere's Dirichlet scheme; 1 is about IID)"), ax.set_ylabel("test accuracy (%)")
     ax.set_title("Fashion-MNIST, 10 devices, small CNN split after its first layer")
     ax.grid(alpha=0.3), ax.legend(fontsize=8)
@@ -150,9 +169,13 @@ def main() -> int:
                  for s in args.seeds]
     done = run_all("ampere-fmnist", todo, one, args.jobs)
     results: dict = {}
+    seeded: dict = {}
     for job, res in done:
         results.setdefault((job[0], job[2]), []).append(res)
+        seeded.setdefault((job[0], job[2]), {})[job[3]] = res
     print(table(results, args.alphas))
+    print()
+    print(versus(seeded, args.alphas))
     if args.ablations:
         print(f"\nAmpere without consolidation, alpha=0.33: {_acc(results[('Ampere without consolidation', 0.33)])}")
     if args.methods is None:
