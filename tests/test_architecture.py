@@ -201,7 +201,7 @@ def test_no_import_cycle_whatever_is_imported_first():
 
 
 @pytest.mark.parametrize("layer", ["raysplit.models", "raysplit.data", "raysplit.metrics", "raysplit.losses",
-                                   "raysplit.gaussian"])
+                                   "raysplit.gaussian", "raysplit.privacy"])
 def test_building_blocks_import_neither_ray_nor_mlflow(layer):
     """design.md: building blocks know neither Ray nor MLflow (nor Tune): nothing they import at module level, in
     raysplit or directly, is one of those."""
@@ -214,7 +214,8 @@ def test_building_blocks_import_neither_ray_nor_mlflow(layer):
 
 @pytest.mark.subprocess
 def test_building_blocks_import_neither_ray_nor_mlflow_in_a_fresh_interpreter():
-    code = ("import sys, raysplit.models, raysplit.data, raysplit.metrics, raysplit.losses, raysplit.gaussian; "
+    code = ("import sys, raysplit.models, raysplit.data, raysplit.metrics, raysplit.losses, raysplit.gaussian, "
+            "raysplit.privacy; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
