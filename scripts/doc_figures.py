@@ -181,7 +181,7 @@ def produce(config: Path = CONFIG) -> dict[str, str]:
     clock = (f"{c.client_flops:.0e}".replace("e+", "e") + f" FLOP/s per client, {c.up_bandwidth / 1e6:g} MB/s up and "
              f"{c.down_bandwidth / 1e6:g} MB/s down per client") if c.profile == "homogeneous" else c.profile
     print(f"wall clock (not checked, not written to the page): {time.perf_counter() - t0:.0f} s in all, the rounds "
-          f"{final.get('wall_time', float('nan')):.0f} s", flush=True)
+          f"{final.get('time/wall', float('nan')):.0f} s", flush=True)
     return figures(cfg.seed, evals, final, clock)
 
 
