@@ -90,6 +90,8 @@ GROUPED = {
     "grad_norm_std_all": "summary/grad_norm_std", "sim_time_total": "summary/sim_time",
     "wall_time_total": "summary/wall_time",
 }
+# the metrics that measure the machine rather than the method: left out wherever two runs are held to the same numbers
+WALL_CLOCK = frozenset({"time/wall", "time/wall_round", "time/server_busy", "summary/wall_time"})
 _PATTERNS = [(re.compile(r"label_acc_(\d+)"), r"eval/label_acc/\1"),
              (re.compile(r"position_acc_(\d+)"), r"eval/position_acc/\1"),
              (re.compile(r"(bytes_\w+)"), r"comm/\1")]

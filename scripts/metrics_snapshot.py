@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from raysplit.metrics import grouped_name  # noqa: E402
-
-WALL = {"time/wall", "time/wall_round", "summary/wall_time", "time/server_busy"}  # grouped names (grouped_name)
+from raysplit.metrics import WALL_CLOCK, grouped_name  # noqa: E402
 
 CASES: dict[str, tuple[str, list[str]]] = {
     "quickstart": ("configs/quickstart.yaml", []),
@@ -57,7 +55,7 @@ def run(out_path: str, cases: list[str]) -> None:
         client = MlflowClient(uri)
         hist = {}
         for k in sorted(client.get_run(final["run_id"]).data.metrics):
-            if grouped_name(k) not in WALL:
+            if grouped_name(k) not in WALL_CLOCK:
                 hist[k] = [(m.step, m.value) for m in sorted(client.get_metric_history(final["run_id"], k),
                                                               key=lambda m: (m.step, m.timestamp))]
         out[name] = hist

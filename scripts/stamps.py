@@ -49,15 +49,15 @@ def short_names_fingerprint(method: str) -> str | None:
     were grouped names that digest; it matches only if every value and every metric is still the same, so a rename
     alone leaves such a page current and any change of behaviour still fails it. None if the record cannot be read
     that way (not a golden record)."""
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if p not in sys.path]
+    from golden import dumps
     from raysplit.metrics import short_name
 
     record = json.loads((GOLDEN / f"{method}.json").read_text())
     if not isinstance(record.get("rounds"), list):
         return None
     record["rounds"] = [{(k if k == "round" else short_name(k)): v for k, v in r.items()} for r in record["rounds"]]
-    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    return hashlib.sha256(dumps(record).encode()).hexdigest()[:12]
 
 
 def _sections(text: str) -> list[tuple[str | None, int, int]]:
@@ -147,7 +147,7 @@ def check() -> int:
                 continue
             for method, fp in data["methods"].items():
                 now = fingerprint(method)
-                if fp not in (now, short_names_fingerprint(method)):
+                if fp != now and fp != short_names_fingerprint(method):
                     changed.append(f"{where}: {method} changed since the page was made at {data['commit']} "
                                    f"(golden {fp} then, {now} now): rerun `{data['command']}` and restamp")
     for line in stale:

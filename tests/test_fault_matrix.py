@@ -20,11 +20,11 @@ import pytest
 
 import raysplit.experiment as experiment
 from helpers import capture_runtimes, make_config
+from raysplit.metrics import WALL_CLOCK
 from raysplit.runtime import runtime_for
 
 pytestmark = [pytest.mark.faults]
 
-WALL_CLOCK = ("time/wall", "time/wall_round", "time/server_busy")
 FMNIST = {"data.dataset": "fashion_mnist", "data.root": None, "data.options": {}, "data.max_train_samples": 1200,
           "data.max_test_samples": 500}
 

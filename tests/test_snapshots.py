@@ -10,6 +10,7 @@ import pytest
 from helpers import make_config
 from raysplit.errors import ActorFailure
 from raysplit.experiment import prepare
+from raysplit.metrics import WALL_CLOCK
 from raysplit.runtime import runtime_for
 from raysplit.runtime.drivers import RoundGuard
 from raysplit.runtime.snapshots import SnapshotStore
@@ -107,6 +108,5 @@ def test_a_round_redone_after_it_was_reported_is_reported_once(ray_session, tmp_
     want = []
     run_experiment(make_config(tmp_path / "ref", None, **{**over, "runtime.backend": "local"}),
                    on_round=lambda r, m: want.append((r, m)))
-    wall = ("time/wall", "time/wall_round", "time/server_busy")
-    assert [{k: v for k, v in m.items() if k not in wall} for _, m in seen] == \
-        [{k: v for k, v in m.items() if k not in wall} for _, m in want]
+    assert [{k: v for k, v in m.items() if k not in WALL_CLOCK} for _, m in seen] == \
+        [{k: v for k, v in m.items() if k not in WALL_CLOCK} for _, m in want]
