@@ -13,7 +13,7 @@ Two arms per (labels, seed), one process each, cached as JSON under docs/results
   2020, with Semi-SFL's teacher as its code builds it: ``pseudo_label_ce``, ``ema_update``, ``teacher_mode`` and
   ``Augmenter`` are raysplit's own, the ones the split method runs).
 
-The labelled set is class-balanced and drawn with the seed (as ``data.n_labeled`` draws it); every other training
+The labelled set is the one ``data.n_labeled`` draws for the seed (``labeled_split``, the same indices); every other training
 image is unlabelled; the test set is Fashion-MNIST's 10,000 images. Optimizer as the config's: SGD lr 0.02, Nesterov
 momentum 0.9, weight decay 5e-4, cosine to 0.005 over the steps. Prints per labels count the final test accuracy of
 each arm (median [min, max] over seeds, the student; the teacher's is in the cache) and fixmatch minus supervised
@@ -37,12 +37,11 @@ OUT = HERE / ".semisfl_premise"
 
 
 def labelled_indices(y: np.ndarray, n: int, seed: int) -> np.ndarray:
-    """``n`` class-balanced training indices (n // classes per class; the remainder to the first classes)."""
-    rng = np.random.default_rng(seed)
-    classes = np.unique(y)
-    per = [n // len(classes) + (1 if i < n % len(classes) else 0) for i in range(len(classes))]
-    return np.sort(np.concatenate([rng.choice(np.flatnonzero(y == c), k, replace=False)
-                                   for c, k in zip(classes, per)]))
+    """The labelled set the split method draws for ``data.n_labeled: n`` and ``seed`` (raysplit's own
+    ``labeled_split`` with the generator ``experiment`` seeds it with), so both arms and Semi-SFL share it."""
+    from raysplit.data.partition import labeled_split
+
+    return np.sort(labeled_split(y, n, np.random.default_rng([seed, 4]))[0])
 
 
 def run(arm: str, labels: int, seed: int, steps: int, batch: int, mu: int, tau: float, gamma: float,
@@ -107,7 +106,7 @@ def run(arm: str, labels: int, seed: int, steps: int, batch: int, mu: int, tau: 
 
 def cached(job: tuple, args) -> dict:
     arm, labels, seed = job
-    out = OUT / f"{arm}_l{labels}_s{seed}_t{args.steps}_b{args.batch}_mu{args.mu}.json"
+    out = OUT / f"{arm}_l{labels}_s{seed}_t{args.steps}_b{args.batch}_mu{args.mu}_split.json"  # _split: labeled_split's set
     if out.is_file():
         return json.loads(out.read_text())
     res = run(arm, labels, seed, args.steps, args.batch, args.mu, args.tau, args.gamma, args.lam, args.every)
