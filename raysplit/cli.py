@@ -59,6 +59,14 @@ def _cmd_list(args) -> int:
     print("partitioners:")
     for n in sorted(PARTITIONERS):
         print(f"  {n}")
+    from raysplit.privacy import ATTACKS, DEFENCES
+
+    print("privacy defences (privacy.defence.kind):")
+    for n, d in DEFENCES.items():
+        print(f"  {n:<14} {d}")
+    print("privacy attacks (privacy.attack.kind):")
+    for n, d in ATTACKS.items():
+        print(f"  {n:<14} {d}")
     return 0
 
 
@@ -100,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.rounds=5")
     r.add_argument("--resume", metavar="RUN_ID", help="continue an MLflow run from its last checkpoint")
     r.set_defaults(fn=_cmd_run)
-    ls = sub.add_parser("list", help="algorithms (with their parameters), models, datasets, partitioners")
+    ls = sub.add_parser("list", help="algorithms (with their parameters), models, datasets, partitioners, "
+                        "privacy defences and attacks")
     ls.add_argument("algorithm", nargs="?", help="show one algorithm's parameters, defaults and descriptions; "
                     "'config': every config key with its type, default and description (docs/config.md)")
     ls.set_defaults(fn=_cmd_list)

@@ -406,6 +406,43 @@ class ClockConfig(_Strict):
                                 "simulated time (false: only client compute and uploads, as GAS's code)")
 
 
+class DefenceConfig(_Strict):
+    kind: Literal["none", "noise", "nopeek", "quantize"] = Field(default="none", description="what a client does "
+                                                                 "to its activations before they leave "
+                                                                 "(raysplit list: the defences)")
+    sigma: float = Field(default=0.0, ge=0, le=100, description="noise: noise multiplier (std = sigma x clip; "
+                         "sigma alone without a clip, then no epsilon)")
+    clip: float | None = Field(default=None, gt=0, description="noise: each sample's activation clipped to this L2 "
+                               "norm first (the sensitivity; needed for an epsilon)")
+    alpha: float = Field(default=0.0, ge=0, le=100, description="nopeek: weight of the distance correlation term")
+    bits: int = Field(default=8, ge=1, le=16, description="quantize: bits per value")
+    delta: float = Field(default=1e-5, gt=0, lt=1, description="noise: the delta epsilon is reported at")
+
+    @model_validator(mode="after")
+    def _strength(self):
+        if self.kind == "nopeek" and self.alpha == 0:
+            raise ValueError("privacy.defence.alpha must be > 0 for kind nopeek (0 is no defence: kind none)")
+        return self
+
+
+class AttackConfig(_Strict):
+    kind: Literal["none", "reconstruction"] = Field(default="none", description="what the server tries to learn "
+                                                    "(raysplit list: the attacks)")
+    aux_size: int = Field(default=1000, ge=10, description="reconstruction: the attacker's auxiliary set, the test "
+                          "set's last aux_size inputs")
+    victims: int = Field(default=2, ge=1, description="reconstruction: scored on clients 0 .. victims-1")
+    samples: int = Field(default=64, ge=1, description="reconstruction: training inputs scored per victim")
+    epochs: int = Field(default=10, ge=0, description="reconstruction: the decoder MLP's passes over the auxiliary "
+                        "set (after its closed-form linear part)")
+    hidden: int = Field(default=512, ge=1, description="reconstruction: the decoder MLP's hidden units")
+
+
+class PrivacyConfig(_Strict):
+    defence: DefenceConfig = Field(default=DefenceConfig(), description="client-side defence at the cut")
+    attack: AttackConfig = Field(default=AttackConfig(), description="honest-but-curious server's attack, scored "
+                                 "at every evaluation (privacy/ metrics)")
+
+
 class TrackingConfig(_Strict):
     enabled: bool = Field(default=True, description="False: no MLflow run (a Tune callback records the trial)")
     uri: str | None = Field(default=None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
@@ -435,6 +472,8 @@ class ExperimentConfig(_Strict):
     clock: ClockConfig = Field(default=ClockConfig(), description="the simulated clock's client and server "
                                    "speeds")
     tracking: TrackingConfig = Field(default=TrackingConfig(), description="MLflow, checkpoints, progress")
+    privacy: PrivacyConfig = Field(default=PrivacyConfig(), description="attacks and defences at the cut "
+                                   "(raysplit/privacy.py); off by default")
 
     @model_validator(mode="before")
     @classmethod

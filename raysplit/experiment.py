@@ -153,6 +153,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         client_state_bytes=(int(cfg.runtime.placement.client_state_mb * 2**20)
                             if cfg.runtime.placement.client_state_mb else None),
         spill_dir=cfg.runtime.placement.spill_dir,
+        privacy=privacy_spec(cfg, alg, cut, tuple(spec_d.input_shape), x_te, num_clients),
     )
     inputs = RuntimeInputs(
         spec=spec, client_host=alg.client_host, server_host=alg.server_host,
@@ -164,6 +165,39 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     )
     return Prepared(cfg, alg, inputs, sample_stream(cfg.seed, num_clients, m, cfg.train.rounds), eval_mode,
                     spec_d.num_classes, counts, partition_summary(counts), cut, cut_name, dataset)
+
+
+def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_clients: int):
+    """The ``privacy`` section as the hosts get it (None: off), checked against the method and the data before
+    any actor starts: a defence or an attack needs a cut whose activations reach the server; the reconstruction
+    attack needs images and an auxiliary set the test set can give; NoPeek needs the client's loss, which
+    Ampere's device phase (its own local loss) does not take yet."""
+    from raysplit.privacy import PrivacySpec
+
+    d, a = cfg.privacy.defence, cfg.privacy.attack
+    if d.kind == "none" and a.kind == "none":
+        return None
+    on = "privacy.attack.kind" if a.kind != "none" else "privacy.defence.kind"
+    if cut is None:
+        raise ConfigError(f"{on}: {alg.name} sends no activations to a server (no cut); nothing to "
+                          f"{'attack' if on.endswith('attack.kind') else 'defend'} at the cut")
+    if d.kind == "nopeek" and alg.name == "ampere":
+        raise ConfigError("privacy.defence.kind=nopeek: ampere's device phase trains on its own auxiliary loss, "
+                          "which the NoPeek term is not added to (noise and quantize apply to its one-shot export)")
+    aux = None
+    if a.kind == "reconstruction":
+        if len(input_shape) != 3:
+            raise ConfigError(f"privacy.attack.kind=reconstruction scores images (channels, height, width); "
+                              f"{cfg.data.dataset}'s inputs have shape {input_shape}")
+        if a.aux_size >= len(x_te):
+            raise ConfigError(f"privacy.attack.aux_size={a.aux_size} must be smaller than the test set "
+                              f"({len(x_te)} inputs): the auxiliary set is the test set's last aux_size inputs")
+        if a.victims > num_clients:
+            raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
+        aux = np.ascontiguousarray(x_te[len(x_te) - a.aux_size:])
+    return PrivacySpec(defence=d.kind, sigma=d.sigma, clip=d.clip, alpha=d.alpha, bits=d.bits, delta=d.delta,
+                       attack=a.kind, aux_x=aux, victims=tuple(range(a.victims)), samples=a.samples,
+                       epochs=a.epochs, hidden=a.hidden)
 
 
 def _atomic_save(obj, path: Path) -> None:

@@ -49,3 +49,26 @@ def plot_positions(rounds: list[int], pos_acc: np.ndarray, labels: list[int], pa
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_reconstructions(pairs: list[tuple[np.ndarray, np.ndarray]], path: str, title: str = "") -> None:
+    """A grid of images: per victim client, a row of its inputs and below it the attacker's reconstructions
+    (``pairs``: per client (inputs, reconstructions), each (n, channels, height, width)); each image scaled to
+    its own range. Colour images are shown as RGB, others by their first channel."""
+    rows = [img for x, r in pairs for img in (x, r)]
+    n = max(len(r) for r in rows)
+    fig, axes = plt.subplots(len(rows), n, figsize=(1.1 * n, 1.15 * len(rows)), squeeze=False)
+    for i, imgs in enumerate(rows):
+        for j in range(n):
+            ax = axes[i][j]
+            ax.axis("off")
+            if j < len(imgs):
+                im = imgs[j].astype(float)
+                im = (im - im.min()) / max(im.max() - im.min(), 1e-12)
+                ax.imshow(im.transpose(1, 2, 0) if im.shape[0] == 3 else im[0], cmap=None if im.shape[0] == 3
+                          else "gray")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -15,13 +15,35 @@ client sends, and what it spends.
   batches without replacement, a common approximation that the page reporting epsilon states.
 - ``quantize``: uniform quantization of a tensor to ``bits`` bits (min-max per tensor), its cost in bytes.
 
-The hooks that put these at the cut (client side) and the attacks that watch the server's inputs are issue 31's
-next step; off, none of them is called.
+At the cut: ``PrivacySpec`` (what the ``privacy`` config section resolves to, shipped to the hosts) and ``CutDefence``
+(what a client host applies to each activation before it leaves, and the loss term it adds); the reconstruction
+attack's pieces: ``train_decoder`` and ``reconstruction_scores`` (SSIM and PSNR from torchmetrics). Off
+(``privacy.defence.kind: none``), no host calls any of them and a run's results are those of a run without the
+section, bit for bit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+
+DEFENCES = {
+    "none": "no defence: activations leave the client as computed",
+    "noise": "Gaussian mechanism per sample (clip each activation to L2 norm clip, add N(0, (sigma clip)^2)); "
+             "epsilon per client with dp_accounting's RDP accountant",
+    "nopeek": "NoPeek (Vepakomma et al. 2020): alpha x distance correlation of inputs and activations added to "
+              "the client's loss",
+    "quantize": "uniform quantization of each activation batch to bits bits (min-max), charged at its size",
+}
+ATTACKS = {
+    "none": "no attack",
+    "reconstruction": "input reconstruction from activations: a decoder trained on an auxiliary public set (the "
+                      "test set's last aux_size images) through the client part; SSIM/PSNR/MSE on clients' "
+                      "training inputs it never saw (He et al., 'Model inversion attacks against collaborative "
+                      "inference', ACSAC 2019, the query-free 'inverse network')",
+}
 
 
 def _centered_distances(a: torch.Tensor) -> torch.Tensor:
@@ -91,7 +113,17 @@ class GaussianAccountant:
         self._acc.compose(ev if q == 1 else self._event.PoissonSampledDpEvent(q, ev), int(steps))
 
     def epsilon(self, delta: float) -> float:
-        return float(self._acc.get_epsilon(delta))
+        """Epsilon at ``delta``. The library logs a warning for each fractional order whose series does not
+        converge (small sigma) and leaves that order out; those warnings are silenced here, the result is its."""
+        import logging
+
+        log = logging.getLogger("absl")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            return float(self._acc.get_epsilon(delta))
+        finally:
+            log.setLevel(level)
 
 
 def quantize(z: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
@@ -104,3 +136,121 @@ def quantize(z: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     step = (hi - lo) / levels if hi > lo else torch.ones((), dtype=z.dtype)
     q = torch.round((z - lo) / step).clamp(0, levels)
     return lo + q * step, (z.numel() * bits + 7) // 8 + 8
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """The ``privacy`` config section as the hosts get it (plain values). ``aux_x``: the attack's auxiliary
+    inputs (raw, as the dataset stores them); ``victims``: the clients whose training inputs the attack is scored
+    on."""
+
+    defence: str = "none"
+    sigma: float = 0.0
+    clip: float | None = None
+    alpha: float = 0.0
+    bits: int = 8
+    delta: float = 1e-5
+    attack: str = "none"
+    aux_x: np.ndarray | None = None
+    victims: tuple[int, ...] = ()
+    samples: int = 64
+    epochs: int = 30
+    hidden: int = 512
+
+    @property
+    def accounted(self) -> bool:
+        """Whether the defence spends a privacy budget an accountant can count (noise with a clip)."""
+        return self.defence == "noise" and self.sigma > 0 and self.clip is not None
+
+
+class CutDefence:
+    """A client's side of the cut under ``privacy.defence``: ``release`` turns the activation ``z`` into what is
+    sent (the graph kept through the clip and, for quantization, a straight-through estimator, so the server's
+    gradient reaches the client part) and the bytes it takes (None: the float tensor's own); ``loss`` is NoPeek's
+    term on (inputs, activation) or None; ``epsilon`` the budget a client has spent after its releases."""
+
+    def __init__(self, spec: PrivacySpec):
+        self.spec = spec
+
+    def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        s = self.spec
+        if s.defence == "noise":
+            return clip_and_noise(z, s.clip, s.sigma), None
+        if s.defence == "quantize":
+            q, nbytes = quantize(z.detach(), s.bits)
+            return z + (q - z.detach()), nbytes
+        return z, None
+
+    def loss(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor | None:
+        return nopeek_loss(x, z, self.spec.alpha) if self.spec.defence == "nopeek" and self.spec.alpha > 0 else None
+
+    def epsilon(self, releases: dict[float, int]) -> float:
+        """Epsilon at ``spec.delta`` after ``releases`` ({sampling rate: count}); 0 before any release."""
+        if not releases:
+            return 0.0
+        acc = GaussianAccountant(self.spec.sigma)
+        for q, n in sorted(releases.items()):
+            acc.record(min(q, 1.0), n)
+        return acc.epsilon(self.spec.delta)
+
+
+class _Decoder(torch.nn.Module):
+    """Ridge regression from activations to inputs (fitted in closed form) plus an MLP on what it leaves."""
+
+    def __init__(self, z_ref: torch.Tensor, coef: torch.Tensor, mean: torch.Tensor, mlp: torch.nn.Module):
+        super().__init__()
+        self.register_buffer("z_ref", z_ref)
+        self.register_buffer("coef", coef)
+        self.register_buffer("mean", mean)
+        self.mlp = mlp
+
+    def linear(self, z: torch.Tensor) -> torch.Tensor:
+        return (z @ self.z_ref.T) @ self.coef + self.mean
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = z.reshape(len(z), -1).float()
+        return self.linear(z) + self.mlp(z)
+
+
+def train_decoder(z: torch.Tensor, x: torch.Tensor, epochs: int, hidden: int, seed: int,
+                  batch: int = 64, lr: float = 1e-3, ridge: float = 1e-3) -> torch.nn.Module:
+    """The attacker's inverse network (He et al. 2019's query-free attack, fitted on (activation, input) pairs of
+    the auxiliary set): ridge regression from flattened activations to flattened inputs, in closed form (its dual,
+    so wide activations cost n x n), with ``ridge`` x the kernel's mean diagonal as its penalty; then an MLP
+    (``hidden`` units) fitted with Adam on the mean squared error of what the linear map leaves, ``epochs``
+    passes. Deterministic in ``seed``. Returns a module from activations (any shape) to flattened inputs."""
+    g = torch.Generator().manual_seed(seed)
+    zf = z.detach().reshape(len(z), -1).double()
+    xf = x.detach().reshape(len(x), -1).double()
+    mean = xf.mean(0)
+    k = zf @ zf.T
+    lam = ridge * float(k.diagonal().mean().clamp_min(1e-12))
+    coef = torch.linalg.solve(k + lam * torch.eye(len(k), dtype=k.dtype), xf - mean)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mlp = torch.nn.Sequential(torch.nn.Linear(zf.shape[1], hidden), torch.nn.ReLU(),
+                                  torch.nn.Linear(hidden, xf.shape[1]))
+    dec = _Decoder(zf.float(), coef.float(), mean.float(), mlp)
+    zf, rest = zf.float(), (xf - dec.linear(zf.float()).double()).float()
+    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(zf), generator=g).split(batch):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(mlp(zf[idx]), rest[idx]).backward()
+            opt.step()
+    return dec.eval()
+
+
+@torch.no_grad()
+def reconstruction_scores(x: torch.Tensor, x_hat: torch.Tensor) -> dict[str, float]:
+    """How close reconstructions ``x_hat`` are to the images ``x`` (N, C, H, W): SSIM and PSNR (torchmetrics),
+    both on the data range of ``x`` (reconstructions clamped to it), and the mean squared error."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    x, x_hat = x.float(), x_hat.reshape(x.shape).float()
+    lo, hi = float(x.min()), float(x.max())
+    xh = x_hat.clamp(lo, hi)
+    k = min(11, *(d - (1 - d % 2) for d in x.shape[2:]))  # an odd window no larger than the image
+    return {"ssim": float(structural_similarity_index_measure(xh, x, data_range=(lo, hi), kernel_size=k)),
+            "psnr": float(peak_signal_noise_ratio(xh, x, data_range=(lo, hi))),
+            "mse": float(torch.nn.functional.mse_loss(x_hat, x))}

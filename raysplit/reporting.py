@@ -58,6 +58,8 @@ def round_metrics(stats) -> dict:
         "client_flops": sum(c.get("flops", 0) for c in cl), "server_flops": srv.get("flops", 0.0),
         "server_busy_s": srv.get("busy_wall", 0.0), **srv.get("metrics", {}),
         **{k: sum(c.get(k, 0) for c in cl) for k in BYTE_KINDS},  # the traffic by what it carries
+        **({"privacy/epsilon": max(c["dp_epsilon"] for c in cl if "dp_epsilon" in c)}  # the round's most spent
+           if any("dp_epsilon" in c for c in cl) else {}),
     }
 
 
@@ -148,6 +150,8 @@ class Reporter:
                                 for c, st in sorted(stats.clients.items()))
         if (rnd + 1) % cfg.eval.every == 0 or last:
             m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
+            if cfg.privacy.attack.kind == "reconstruction":
+                m.update(self._attack(rnd, rt))
         hist.add("train_loss", rnd, m["train_loss"])
         hist.last_round = rnd
         dropped = dropped_clients(stats) if cfg.runtime.faults.on_bad_client == "drop" else None
@@ -155,6 +159,8 @@ class Reporter:
             m["dropped_clients"] = len(dropped)
         train_loss = m["train_loss"]
         m = M.grouped(m)  # the names a run's metrics leave it with (eval/accuracy, comm/bytes_up, ...)
+        if "privacy/epsilon" in self.final:  # the most any client has spent so far, also in a round it sat out
+            m["privacy/epsilon"] = max(m.get("privacy/epsilon", 0.0), self.final["privacy/epsilon"])
         todo = {k: v for k, v in m.items() if self.logged.get(k, -1) < rnd}
         if todo:
             self.tracker.log_metrics(todo, step=rnd)
@@ -217,6 +223,14 @@ class Reporter:
             hist.add(k, rnd, ev[k])
         return ev
 
+    def _attack(self, rnd: int, rt) -> dict:
+        """The reconstruction attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``,
+        ``dcor``);
+        the last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
+        per = rt.reconstruction(list(self.prepared.inputs.spec.privacy.victims), rnd)
+        self.reconstructions = [per[c]["images"] for c in sorted(per)]
+        return {f"privacy/{k}": float(np.mean([per[c][k] for c in per])) for k in ("ssim", "psnr", "mse", "dcor")}
+
     def finish(self, totals: dict[int, dict], ckpt_path: Path) -> dict:
         """Summary metrics and the end-of-run artifacts; returns the last round's metrics plus ``run_id``."""
         from raysplit.plots import plot_curves, plot_label_heatmap, plot_positions
@@ -243,6 +257,13 @@ class Reporter:
                 self._csv("position_accuracy.csv",
                           ["round"] + [f"position_{i}_label_{lab}" for i, lab in enumerate(self.positions)],
                           ([r] + row.tolist() for r, row in zip(hist.rounds, pos_acc)))
+        if getattr(self, "reconstructions", None):
+            from raysplit.plots import plot_reconstructions
+
+            plot_reconstructions(self.reconstructions, str(out / "reconstructions.png"),
+                                 title=f"{cfg.name}: inputs (top) and the server's reconstructions, round "
+                                       f"{hist.last_round}")
+            tr.log_artifact(out / "reconstructions.png")
         self._csv("client_rounds.csv", ["round", "client", *CLIENT_KEYS], hist.client_rows)
         keys = ["rounds", "steps", "bytes_up", "bytes_down", "flops", *BYTE_KINDS, "t_last"]
         self._csv("client_accounting.csv", ["client"] + keys,

@@ -81,3 +81,111 @@ def test_quantize_error_and_bytes():
     assert len(torch.unique(quantize(z, 2)[0])) == 4
     with pytest.raises(ValueError, match="bits"):
         quantize(z, 0)
+
+
+# ---- at the cut: the defences in a run, the attack, bad input --------------------------------------------------
+from helpers import assert_identical_runs, make_config, run_rounds  # noqa: E402
+
+from raysplit.errors import ConfigError  # noqa: E402
+from raysplit.privacy import reconstruction_scores, train_decoder  # noqa: E402
+
+
+def local(tmp_path, mlflow_uri, **kw):
+    return make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", **kw})
+
+
+@pytest.mark.parametrize("alg", ["sflv2", "psl", "gas"])
+def test_noise_at_sigma_zero_without_clip_equals_the_undefended_run(tmp_path, mlflow_uri, alg):
+    """The defence's path (its seeded noise stream, the release, the bytes) changes nothing when it adds nothing."""
+    off = run_rounds(local(tmp_path, mlflow_uri, **{"algorithm.name": alg}))
+    on = run_rounds(local(tmp_path, mlflow_uri, **{"algorithm.name": alg, "privacy.defence.kind": "noise",
+                                                   "privacy.defence.sigma": 0.0}))
+    assert on[2].inputs.spec.privacy is not None  # the defence really ran
+    assert_identical_runs(off, on)
+    for a, b in zip(off[3], on[3], strict=True):
+        assert {c: v["bytes_up"] for c, v in a.clients.items()} == {c: v["bytes_up"] for c, v in b.clients.items()}
+
+
+def test_noise_changes_the_run_and_epsilon_is_the_accountants(tmp_path, mlflow_uri):
+    """Each client's reported epsilon is dp_accounting's for its releases: one per step, at rate batch / its
+    samples, noise multiplier sigma; the noise reaches the server (the weights differ from the undefended run)."""
+    sigma, delta = 1.5, 1e-5
+    off = run_rounds(local(tmp_path, mlflow_uri))
+    on = run_rounds(local(tmp_path, mlflow_uri, **{"privacy.defence.kind": "noise", "privacy.defence.sigma": sigma,
+                                                   "privacy.defence.clip": 5.0, "privacy.defence.delta": delta}))
+    assert any(not torch.equal(off[1][k], on[1][k]) for k in off[1])
+    sizes = {c: len(v) for c, v in enumerate(on[2].inputs.train_idx)}
+    steps = {c: 0 for c in sizes}
+    for st in on[3]:
+        for c, v in st.clients.items():
+            steps[c] += v["steps"]
+            acc = GaussianAccountant(sigma)
+            acc.record(round(16 / sizes[c], 12), steps[c])
+            assert v["dp_epsilon"] == pytest.approx(acc.epsilon(delta), rel=1e-9)
+    assert all(s == 8 for s in steps.values())  # 2 rounds x 4 local steps: the count above is not vacuous
+
+
+def test_quantize_charges_the_quantized_bytes(tmp_path, mlflow_uri):
+    off = run_rounds(local(tmp_path, mlflow_uri))
+    on = run_rounds(local(tmp_path, mlflow_uri, **{"privacy.defence.kind": "quantize", "privacy.defence.bits": 4}))
+    numel = 16 * 16 * 8 * 8  # batch 16 of cnn_small's conv1 activation on 8x8 digits: 16 channels x 8 x 8
+    labels = 16 * 8
+    for a, b in zip(off[3], on[3], strict=True):
+        for c in a.clients:
+            n = a.clients[c]["steps"]
+            assert a.clients[c]["bytes_up_activations"] == n * (numel * 4 + labels)
+            assert b.clients[c]["bytes_up_activations"] == n * (numel // 2 + 8 + labels)
+
+
+def test_decoder_inverts_an_identity_client_part_and_not_noise():
+    from raysplit.data.datasets import load_digits, to_tensor
+
+    data = load_digits()
+    aux = to_tensor(data.x_test[:300], data.spec)
+    victims = to_tensor(data.x_train[:64], data.spec)
+    dec = train_decoder(aux, aux, epochs=10, hidden=256, seed=0)
+    assert reconstruction_scores(victims, dec(victims))["ssim"] > 0.95
+    g = torch.Generator().manual_seed(0)
+    dec = train_decoder(torch.randn(300, 64, generator=g), aux, epochs=10, hidden=256, seed=0)
+    scores = reconstruction_scores(victims, dec(torch.randn(64, 64, generator=g)))
+    assert scores["ssim"] < 0.3 and scores["psnr"] < 15
+
+
+def test_attack_and_nopeek_end_to_end_in_mlflow(tmp_path, mlflow_uri):
+    """A run with the attack logs privacy/ssim, psnr, mse and dcor at each evaluation and the reconstruction grid;
+    NoPeek's term lowers the distance correlation of the victims' inputs and what the server receives."""
+    from mlflow.tracking import MlflowClient
+
+    from raysplit.experiment import run_experiment
+
+    common = {"privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 200, "privacy.attack.epochs": 2,
+              "train.rounds": 3, "train.local_steps": 6, "model.cut": "conv2"}
+    plain = run_experiment(local(tmp_path, mlflow_uri, **common))
+    nopeek = run_experiment(local(tmp_path, mlflow_uri, **common, **{"privacy.defence.kind": "nopeek",
+                                                                    "privacy.defence.alpha": 10.0}))
+    for out in (plain, nopeek):
+        assert {"privacy/ssim", "privacy/psnr", "privacy/mse", "privacy/dcor"} <= set(out)
+        assert 0 < out["privacy/ssim"] <= 1 and 0 < out["privacy/dcor"] <= 1
+    assert nopeek["privacy/dcor"] < plain["privacy/dcor"] - 0.05, (nopeek["privacy/dcor"], plain["privacy/dcor"])
+    client = MlflowClient(mlflow_uri)
+    hist = client.get_metric_history(plain["run_id"], "privacy/ssim")
+    assert [m.step for m in hist] == [0, 1, 2]
+    assert "reconstructions.png" in {a.path for a in client.list_artifacts(plain["run_id"])}
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"algorithm.name": "fedavg", "privacy.attack.kind": "reconstruction"}, "privacy.attack.kind"),
+    ({"algorithm.name": "fedavg", "privacy.defence.kind": "quantize"}, "privacy.defence.kind"),
+    ({"privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 100000}, "privacy.attack.aux_size"),
+    ({"privacy.attack.kind": "reconstruction", "privacy.attack.victims": 9}, "privacy.attack.victims"),
+    ({"algorithm.name": "ampere", "privacy.defence.kind": "nopeek", "privacy.defence.alpha": 1.0},
+     "privacy.defence.kind=nopeek"),
+    ({"privacy.defence.kind": "nopeek"}, "privacy.defence.alpha"),
+    ({"privacy.defence.kind": "noise", "privacy.defence.clip": 0}, "privacy.defence.clip"),
+    ({"privacy.defence.kind": "quantize", "privacy.defence.bits": 32}, "privacy.defence.bits"),
+])
+def test_bad_privacy_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, overrides, needle):
+    from raysplit.experiment import prepare
+
+    with pytest.raises((ConfigError, ValueError), match=needle.replace(".", r"\.")):
+        prepare(local(tmp_path, mlflow_uri, **overrides))

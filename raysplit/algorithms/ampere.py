@@ -129,8 +129,12 @@ class AmpereClient(AuxClient):
         x, y = self.batch(idx)
         out, fl = self.flops.run(("export", tuple(x.shape)), lambda: device(x))
         self.charge_compute(cid, fl)
+        nbytes = None
+        if self.defence is not None:  # privacy.defence on the one-shot transfer (each sample released once)
+            out, nbytes = self.defend(Tag(cid, self.round, chunk, f"export_{split}"), x, out,
+                                      count=split == "train" and chunk == 0, rate=1.0)
         feats = out.cpu().contiguous().numpy()  # to the server's activation store
-        t = self.charge_upload(cid, feats.nbytes + y.numpy().nbytes, "activations")
+        t = self.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + y.numpy().nbytes, "activations")
         return feats, y.numpy(), cid, split, t
 
     def set_global(self, msg: StateMsg, receivers=None, only=None) -> None:

@@ -268,6 +268,13 @@ class Runtime:
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                 float(sum(p[2] for p in parts)))
 
+    def reconstruction(self, clients: list[int], rnd: int) -> dict[int, dict]:
+        """``privacy.attack: reconstruction`` against ``clients`` (``ClientHost.reconstruction``), per client."""
+        out: dict[int, dict] = {}
+        for part in self.backend.get(self.workers.reconstruction(clients, rnd)):
+            out.update(part)
+        return out
+
     def client_totals(self) -> dict[int, dict]:
         out: dict[int, dict] = {}
         for part in self.backend.get(self.workers.client_totals()):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from raysplit.clock import ClientProfile, FlopCache
 from raysplit.data import to_tensor
+from raysplit.privacy import CutDefence, distance_correlation, reconstruction_scores, train_decoder
 from raysplit.runtime import transport
 from raysplit.runtime.aggregation import weighted_sum
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
@@ -33,7 +34,7 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
     # per-client mappings that move with a client to another host (``export_clients``); a subclass that keeps
     # per-client state of its own adds its attribute names (the attribute must be a dict keyed by client id)
     client_fields: tuple[str, ...] = ("train_idx", "test_idx", "profiles", "own", "opt_state", "cursor", "clock",
-                                      "totals", "last_active", "job_round", "job_loss")
+                                      "totals", "last_active", "job_round", "job_loss", "dp_releases")
 
     def __init__(self, spec: HostSpec, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
                  test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
@@ -67,6 +68,10 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
         self.last_active: dict[int, float] = {}  # clock at the end of the client's last round
         self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
         self._dirty: set[int] = set(self.train_idx)  # clients changed since the last changed_clients()
+        priv = spec.privacy
+        self.defence = CutDefence(priv) if priv is not None and priv.defence != "none" else None
+        self._leak: dict[Tag, tuple[torch.Tensor, torch.Tensor]] = {}  # NoPeek: (inputs, activation) per tag
+        self.dp_releases: dict[int, dict[float, int]] = {}  # noised releases per client: {sampling rate: count}
 
     # ---- virtual-client bookkeeping -------------------------------------------------------------------------
     def _new_module(self) -> torch.nn.Module:
@@ -203,11 +208,32 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
             x, y = self.inputs(tag, idx)
             encode = self.encoder(tag, slot)
             out, fl = self.flops.run(("fwd", tuple(x.shape)), lambda: encode(x))
+        nbytes = None
+        if self.defence is not None:
+            out, nbytes = self.defend(tag, x, out)
         self.pending[tag] = out
         self.charge_compute(cid, fl)
         msg = Activation(tag, transport.pack(out), y, 0.0, float(len(self.train_idx[cid])))
-        msg.t_sent = self.charge_upload(cid, msg.nbytes, "activations")
+        msg.t_sent = self.charge_upload(cid, msg.nbytes if nbytes is None else nbytes + msg.y.nbytes, "activations")
         return msg
+
+    def defend(self, tag: Tag, x: torch.Tensor, out: torch.Tensor,
+               count: bool = True, rate: float | None = None) -> tuple[torch.Tensor, int | None]:
+        """``privacy.defence`` on the client side of the cut: what leaves instead of ``out`` (noise drawn from its
+        own per-step stream, so the encoder's randomness is unchanged), and its bytes (None: the tensor's own).
+        NoPeek keeps (inputs, activation) for its loss term in :meth:`backward`; a noised release is counted
+        against the client's budget at rate batch / its samples (``count``: not when a checkpoint rebuilds it;
+        ``rate``: another sampling rate, 1 for a transfer of every sample once)."""
+        cid = tag.client
+        with self.seeded(cid, 2, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+            sent, nbytes = self.defence.release(out)
+        if self.defence.spec.defence == "nopeek" and out.requires_grad:
+            self._leak[tag] = (x, out)
+        if count and self.defence.spec.accounted:
+            q = rate if rate is not None else round(len(x) / len(self.train_idx[cid]), 12)
+            book = self.dp_releases.setdefault(cid, {})
+            book[q] = book.get(q, 0) + 1
+        return sent, nbytes
 
     # hooks of forward (a semi-supervised host draws one batch for two streams, augments, has a teacher encoder)
     def batch_indices(self, tag: Tag, batch_size: int | None) -> np.ndarray:
@@ -239,6 +265,7 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
             raise KeyError(f"gradient for {tag} has no pending activation on worker {self.worker_index}; "
                            f"pending: {sorted(self.pending)[:5]}") from None
         self._replay.pop(tag, None)
+        leak = self._leak.pop(tag, None)
         cid = tag.client
         slot = self.slots[cid]
         self.charge_download(cid, grad.nbytes, grad.t_sent, "gradients")
@@ -257,6 +284,8 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
             return self.clock[cid]
         g = transport.unpack(grad.g)
         slot.optimizer.zero_grad(set_to_none=True)
+        if leak is not None:  # NoPeek's term first (its graph is the activation's), then the server's gradient
+            self.defence.loss(*leak).backward(retain_graph=True)
         fl = self.backward_pass(tag, out, g)
         self.before_step(cid, slot)
         slot.optimizer.step()
@@ -362,6 +391,7 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
     def end_round(self) -> dict[int, dict]:
         for tag in [t for t in self.pending if t.client in self.dropped]:  # never answered: its tag was forged
             del self.pending[tag]
+            self._leak.pop(tag, None)
         if self.pending:
             raise RuntimeError(f"worker {self.worker_index}: round {self.round} ended with activations that never "
                                f"got a gradient: {sorted(self.pending)[:5]}")
@@ -375,9 +405,40 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
             self.last_active[c] = self.clock[c]
             if c in self.dropped:
                 out[c]["drop_reason"] = self.dropped[c]
+            if self.defence is not None and self.defence.spec.accounted:
+                out[c]["dp_epsilon"] = self.defence.epsilon(self.dp_releases.get(c, {}))
         return out
 
     # ---- evaluation ----------------------------------------------------------------------------------------
+    def reconstruction(self, cids: list[int], rnd: int) -> dict[int, dict]:
+        """``privacy.attack: reconstruction`` against the clients of ``cids`` this host holds: the attacker's
+        decoder (:func:`train_decoder`) is fitted on the auxiliary set encoded by the client's current model with
+        the client's defence applied (what the server would receive for those inputs), then scored on the first
+        ``samples`` of the client's training inputs in a seeded order, encoded and defended the same way. Runs
+        here because the score needs the inputs (ground truth the attacker never sees). Returns per client its
+        scores, the distance correlation of those inputs and what the server receives for them (``dcor``, the
+        leakage NoPeek minimises), and the first 8 (input, reconstruction) pairs."""
+        priv = self.spec.privacy
+        out = {}
+        for c in [int(c) for c in cids if int(c) in self.train_idx]:
+            module = self.build_module()
+            module.load_state_dict(self._state_of(c))
+            module.eval()
+            encode = self.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
+            order = np.random.default_rng([self.spec.seed, 0xA77, c]).permutation(self.train_idx[c])
+            victim = to_tensor(self.x[np.sort(order[:priv.samples])], self.spec.data_spec)
+            aux = to_tensor(priv.aux_x, self.spec.data_spec)
+            with torch.no_grad(), self.seeded(c, 3, rnd):
+                z_aux = self.defence.release(encode(aux))[0] if self.defence is not None else encode(aux)
+                z_vic = self.defence.release(encode(victim))[0] if self.defence is not None else encode(victim)
+            dec = train_decoder(z_aux, aux, priv.epochs, priv.hidden, seed=self.spec.seed * 7919 + c)
+            with torch.no_grad():
+                rec = dec(z_vic).reshape(victim.shape)
+            out[c] = {**reconstruction_scores(victim, rec), "dcor": float(distance_correlation(victim, z_vic)),
+                      "images": (victim[:8].numpy(), rec[:8].numpy())}
+            self._pool.append(module)
+        return out
+
     @torch.no_grad()
     def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """Each client's own test split through its own client model and the given server model."""

@@ -101,6 +101,8 @@ class ClientMoves:
             x, _ = self.batch(idx)
             with self.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
                 self.pending[tag] = module(x)
+            if self.defence is not None:  # the same release (its noise stream is seeded per step), not counted again
+                self.pending[tag] = self.defend(tag, x, self.pending[tag], count=False)[0]
             module.load_state_dict(after, strict=False)
             self._replay[tag] = (idx, buffers)
         torch.set_rng_state(st["torch_rng"])

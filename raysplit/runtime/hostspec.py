@@ -60,6 +60,7 @@ class HostSpec:
     client_state_bytes: int | None = None  # runtime.placement.client_state_mb: per client host, the rest spills to disk
     spill_dir: str | None = None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
     batched_copies: bool = False  # algorithm.batched_copies: per-client server copies step in one batched computation
+    privacy: Any = None  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
 
 
 @dataclass
