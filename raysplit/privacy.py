@@ -24,6 +24,8 @@ section, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,20 +112,25 @@ class GaussianAccountant:
         if not 0 < q <= 1:
             raise ValueError(f"sampling rate q must be in (0, 1], got {q}")
         ev = self._event.GaussianDpEvent(self.sigma)
-        self._acc.compose(ev if q == 1 else self._event.PoissonSampledDpEvent(q, ev), int(steps))
+        with _quiet_library():
+            self._acc.compose(ev if q == 1 else self._event.PoissonSampledDpEvent(q, ev), int(steps))
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon at ``delta``. The library logs a warning for each fractional order whose series does not
-        converge (small sigma) and leaves that order out; those warnings are silenced here, the result is its."""
-        import logging
-
-        log = logging.getLogger("absl")
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
+        with _quiet_library():
             return float(self._acc.get_epsilon(delta))
-        finally:
-            log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _quiet_library():
+    """dp_accounting logs a warning for each fractional order whose series does not converge (small sigma) and
+    leaves that order out of the bound; the warnings are silenced, the result is the library's."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def quantize(z: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:

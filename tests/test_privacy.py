@@ -189,3 +189,33 @@ def test_bad_privacy_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, 
 
     with pytest.raises((ConfigError, ValueError), match=needle.replace(".", r"\.")):
         prepare(local(tmp_path, mlflow_uri, **overrides))
+
+
+def test_resumed_defended_run_spends_and_learns_as_the_uninterrupted_one(tmp_path, mlflow_uri):
+    """Each client's release count checkpoints with it: a run resumed after a crash reports the epsilon (and the
+    accuracy, the noise streams being seeded per step) of the run that never stopped."""
+    from mlflow.tracking import MlflowClient
+
+    from raysplit.experiment import run_experiment
+
+    over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "tracking.experiment": "privacy-resume",
+            "privacy.defence.kind": "noise", "privacy.defence.sigma": 0.8, "privacy.defence.clip": 5.0}
+    full = run_experiment(local(tmp_path / "a", mlflow_uri, **over))
+
+    class Interrupted(Exception):
+        pass
+
+    def crash(rnd, metrics):
+        if rnd == 2:
+            raise Interrupted()
+
+    cfg = local(tmp_path / "b", mlflow_uri, **over)
+    with pytest.raises(Interrupted):
+        run_experiment(cfg, on_round=crash)
+    client = MlflowClient(mlflow_uri)
+    crashed = client.search_runs([client.get_experiment_by_name("privacy-resume").experiment_id],
+                                 order_by=["attributes.start_time DESC"])[0]
+    resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
+    assert resumed["privacy/epsilon"] > 0
+    for k in ("privacy/epsilon", "eval/accuracy", "eval/loss", "comm/bytes_up"):
+        assert resumed[k] == pytest.approx(full[k], rel=1e-9), k
