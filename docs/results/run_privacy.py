@@ -2,7 +2,8 @@
 method sends, and what the defences cost. Every run: configs/privacy/fmnist.yaml (Fashion-MNIST, 10 IID clients,
 ``cnn_small``, 20 rounds of 5 local steps of 64, SGD lr 0.02 momentum 0.9) with the reconstruction attack at every
 fifth round (decoder fitted on the test set's last 1,000 images through the client part, scored on 64 training
-inputs of clients 0 and 1), data.test_fraction 0.1 (PSL evaluates per client), and per method:
+inputs of clients 0 and 1), data.test_fraction 0.1 (PSL evaluates per client), the in-process backend (the same
+results as Ray actors, tests/test_golden.py) and per method:
 
     .venv/bin/python docs/results/run_privacy.py --part leak [--seeds 0 1 2] [--jobs 2]
     .venv/bin/python docs/results/run_privacy.py --part frontier [--seeds 0 1 2] [--jobs 2]
@@ -29,7 +30,7 @@ from _runs import ROOT, median_range, run_all, run_config
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".privacy"
 CONFIG = ROOT / "configs" / "privacy" / "fmnist.yaml"
-COMMON = {"privacy.defence.kind": "none", "data.test_fraction": 0.1}
+COMMON = {"privacy.defence.kind": "none", "data.test_fraction": 0.1, "runtime.backend": "local"}
 METHODS = {
     "sflv2": {"algorithm": {"name": "sflv2", "order": "shuffled"}},
     "sflv1": {"algorithm": {"name": "sflv1"}},
