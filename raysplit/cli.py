@@ -73,7 +73,8 @@ def _cmd_list(args) -> int:
 def _cmd_compare(args) -> int:
     from raysplit.compare import compare_runs
 
-    print(compare_runs(args.experiment, uri=args.tracking_uri, metric=args.metric, plot=args.plot))
+    print(compare_runs(args.experiment, uri=args.tracking_uri, metric=args.metric, plot=args.plot,
+                       against=args.against))
     return 0
 
 
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--metric", default="eval/accuracy", help="a metric's grouped name (an old short name, e.g. "
                    "accuracy, is read as its grouped one)")
     c.add_argument("--plot", default=None, help="write an overlay plot of the per-round metric to this PNG")
+    c.add_argument("--against", default=None, help="a second metric: a column, and --plot draws each run's final "
+                   "--metric against it (e.g. privacy/ssim: accuracy against leakage)")
     c.add_argument("--tracking-uri", default=None)
     c.set_defaults(fn=_cmd_compare)
     rp = sub.add_parser("replay", help="deliver a run's spooled MLflow calls (mlflow-spool.jsonl) to the store")

@@ -20,7 +20,8 @@ def _metric(run_metrics: dict, name: str) -> str:
     return name if name in run_metrics or short_name(name) not in run_metrics else short_name(name)
 
 
-def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accuracy") -> list[dict]:
+def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accuracy",
+               against: str | None = None) -> list[dict]:
     metric = grouped_name(metric)
     client = MlflowClient(resolve_uri(uri))
     exp = client.get_experiment_by_name(experiment)
@@ -41,6 +42,8 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accu
         row["rounds"] = (max(h.step for h in hist) + 1) if hist else None
         row["time/sim"] = m.get(_metric(m, "time/sim"))
         row["comm/bytes_up"] = m.get(_metric(m, "comm/bytes_up"))
+        if against is not None:
+            row[against] = m.get(_metric(m, against))
         row["_history"] = [(h.step, h.value) for h in sorted(hist, key=lambda h: h.step)]
         row["_params"] = dict(p)
         rows.append(row)
@@ -63,9 +66,12 @@ def _fmt(v) -> str:
 
 
 def compare_runs(experiment: str, uri: str | None = None, metric: str = "eval/accuracy",
-                 plot: str | None = None) -> str:
+                 plot: str | None = None, against: str | None = None) -> str:
+    """The runs' table; ``plot``: a PNG of ``metric`` per round (or, with ``against``, of each run's final
+    ``metric`` against its final ``against``: accuracy against leakage, ``--against privacy/ssim``)."""
     metric = grouped_name(metric)
-    rows = runs_table(experiment, uri, metric)
+    against = grouped_name(against) if against else None
+    rows = runs_table(experiment, uri, metric, against)
     if not rows:
         return f"experiment {experiment!r} has no runs"
     varied = differing(rows) if len(rows) > 1 else []
@@ -85,13 +91,18 @@ def compare_runs(experiment: str, uri: str | None = None, metric: str = "eval/ac
         from matplotlib.ticker import MaxNLocator
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for r in rows:
+        for r in rows if against else []:
+            if r[against] is not None and r[metric] is not None:
+                label = ", ".join(f"{k}={r['_params'].get(k, '-')}" for k in varied) or f"{r['algorithm']} {r['name']}"
+                ax.scatter(r[against], r[metric], label=f"{label} ({r['run_id']})")
+        for r in [] if against else rows:
             if r["_history"]:
                 xs, ys = zip(*r["_history"])
                 label = ", ".join(f"{k}={r['_params'].get(k, '-')}" for k in varied) or f"{r['algorithm']} {r['name']}"
                 ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=f"{label} ({r['run_id']})")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
-        ax.set_xlabel("round"), ax.set_ylabel(metric), ax.legend(fontsize=7), ax.grid(alpha=0.3)
+        if not against:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
+        ax.set_xlabel(against or "round"), ax.set_ylabel(metric), ax.legend(fontsize=7), ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(plot, dpi=110)
         plt.close(fig)

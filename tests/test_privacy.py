@@ -159,6 +159,7 @@ def test_attack_and_nopeek_end_to_end_in_mlflow(tmp_path, mlflow_uri):
     from raysplit.experiment import run_experiment
 
     common = {"privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 200, "privacy.attack.epochs": 2,
+              "tracking.experiment": "privacy-e2e",
               "train.rounds": 3, "train.local_steps": 6, "model.cut": "conv2"}
     plain = run_experiment(local(tmp_path, mlflow_uri, **common))
     nopeek = run_experiment(local(tmp_path, mlflow_uri, **common, **{"privacy.defence.kind": "nopeek",
@@ -171,6 +172,13 @@ def test_attack_and_nopeek_end_to_end_in_mlflow(tmp_path, mlflow_uri):
     hist = client.get_metric_history(plain["run_id"], "privacy/ssim")
     assert [m.step for m in hist] == [0, 1, 2]
     assert "reconstructions.png" in {a.path for a in client.list_artifacts(plain["run_id"])}
+    from raysplit.compare import compare_runs
+
+    png = tmp_path / "frontier.png"
+    text = compare_runs("privacy-e2e", uri=mlflow_uri, plot=str(png), against="privacy/dcor")
+    header, *rows = text.splitlines()[:3]
+    assert "privacy/dcor" in header.split() and "privacy.defence.kind" in header.split()
+    assert any(f"{plain['privacy/dcor']:.4g}" in r for r in rows) and png.stat().st_size > 0
 
 
 @pytest.mark.parametrize("overrides, needle", [
