@@ -54,8 +54,6 @@ KEYS = ("eval/accuracy", "privacy/ssim", "privacy/psnr", "privacy/dcor", "privac
 def run_one(method: str, cut: str, defence: str, seed: int) -> dict:
     over = {**COMMON, **METHODS[method], **DEFENCES[defence], "model.cut": cut, "seed": seed,
             "tracking.experiment": "privacy-study", "tracking.log_checkpoint_artifact": False}
-    alg = over.pop("algorithm")
-    over.update({f"algorithm.{k}": v for k, v in alg.items()})
     label = f"{method}_{cut}_{defence}_s{seed}"
     return run_config(CONFIG, over, label, OUT / f"{label}.json", keys=KEYS)
 
