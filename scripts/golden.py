@@ -67,14 +67,27 @@ NEEDS: dict[str, dict] = {
 }
 
 
+# the privacy plug-ins (``privacy:`` section), each fingerprinted on a method of another family, so that a change of
+# a defence or of the attack fails a test naming it as a change of a method does (docs/results/privacy.md's stamps)
+PLUGINS: dict[str, dict] = {
+    "privacy_noise": {"algorithm.name": "sflv2", "privacy.defence.kind": "noise", "privacy.defence.sigma": 0.5,
+                      "privacy.defence.clip": 5.0, "privacy.attack.kind": "reconstruction",
+                      "privacy.attack.aux_size": 100, "privacy.attack.samples": 32, "privacy.attack.epochs": 2},
+    "privacy_nopeek": {"algorithm.name": "psl", "privacy.defence.kind": "nopeek", "privacy.defence.alpha": 1.0},
+    "privacy_quantize": {"algorithm.name": "gas", "privacy.defence.kind": "quantize", "privacy.defence.bits": 4},
+}
+
+
 def algorithms() -> list[str]:
-    """The algorithms ``raysplit list`` shows."""
+    """The algorithms ``raysplit list`` shows, then the privacy plug-ins' runs (``PLUGINS``)."""
     from raysplit.algorithms import ALGORITHMS
 
-    return sorted(ALGORITHMS)
+    return sorted(ALGORITHMS) + sorted(PLUGINS)
 
 
 def overrides(name: str) -> dict:
+    if name in PLUGINS:
+        return {**BASE, **PLUGINS[name]}
     return {**BASE, "algorithm.name": name, **NEEDS.get(name, {})}
 
 

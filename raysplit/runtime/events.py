@@ -82,8 +82,9 @@ class ClientCosts:
     message sizes derived from the shapes."""
 
     def __init__(self, client_part: torch.nn.Module, setup: EventSetup, batch_size: int, input_shape: tuple,
-                 model_nbytes: int, charge_downloads: bool):
+                 model_nbytes: int, charge_downloads: bool, act_bits: int | None = None):
         self.part = copy.deepcopy(client_part).train()
+        self.act_bits = act_bits  # privacy.defence quantize: activations sent at this many bits (privacy.quantize)
         self.setup = setup
         self.batch_size = batch_size
         self.input_shape = tuple(input_shape)
@@ -113,8 +114,12 @@ class ClientCosts:
         return self._flops[key]
 
     def act_nbytes(self, n: int) -> int:
-        """An activation message of ``n`` samples: the features plus int64 labels (``Activation.nbytes``)."""
-        return n * int(np.prod(self.act_shape)) * self.act_itemsize + n * 8
+        """An activation message of ``n`` samples: the features plus int64 labels (``Activation.nbytes``); quantized,
+        ``bits`` per value plus the two bounds (``privacy.quantize``'s count)."""
+        numel = n * int(np.prod(self.act_shape))
+        if self.act_bits is not None:
+            return (numel * self.act_bits + 7) // 8 + 8 + n * 8
+        return numel * self.act_itemsize + n * 8
 
     def grad_nbytes(self, n: int) -> int:
         return n * int(np.prod(self.act_shape)) * self.act_itemsize
@@ -317,8 +322,10 @@ class AsyncServer(ServerHost):
         self.version = 0
         self._global = StateMsg(client_init_state, t_sent=0.0, weight=1.0)
         self.uploads: list[StateMsg] = []
+        priv = spec.privacy
         costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
-                            transport.state_nbytes(client_init_state), spec.charge_server)
+                            transport.state_nbytes(client_init_state), spec.charge_server,
+                            act_bits=priv.bits if priv is not None and priv.defence == "quantize" else None)
         self.events = EventLoop(setup, costs, spec.seed)
 
     # ---- hooks ------------------------------------------------------------------------------------------------
