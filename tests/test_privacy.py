@@ -125,6 +125,35 @@ def test_noise_changes_the_run_and_epsilon_is_the_accountants(tmp_path, mlflow_u
     assert all(s == 8 for s in steps.values())  # 2 rounds x 4 local steps: the count above is not vacuous
 
 
+def test_epsilon_under_the_event_driver_is_reported_with_each_upload(tmp_path, mlflow_uri):
+    """GAS's clients report the budget spent with the model they upload (a job spans rounds): each report lies
+    between the accountant's epsilon for the client's steps served before the round and those served by its end."""
+    sigma, delta = 1.5, 1e-5
+    on = run_rounds(local(tmp_path, mlflow_uri, **{"algorithm.name": "gas", "train.rounds": 4,
+                                                   "privacy.defence.kind": "noise", "privacy.defence.sigma": sigma,
+                                                   "privacy.defence.clip": 5.0}))
+    sizes = {c: len(v) for c, v in enumerate(on[2].inputs.train_idx)}
+
+    def eps(c, steps):
+        if not steps:
+            return 0.0
+        acc = GaussianAccountant(sigma)
+        acc.record(round(16 / sizes[c], 12), steps)
+        return acc.epsilon(delta)
+
+    steps = dict.fromkeys(sizes, 0)
+    reports = 0
+    for st in on[3]:
+        before = dict(steps)
+        for c, v in st.clients.items():
+            steps[c] += int(v.get("steps", 0))
+        for c, v in st.clients.items():
+            if "dp_epsilon" in v:
+                reports += 1
+                assert eps(c, before[c]) - 1e-9 <= v["dp_epsilon"] <= eps(c, steps[c]) + 1e-9, (c, v["dp_epsilon"])
+    assert reports >= 4  # at least one upload a round
+
+
 def test_quantize_charges_the_quantized_bytes(tmp_path, mlflow_uri):
     off = run_rounds(local(tmp_path, mlflow_uri))
     on = run_rounds(local(tmp_path, mlflow_uri, **{"privacy.defence.kind": "quantize", "privacy.defence.bits": 4}))

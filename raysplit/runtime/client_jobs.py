@@ -41,5 +41,7 @@ class ClientJobs:
         msg.state = {k: np.array(v, copy=True) for k, v in msg.state.items()}  # the slot's module is reused
         msg.loss = self.job_loss.pop(cid, float("nan"))
         msg.rejected = self.dropped.get(cid, "")
+        if self.defence is not None and self.defence.spec.accounted:  # what end_round reports in synchronous rounds
+            msg.epsilon = self.defence.epsilon(self.dp_releases.get(cid, {}))
         self.release(cid, keep_weights=False)
         return msg

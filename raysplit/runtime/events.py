@@ -282,6 +282,8 @@ class EventLoop:
         if np.isfinite(msg.loss):  # a local job's training loss (asynchronous FL)
             self._count(cid, loss_sum=msg.loss * self.setup.local_steps, loss_n=self.setup.local_steps)
         self.totals[cid]["t_end"] = t
+        if msg.epsilon is not None:  # privacy.defence noise: the client's budget spent, as of this upload
+            self.tally.setdefault(cid, {})["dp_epsilon"] = msg.epsilon
         self.participants.append(cid)
         if msg.rejected and cid not in server.dropped:  # the client rejected a gradient during this job
             server.dropped[cid] = msg.rejected
