@@ -99,3 +99,12 @@ def test_fingerprint_is_a_digest_of_the_stored_rounds(tmp_path, monkeypatch):
     edited["rounds"][0]["eval/accuracy"] += 0.01
     golden.write(edited)
     assert golden.fingerprint("sflv2") != before and len(before) == 12
+
+
+@pytest.mark.parametrize("name", sorted(golden.PLUGINS))
+def test_privacy_plugins_through_ray_actors_reproduce_their_fingerprints(ray_session, name):
+    """The defences and the attack in Ray actors (two client actors, compiled channels): the local numbers, so the
+    privacy spec (with its auxiliary images) reaches every host and the event loop's cost model matches."""
+    got = golden.run(name, **RAY, **{"runtime.transport.kind": "compiled", "runtime.num_workers": 2})
+    diff = golden.differences(golden.load(name), got)
+    assert not diff, f"{name} through Ray differs from its fingerprint:\n  " + "\n  ".join(diff[:12])
