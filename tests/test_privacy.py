@@ -257,3 +257,19 @@ def test_resumed_defended_run_spends_and_learns_as_the_uninterrupted_one(tmp_pat
     assert resumed["privacy/epsilon"] > 0
     for k in ("privacy/epsilon", "eval/accuracy", "eval/loss", "comm/bytes_up"):
         assert resumed[k] == pytest.approx(full[k], rel=1e-9), k
+
+
+@pytest.mark.parametrize("alg", ["sflv2", "gas"])
+def test_the_attack_observes_and_changes_nothing(tmp_path, mlflow_uri, alg):
+    """A run with the reconstruction attack gives every metric of the same run without it (the attack's own
+    privacy/ metrics aside): fitting the decoder draws no randomness the training uses."""
+    from raysplit.experiment import run_experiment
+    from raysplit.metrics import WALL_CLOCK
+
+    base = {"algorithm.name": alg, "train.rounds": 3, "tracking.experiment": "privacy-observer"}
+    plain = run_experiment(local(tmp_path / "a", mlflow_uri, **base))
+    watched = run_experiment(local(tmp_path / "b", mlflow_uri, **base, **{
+        "privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 100, "privacy.attack.epochs": 1}))
+    assert "privacy/ssim" in watched
+    same = {k: v for k, v in watched.items() if not k.startswith("privacy/") and k not in WALL_CLOCK | {"run_id"}}
+    assert same == {k: v for k, v in plain.items() if k not in WALL_CLOCK | {"run_id"}}
