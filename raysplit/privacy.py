@@ -25,6 +25,7 @@ section, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -142,7 +143,12 @@ def quantize(z: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     levels = 2 ** bits - 1
     step = (hi - lo) / levels if hi > lo else torch.ones((), dtype=z.dtype)
     q = torch.round((z - lo) / step).clamp(0, levels)
-    return lo + q * step, (z.numel() * bits + 7) // 8 + 8
+    return lo + q * step, quantized_nbytes(z.numel(), bits)
+
+
+def quantized_nbytes(numel: int, bits: int) -> int:
+    """What ``quantize`` sends for ``numel`` values: ``bits`` each, plus the two float32 bounds."""
+    return (numel * bits + 7) // 8 + 8
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,7 @@ class PrivacySpec:
     aux_x: np.ndarray | None = None
     victims: tuple[int, ...] = ()
     samples: int = 64
-    epochs: int = 30
+    epochs: int = 10
     hidden: int = 512
 
     @property
@@ -188,17 +194,24 @@ class CutDefence:
             return z + (q - z.detach()), nbytes
         return z, None
 
-    def loss(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor | None:
-        return nopeek_loss(x, z, self.spec.alpha) if self.spec.defence == "nopeek" and self.spec.alpha > 0 else None
+    def loss(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """NoPeek's term (``defend`` keeps (x, z) only under nopeek, whose alpha the config holds above 0)."""
+        return nopeek_loss(x, z, self.spec.alpha)
 
     def epsilon(self, releases: dict[float, int]) -> float:
-        """Epsilon at ``spec.delta`` after ``releases`` ({sampling rate: count}); 0 before any release."""
-        if not releases:
-            return 0.0
-        acc = GaussianAccountant(self.spec.sigma)
-        for q, n in sorted(releases.items()):
-            acc.record(min(q, 1.0), n)
-        return acc.epsilon(self.spec.delta)
+        """Epsilon at ``spec.delta`` after ``releases`` ({sampling rate: count}); 0 before any release. Clients
+        with the same releases (every client of a full-participation round) share one accountant's computation."""
+        return _epsilon(self.spec.sigma, self.spec.delta, tuple(sorted(releases.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(sigma: float, delta: float, releases: tuple[tuple[float, int], ...]) -> float:
+    if not releases:
+        return 0.0
+    acc = GaussianAccountant(sigma)
+    for q, n in releases:
+        acc.record(min(q, 1.0), n)
+    return acc.epsilon(delta)
 
 
 class _Decoder(torch.nn.Module):

@@ -225,8 +225,7 @@ class Reporter:
 
     def _attack(self, rnd: int, rt) -> dict:
         """The reconstruction attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``,
-        ``dcor``);
-        the last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
+        ``dcor``); the last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
         per = rt.reconstruction(list(self.prepared.inputs.spec.privacy.victims), rnd)
         self.reconstructions = [per[c]["images"] for c in sorted(per)]
         return {f"privacy/{k}": float(np.mean([per[c][k] for c in per])) for k in ("ssim", "psnr", "mse", "dcor")}

@@ -76,6 +76,28 @@ def run_rounds(cfg, rounds=None):
         rt.shutdown()
 
 
+def crashed_run(cfg, mlflow_uri, at_round: int = 2):
+    """Run ``cfg`` until its ``on_round`` for round index ``at_round`` fires, then crash it (an exception out of
+    ``run_experiment``, as a killed driver would leave it); returns that MLflow run, to resume from."""
+    import pytest
+    from mlflow.tracking import MlflowClient
+
+    from raysplit.experiment import run_experiment
+
+    class Interrupted(Exception):
+        pass
+
+    def crash(rnd, metrics):
+        if rnd == at_round:
+            raise Interrupted()
+
+    with pytest.raises(Interrupted):
+        run_experiment(cfg, on_round=crash)
+    client = MlflowClient(mlflow_uri)
+    return client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                              order_by=["attributes.start_time DESC"])[0]
+
+
 def assert_identical_runs(x, y) -> None:
     """Two ``run_rounds`` results computed the same thing: client and server weights bit for bit, and per round
     the simulated clocks (the round's end and every client's), the server's losses and every client's steps."""

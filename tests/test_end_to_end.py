@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from helpers import Touch, make_config
+from helpers import Touch, crashed_run, make_config
 from raysplit.algorithms import ALGORITHMS
 from raysplit.config import ConfigError
 from raysplit.experiment import run_experiment
@@ -62,20 +62,9 @@ def test_resume_equals_uninterrupted(ray_session, tmp_path, mlflow_uri):
             "train.optimizer.lr": 0.003, "tracking.experiment": "resume"}
     # the uninterrupted run in process (the Ray backend gives its numbers: tests/test_golden.py)
     full = run_experiment(make_config(tmp_path / "a", mlflow_uri, **over, **{"runtime.backend": "local"}))
-
-    class Interrupted(Exception):
-        pass
-
-    def crash_after_round_3(rnd, metrics):
-        if rnd == 2:  # the checkpoint of round index 1 exists; round index 2 is lost with the crash
-            raise Interrupted()
-
     cfg = make_config(tmp_path / "b", mlflow_uri, **over)
-    with pytest.raises(Interrupted):
-        run_experiment(cfg, on_round=crash_after_round_3)
+    crashed = crashed_run(cfg, mlflow_uri)  # the checkpoint of round index 1 exists; round index 2 is lost with it
     client = MlflowClient(mlflow_uri)
-    crashed = client.search_runs([client.get_experiment_by_name("resume").experiment_id],
-                                 order_by=["attributes.start_time DESC"])[0]
     assert crashed.info.status == "FAILED"
     resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
     assert resumed["run_id"] == crashed.info.run_id

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import make_config
+from helpers import crashed_run, make_config
 from raysplit.algorithms import ALGORITHMS, AsyncAlgorithm
 from raysplit.experiment import prepare, run_experiment
 from raysplit.models import build_model
@@ -168,28 +168,14 @@ def test_async_resume_equals_uninterrupted(request, tmp_path, mlflow_uri, backen
     """A checkpoint taken at a global-round boundary, with clients' forwards awaiting their gradients, resumes
     into exactly the run that was not interrupted (computed in process: the event loop's metrics do not depend on
     the backend, test_same_metrics_with_three_client_actors_as_in_process)."""
-    from mlflow.tracking import MlflowClient
-
     if backend == "ray":
         request.getfixturevalue("ray_session")
     over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "runtime.backend": backend,
             "tracking.experiment": f"async-resume-{backend}-{algorithm}", "algorithm.name": algorithm}
     full = run_experiment(async_cfg(tmp_path / "a", mlflow_uri, **{**over, "runtime.backend": "local",
                                                                    "tracking.experiment": "async-resume-reference"}))
-
-    class Interrupted(Exception):
-        pass
-
-    def crash(rnd, metrics):
-        if rnd == 2:
-            raise Interrupted()
-
     cfg = async_cfg(tmp_path / "b", mlflow_uri, **over)
-    with pytest.raises(Interrupted):
-        run_experiment(cfg, on_round=crash)
-    client = MlflowClient(mlflow_uri)
-    crashed = client.search_runs([client.get_experiment_by_name(over["tracking.experiment"]).experiment_id],
-                                 order_by=["attributes.start_time DESC"])[0]
+    crashed = crashed_run(cfg, mlflow_uri)
     resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
     for k in ("eval/accuracy", "eval/loss", "train/loss", "time/sim", "comm/bytes_up", "compute/client_flops"):
         assert resumed[k] == full[k], k

@@ -84,7 +84,7 @@ def test_quantize_error_and_bytes():
 
 
 # ---- at the cut: the defences in a run, the attack, bad input --------------------------------------------------
-from helpers import assert_identical_runs, make_config, run_rounds  # noqa: E402
+from helpers import assert_identical_runs, crashed_run, make_config, run_rounds  # noqa: E402
 
 from raysplit.errors import ConfigError  # noqa: E402
 from raysplit.privacy import reconstruction_scores, train_decoder  # noqa: E402
@@ -232,27 +232,13 @@ def test_bad_privacy_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, 
 def test_resumed_defended_run_spends_and_learns_as_the_uninterrupted_one(tmp_path, mlflow_uri):
     """Each client's release count checkpoints with it: a run resumed after a crash reports the epsilon (and the
     accuracy, the noise streams being seeded per step) of the run that never stopped."""
-    from mlflow.tracking import MlflowClient
-
     from raysplit.experiment import run_experiment
 
     over = {"train.rounds": 4, "tracking.checkpoint_every": 2, "tracking.experiment": "privacy-resume",
             "privacy.defence.kind": "noise", "privacy.defence.sigma": 0.8, "privacy.defence.clip": 5.0}
     full = run_experiment(local(tmp_path / "a", mlflow_uri, **over))
-
-    class Interrupted(Exception):
-        pass
-
-    def crash(rnd, metrics):
-        if rnd == 2:
-            raise Interrupted()
-
     cfg = local(tmp_path / "b", mlflow_uri, **over)
-    with pytest.raises(Interrupted):
-        run_experiment(cfg, on_round=crash)
-    client = MlflowClient(mlflow_uri)
-    crashed = client.search_runs([client.get_experiment_by_name("privacy-resume").experiment_id],
-                                 order_by=["attributes.start_time DESC"])[0]
+    crashed = crashed_run(cfg, mlflow_uri)
     resumed = run_experiment(cfg, resume_run_id=crashed.info.run_id)
     assert resumed["privacy/epsilon"] > 0
     for k in ("privacy/epsilon", "eval/accuracy", "eval/loss", "comm/bytes_up"):

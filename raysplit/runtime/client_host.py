@@ -419,18 +419,22 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
         scores, the distance correlation of those inputs and what the server receives for them (``dcor``, the
         leakage NoPeek minimises), and the first 8 (input, reconstruction) pairs."""
         priv = self.spec.privacy
+        mine = [int(c) for c in cids if int(c) in self.train_idx]
+        aux = to_tensor(priv.aux_x, self.spec.data_spec) if mine else None
         out = {}
-        for c in [int(c) for c in cids if int(c) in self.train_idx]:
+        for c in mine:
             module = self.build_module()
             module.load_state_dict(self._state_of(c))
             module.eval()
             encode = self.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
+
+            def sent(x):  # what the server receives for inputs x
+                return encode(x) if self.defence is None else self.defence.release(encode(x))[0]
+
             order = np.random.default_rng([self.spec.seed, 0xA77, c]).permutation(self.train_idx[c])
             victim = to_tensor(self.x[np.sort(order[:priv.samples])], self.spec.data_spec)
-            aux = to_tensor(priv.aux_x, self.spec.data_spec)
             with torch.no_grad(), self.seeded(c, 3, rnd):
-                z_aux = self.defence.release(encode(aux))[0] if self.defence is not None else encode(aux)
-                z_vic = self.defence.release(encode(victim))[0] if self.defence is not None else encode(victim)
+                z_aux, z_vic = sent(aux), sent(victim)
             dec = train_decoder(z_aux, aux, priv.epochs, priv.hidden, seed=self.spec.seed * 7919 + c)
             with torch.no_grad():
                 rec = dec(z_vic).reshape(victim.shape)

@@ -41,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from raysplit.clock import ClientProfile
 from raysplit.errors import BadClientInput
 from raysplit.runtime import transport
+from raysplit.privacy import quantized_nbytes
 from raysplit.runtime.aggregation import average_states
 from raysplit.runtime.drivers import Driver
 from raysplit.runtime.hosts import ServerHost, advance_cursor
@@ -115,10 +116,10 @@ class ClientCosts:
 
     def act_nbytes(self, n: int) -> int:
         """An activation message of ``n`` samples: the features plus int64 labels (``Activation.nbytes``); quantized,
-        ``bits`` per value plus the two bounds (``privacy.quantize``'s count)."""
+        ``privacy.quantized_nbytes``)."""
         numel = n * int(np.prod(self.act_shape))
         if self.act_bits is not None:
-            return (numel * self.act_bits + 7) // 8 + 8 + n * 8
+            return quantized_nbytes(numel, self.act_bits) + n * 8
         return numel * self.act_itemsize + n * 8
 
     def grad_nbytes(self, n: int) -> int:
