@@ -14,6 +14,9 @@ results as Ray actors, tests/test_golden.py) and per method:
   conv1 and conv2.
 - ``frontier``: sflv2, psl and gas at conv1 under the noise defence (clip 20, sigma 0.01, 0.03, 0.1, 0.3; epsilon
   at delta 1e-5) and NoPeek (alpha 1, 3, 10).
+- ``quantize``: sflv2, psl and gas at conv1 with activations quantized to 8, 4 and 2 bits.
+- ``wider``: the frontier beyond its first three methods and cut: sflv1 and ampere at conv1 under noise 0.03 and
+  0.1 (NoPeek is refused under Ampere), sflv2 at conv2 under noise 0.03, 0.1 and NoPeek 3.
 
 Runs are cached as JSON under docs/results/.privacy/ and logged to the MLflow experiment ``privacy-study``. The
 report prints median [min, max] over seeds of the final accuracy, privacy/ssim, privacy/psnr, privacy/dcor and
@@ -44,9 +47,14 @@ DEFENCES = {"none": {}}
 DEFENCES.update({f"noise{s}": {"privacy.defence.kind": "noise", "privacy.defence.sigma": s,
                                "privacy.defence.clip": 20.0} for s in (0.01, 0.03, 0.1, 0.3)})
 DEFENCES.update({f"nopeek{a}": {"privacy.defence.kind": "nopeek", "privacy.defence.alpha": a} for a in (1, 3, 10)})
+DEFENCES.update({f"quantize{b}": {"privacy.defence.kind": "quantize", "privacy.defence.bits": b} for b in (8, 4, 2)})
 PARTS = {
     "leak": [(m, cut, "none") for cut in ("conv1", "conv2") for m in METHODS],
-    "frontier": [(m, "conv1", d) for d in DEFENCES if d != "none" for m in ("sflv2", "psl", "gas")],
+    "frontier": [(m, "conv1", d) for d in DEFENCES if d.startswith(("noise", "nopeek"))
+                 for m in ("sflv2", "psl", "gas")],
+    "quantize": [(m, "conv1", d) for d in DEFENCES if d.startswith("quantize") for m in ("sflv2", "psl", "gas")],
+    "wider": ([(m, "conv1", d) for d in ("noise0.03", "noise0.1") for m in ("sflv1", "ampere")]
+              + [("sflv2", "conv2", d) for d in ("noise0.03", "noise0.1", "nopeek3")]),
 }
 KEYS = ("eval/accuracy", "privacy/ssim", "privacy/psnr", "privacy/dcor", "privacy/epsilon")
 
@@ -97,7 +105,7 @@ def report(seeds: list[int], plot: str | None) -> None:
 
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for m, marker in (("sflv2", "o"), ("psl", "s"), ("gas", "^")):
-            for kind, colour in (("noise", "tab:red"), ("nopeek", "tab:blue")):
+            for kind, colour in (("noise", "tab:red"), ("nopeek", "tab:blue"), ("quantize", "tab:green")):
                 pts = [points[(m, "none")]] if (m, "none") in points else []
                 pts += [points[(m, d)] for d in DEFENCES if d.startswith(kind) and (m, d) in points]
                 if len(pts) > 1:
