@@ -426,15 +426,18 @@ class DefenceConfig(_Strict):
 
 
 class AttackConfig(_Strict):
-    kind: Literal["none", "reconstruction"] = Field(default="none", description="what the server tries to learn "
-                                                    "(raysplit list: the attacks)")
+    kind: Literal["none", "reconstruction", "inversion"] = Field(
+        default="none", description="what the server tries to learn (raysplit list: the attacks)")
     aux_size: int = Field(default=1000, ge=10, description="reconstruction: the attacker's auxiliary set, the test "
                           "set's last aux_size inputs")
-    victims: int = Field(default=2, ge=1, description="reconstruction: scored on clients 0 .. victims-1")
-    samples: int = Field(default=64, ge=1, description="reconstruction: training inputs scored per victim")
+    victims: int = Field(default=2, ge=1, description="reconstruction, inversion: scored on clients 0 .. victims-1")
+    samples: int = Field(default=64, ge=1, description="reconstruction, inversion: training inputs scored per victim")
     epochs: int = Field(default=10, ge=0, description="reconstruction: the decoder MLP's passes over the auxiliary "
                         "set (after its closed-form linear part)")
     hidden: int = Field(default=512, ge=1, description="reconstruction: the decoder MLP's hidden units")
+    steps: int = Field(default=200, ge=1, description="inversion: Adam steps on the inputs")
+    lr: float = Field(default=0.1, gt=0, description="inversion: Adam's learning rate on the inputs")
+    tv: float = Field(default=0.1, ge=0, description="inversion: weight of the total-variation prior")
 
 
 class PrivacyConfig(_Strict):

@@ -170,8 +170,9 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
 def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_clients: int):
     """The ``privacy`` section as the hosts get it (None: off), checked against the method and the data before
     any actor starts: a defence or an attack needs a cut whose activations reach the server; the reconstruction
-    attack needs images and an auxiliary set the test set can give; NoPeek needs the client's loss, which
-    Ampere's device phase (its own local loss) does not take yet."""
+    attack needs images and an auxiliary set the test set can give; the inversion attack needs images and an
+    averaged client model on the server (not psl); NoPeek needs the client's loss, which Ampere's device phase
+    (its own local loss) does not take yet."""
     from raysplit.privacy import PrivacySpec
 
     d, a = cfg.privacy.defence, cfg.privacy.attack
@@ -185,19 +186,29 @@ def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_
         raise ConfigError("privacy.defence.kind=nopeek: ampere's device phase trains on its own auxiliary loss, "
                           "which the NoPeek term is not added to (noise and quantize apply to its one-shot export)")
     aux = None
-    if a.kind == "reconstruction":
+    if a.kind != "none":
         if len(input_shape) != 3:
-            raise ConfigError(f"privacy.attack.kind=reconstruction scores images (channels, height, width); "
+            raise ConfigError(f"privacy.attack.kind={a.kind} scores images (channels, height, width); "
                               f"{cfg.data.dataset}'s inputs have shape {input_shape}")
+        if a.victims > num_clients:
+            raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
+    if a.kind == "reconstruction":
         if a.aux_size >= len(x_te):
             raise ConfigError(f"privacy.attack.aux_size={a.aux_size} must be smaller than the test set "
                               f"({len(x_te)} inputs): the auxiliary set is the test set's last aux_size inputs")
-        if a.victims > num_clients:
-            raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
         aux = np.ascontiguousarray(x_te[len(x_te) - a.aux_size:])
+    if a.kind == "inversion" and not alg.keeps_global_client_model():
+        raise ConfigError(f"privacy.attack.kind=inversion inverts through the averaged client model the server "
+                          f"holds; {alg.name} never averages client models (each client keeps its own), so the "
+                          f"server has none to invert (privacy.attack.kind=reconstruction needs no client model)")
+    if a.kind == "inversion":  # the input range the attacker assumes: the public test set's, per channel
+        axes = (0, *range(2, x_te.ndim))
+        lo = np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:])
+        hi = np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])
+        aux = np.ascontiguousarray(np.stack([lo, hi]))
     return PrivacySpec(defence=d.kind, sigma=d.sigma, clip=d.clip, alpha=d.alpha, bits=d.bits, delta=d.delta,
                        attack=a.kind, aux_x=aux, victims=tuple(range(a.victims)), samples=a.samples,
-                       epochs=a.epochs, hidden=a.hidden)
+                       epochs=a.epochs, hidden=a.hidden, steps=a.steps, lr=a.lr, tv=a.tv)
 
 
 def _atomic_save(obj, path: Path) -> None:

@@ -17,7 +17,8 @@ client sends, and what it spends.
 
 At the cut: ``PrivacySpec`` (what the ``privacy`` config section resolves to, shipped to the hosts) and ``CutDefence``
 (what a client host applies to each activation before it leaves, and the loss term it adds); the reconstruction
-attack's pieces: ``train_decoder`` and ``reconstruction_scores`` (SSIM and PSNR from torchmetrics). Off
+attack's pieces: ``train_decoder`` and ``reconstruction_scores`` (SSIM and PSNR from torchmetrics); the model
+inversion attack's: ``invert_activations``. Off
 (``privacy.defence.kind: none``), no host calls any of them and a run's results are those of a run without the
 section, bit for bit.
 """
@@ -46,6 +47,10 @@ ATTACKS = {
                       "test set's last aux_size images) through the client part; SSIM/PSNR/MSE on clients' "
                       "training inputs it never saw (He et al., 'Model inversion attacks against collaborative "
                       "inference', ACSAC 2019, the query-free 'inverse network')",
+    "inversion": "model inversion through the averaged client model the server holds: inputs optimised until "
+                 "that model maps them to what the client sent (He et al. 2019's white-box attack, regularized "
+                 "maximum likelihood estimation); SSIM/PSNR/MSE on clients' training inputs; needs a method that "
+                 "averages client models on the server (not psl)",
 }
 
 
@@ -154,7 +159,9 @@ def quantized_nbytes(numel: int, bits: int) -> int:
 @dataclass(frozen=True)
 class PrivacySpec:
     """The ``privacy`` config section as the hosts get it (plain values). ``aux_x``: the attack's auxiliary
-    inputs (raw, as the dataset stores them); ``victims``: the clients whose training inputs the attack is scored
+    inputs (raw, as the dataset stores them): for ``reconstruction`` the public images its decoder is fitted on,
+    for ``inversion`` two, the smallest and the largest value of each channel over the test set (the input range
+    the attacker keeps its inversion in); ``victims``: the clients whose training inputs the attack is scored
     on."""
 
     defence: str = "none"
@@ -169,6 +176,9 @@ class PrivacySpec:
     samples: int = 64
     epochs: int = 10
     hidden: int = 512
+    steps: int = 200
+    lr: float = 0.1
+    tv: float = 0.1
 
     @property
     def accounted(self) -> bool:
@@ -259,6 +269,31 @@ def train_decoder(z: torch.Tensor, x: torch.Tensor, epochs: int, hidden: int, se
             torch.nn.functional.mse_loss(mlp(zf[idx]), rest[idx]).backward()
             opt.step()
     return dec.eval()
+
+
+def invert_activations(encode, z: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int, lr: float,
+                       tv: float) -> torch.Tensor:
+    """He et al. 2019's white-box model inversion (regularized maximum likelihood estimation, their "rMLE"): the
+    inputs whose encoding by ``encode`` (the client part the attacker holds: under SFL the averaged client model
+    the server computes) is closest to the activations ``z`` the client sent, in squared error per sample, plus
+    ``tv`` times each image's total variation (torchmetrics), their prior that images are smooth. Adam on the
+    inputs for ``steps`` steps at ``lr``, from the middle of the input range and kept inside it (``lo``, ``hi``:
+    the smallest and largest value a pixel can take, shape (1, C, H, W): public, as the normalisation is); no
+    randomness. Only the inputs are differentiated: the module's parameters are read, not changed."""
+    from torchmetrics.functional.image import total_variation
+
+    target = z.detach().reshape(len(z), -1).float()
+    x = ((lo + hi) / 2).expand(len(z), *lo.shape[1:]).clone().requires_grad_(True)
+    opt = torch.optim.Adam([x], lr=lr)
+    for _ in range(steps):
+        loss = (encode(x).reshape(len(z), -1) - target).pow(2).sum(1).mean()
+        if tv > 0:
+            loss = loss + tv * total_variation(x, reduction="mean")
+        (x.grad,) = torch.autograd.grad(loss, [x])
+        opt.step()
+        with torch.no_grad():
+            x.copy_(torch.maximum(torch.minimum(x, hi), lo))
+    return x.detach()
 
 
 @torch.no_grad()

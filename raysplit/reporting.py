@@ -150,8 +150,8 @@ class Reporter:
                                 for c, st in sorted(stats.clients.items()))
         if (rnd + 1) % cfg.eval.every == 0 or last:
             m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
-            if cfg.privacy.attack.kind == "reconstruction":
-                m.update(self._attack(rnd, rt))
+            if cfg.privacy.attack.kind != "none":
+                m.update(self._attack(rnd, rt, global_handle))
         hist.add("train_loss", rnd, m["train_loss"])
         hist.last_round = rnd
         dropped = dropped_clients(stats) if cfg.runtime.faults.on_bad_client == "drop" else None
@@ -223,10 +223,10 @@ class Reporter:
             hist.add(k, rnd, ev[k])
         return ev
 
-    def _attack(self, rnd: int, rt) -> dict:
-        """The reconstruction attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``,
-        ``dcor``); the last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
-        per = rt.reconstruction(list(self.prepared.inputs.spec.privacy.victims), rnd)
+    def _attack(self, rnd: int, rt, global_handle) -> dict:
+        """The attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``, ``dcor``); the
+        last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
+        per = rt.reconstruction(list(self.prepared.inputs.spec.privacy.victims), rnd, global_handle)
         self.reconstructions = [per[c]["images"] for c in sorted(per)]
         return {f"privacy/{k}": float(np.mean([per[c][k] for c in per])) for k in ("ssim", "psnr", "mse", "dcor")}
 

@@ -75,6 +75,8 @@ PLUGINS: dict[str, dict] = {
                       "privacy.attack.aux_size": 100, "privacy.attack.samples": 32, "privacy.attack.epochs": 2},
     "privacy_nopeek": {"algorithm.name": "psl", "privacy.defence.kind": "nopeek", "privacy.defence.alpha": 1.0},
     "privacy_quantize": {"algorithm.name": "gas", "privacy.defence.kind": "quantize", "privacy.defence.bits": 4},
+    "privacy_inversion": {"algorithm.name": "gas", "privacy.attack.kind": "inversion", "privacy.attack.samples": 16,
+                          "privacy.attack.steps": 30},
 }
 
 

@@ -87,7 +87,7 @@ def test_quantize_error_and_bytes():
 from helpers import assert_identical_runs, crashed_run, make_config, run_rounds  # noqa: E402
 
 from raysplit.errors import ConfigError  # noqa: E402
-from raysplit.privacy import reconstruction_scores, train_decoder  # noqa: E402
+from raysplit.privacy import invert_activations, reconstruction_scores, train_decoder  # noqa: E402
 
 
 def local(tmp_path, mlflow_uri, **kw):
@@ -180,6 +180,43 @@ def test_decoder_inverts_an_identity_client_part_and_not_noise():
     assert scores["ssim"] < 0.3 and scores["psnr"] < 15
 
 
+def test_inversion_recovers_inputs_through_an_invertible_client_part_and_not_from_noise():
+    """He et al.'s white-box inversion: through an identity client part it returns the inputs; through a real
+    convolution it recovers them from what that convolution made of them, not from unrelated activations; and it
+    differentiates only the inputs (the attacker's copy of the client model is left as it was)."""
+    from raysplit.data.datasets import load_digits, to_tensor
+
+    data = load_digits()
+    victims = to_tensor(data.x_train[:32], data.spec)
+    lo, hi = torch.full((1, 1, 8, 8), float(data.x_test.min())), torch.full((1, 1, 8, 8), float(data.x_test.max()))
+    rec = invert_activations(torch.nn.Identity(), victims, lo, hi, steps=200, lr=0.1, tv=0.0)
+    assert reconstruction_scores(victims, rec)["ssim"] > 0.95
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU())
+    before = {k: v.clone() for k, v in conv.state_dict().items()}
+    with torch.no_grad():
+        z = conv(victims)
+    assert reconstruction_scores(victims, invert_activations(conv, z, lo, hi, 200, 0.1, 0.0))["ssim"] > 0.8
+    noise = torch.randn(z.shape, generator=torch.Generator().manual_seed(1)) * z.std()
+    assert reconstruction_scores(victims, invert_activations(conv, noise, lo, hi, 200, 0.1, 0.0))["ssim"] < 0.3
+    assert all(p.grad is None for p in conv.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in conv.state_dict().items())
+
+
+def test_inversion_end_to_end_through_the_averaged_client_model(tmp_path, mlflow_uri):
+    """Under SFLV1 the server holds the averaged client model and inverts through it what the victims send: it
+    rebuilds their inputs far better than the same attack given the noise defence's releases."""
+    from raysplit.experiment import run_experiment
+
+    common = {"algorithm.name": "sflv1", "privacy.attack.kind": "inversion", "privacy.attack.samples": 32,
+              "train.rounds": 2, "tracking.experiment": "privacy-inversion"}
+    plain = run_experiment(local(tmp_path / "a", mlflow_uri, **common))
+    noised = run_experiment(local(tmp_path / "b", mlflow_uri, **common, **{
+        "privacy.defence.kind": "noise", "privacy.defence.sigma": 1.0, "privacy.defence.clip": 5.0}))
+    assert plain["privacy/ssim"] > 0.6, plain["privacy/ssim"]
+    assert noised["privacy/ssim"] < plain["privacy/ssim"] - 0.3, (noised["privacy/ssim"], plain["privacy/ssim"])
+
+
 def test_attack_and_nopeek_end_to_end_in_mlflow(tmp_path, mlflow_uri):
     """A run with the attack logs privacy/ssim, psnr, mse and dcor at each evaluation and the reconstruction grid;
     NoPeek's term lowers the distance correlation of the victims' inputs and what the server receives."""
@@ -216,6 +253,7 @@ def test_attack_and_nopeek_end_to_end_in_mlflow(tmp_path, mlflow_uri):
     ({"privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 100000}, "privacy.attack.aux_size"),
     ({"privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 100, "privacy.attack.victims": 9},
      "privacy.attack.victims"),
+    ({"algorithm.name": "psl", "privacy.attack.kind": "inversion"}, "privacy.attack.kind=inversion"),
     ({"algorithm.name": "ampere", "privacy.defence.kind": "nopeek", "privacy.defence.alpha": 1.0},
      "privacy.defence.kind=nopeek"),
     ({"privacy.defence.kind": "nopeek"}, "privacy.defence.alpha"),
@@ -245,17 +283,19 @@ def test_resumed_defended_run_spends_and_learns_as_the_uninterrupted_one(tmp_pat
         assert resumed[k] == pytest.approx(full[k], rel=1e-9), k
 
 
-@pytest.mark.parametrize("alg", ["sflv2", "gas"])
-def test_the_attack_observes_and_changes_nothing(tmp_path, mlflow_uri, alg):
-    """A run with the reconstruction attack gives every metric of the same run without it (the attack's own
-    privacy/ metrics aside): fitting the decoder draws no randomness the training uses."""
+@pytest.mark.parametrize("alg, attack", [("sflv2", "reconstruction"), ("gas", "reconstruction"),
+                                         ("gas", "inversion")])
+def test_the_attack_observes_and_changes_nothing(tmp_path, mlflow_uri, alg, attack):
+    """A run with an attack gives every metric of the same run without it (the attack's own privacy/ metrics
+    aside): fitting the decoder or inverting draws no randomness the training uses and changes no model."""
     from raysplit.experiment import run_experiment
     from raysplit.metrics import WALL_CLOCK
 
     base = {"algorithm.name": alg, "train.rounds": 3, "tracking.experiment": "privacy-observer"}
     plain = run_experiment(local(tmp_path / "a", mlflow_uri, **base))
     watched = run_experiment(local(tmp_path / "b", mlflow_uri, **base, **{
-        "privacy.attack.kind": "reconstruction", "privacy.attack.aux_size": 100, "privacy.attack.epochs": 1}))
+        "privacy.attack.kind": attack, "privacy.attack.aux_size": 100, "privacy.attack.epochs": 1,
+        "privacy.attack.steps": 20}))
     assert "privacy/ssim" in watched
     same = {k: v for k, v in watched.items() if not k.startswith("privacy/") and k not in WALL_CLOCK | {"run_id"}}
     assert same == {k: v for k, v in plain.items() if k not in WALL_CLOCK | {"run_id"}}

@@ -268,10 +268,11 @@ class Runtime:
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                 float(sum(p[2] for p in parts)))
 
-    def reconstruction(self, clients: list[int], rnd: int) -> dict[int, dict]:
-        """``privacy.attack: reconstruction`` against ``clients`` (``ClientHost.reconstruction``), per client."""
+    def reconstruction(self, clients: list[int], rnd: int, client_state_handle=None) -> dict[int, dict]:
+        """``privacy.attack`` against ``clients`` (``ClientHost.reconstruction``), per client;
+        ``client_state_handle``: the averaged client model the inversion attack inverts through."""
         out: dict[int, dict] = {}
-        for part in self.backend.get(self.workers.reconstruction(clients, rnd)):
+        for part in self.backend.get(self.workers.reconstruction(clients, rnd, client_state_handle)):
             out.update(part)
         return out
 
