@@ -173,7 +173,7 @@ def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_
     attack needs images and an auxiliary set the test set can give; the inversion attack needs images and an
     averaged client model on the server (not psl); NoPeek needs the client's loss, which Ampere's device phase
     (its own local loss) does not take yet."""
-    from raysplit.privacy import PrivacySpec
+    from raysplit.privacy import ATTACK_PLUGINS, PrivacySpec
 
     d, a = cfg.privacy.defence, cfg.privacy.attack
     if d.kind == "none" and a.kind == "none":
@@ -185,23 +185,23 @@ def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_
     if d.kind == "nopeek" and alg.name == "ampere":
         raise ConfigError("privacy.defence.kind=nopeek: ampere's device phase trains on its own auxiliary loss, "
                           "which the NoPeek term is not added to (noise and quantize apply to its one-shot export)")
-    aux = None
+    aux, plugin = None, ATTACK_PLUGINS.get(a.kind)
     if a.kind != "none":
         if len(input_shape) != 3:
             raise ConfigError(f"privacy.attack.kind={a.kind} scores images (channels, height, width); "
                               f"{cfg.data.dataset}'s inputs have shape {input_shape}")
         if a.victims > num_clients:
             raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
-    if a.kind == "reconstruction":
+    if plugin is not None and plugin.needs_aux:
         if a.aux_size >= len(x_te):
             raise ConfigError(f"privacy.attack.aux_size={a.aux_size} must be smaller than the test set "
                               f"({len(x_te)} inputs): the auxiliary set is the test set's last aux_size inputs")
         aux = np.ascontiguousarray(x_te[len(x_te) - a.aux_size:])
-    if a.kind == "inversion" and not alg.keeps_global_client_model():
-        raise ConfigError(f"privacy.attack.kind=inversion inverts through the averaged client model the server "
+    if plugin is not None and plugin.needs_held_model and not alg.keeps_global_client_model():
+        raise ConfigError(f"privacy.attack.kind={a.kind} works through the averaged client model the server "
                           f"holds; {alg.name} never averages client models (each client keeps its own), so the "
                           f"server has none to invert (privacy.attack.kind=reconstruction needs no client model)")
-    if a.kind == "inversion":  # the input range the attacker assumes: the public test set's, per channel
+    if plugin is not None and plugin.needs_held_model:  # the input range it keeps to: the test set's, per channel
         axes = (0, *range(2, x_te.ndim))
         lo = np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:])
         hi = np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])

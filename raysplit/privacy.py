@@ -17,8 +17,9 @@ client sends, and what it spends.
 
 At the cut: ``PrivacySpec`` (what the ``privacy`` config section resolves to, shipped to the hosts) and ``CutDefence``
 (what a client host applies to each activation before it leaves, and the loss term it adds); the reconstruction
-attack's pieces: ``train_decoder`` and ``reconstruction_scores`` (SSIM and PSNR from torchmetrics); the model
-inversion attack's: ``invert_activations``. Off
+attacks, each a plug-in (``Attack``: ``ATTACK_PLUGINS``, listed by ``raysplit list``) given an ``AttackView`` of
+one victim: ``InverseNetwork`` (``train_decoder``) and ``WhiteBoxInversion`` (``invert_activations``), scored by
+``reconstruction_scores`` (SSIM and PSNR from torchmetrics). Off
 (``privacy.defence.kind: none``), no host calls any of them and a run's results are those of a run without the
 section, bit for bit.
 """
@@ -40,17 +41,6 @@ DEFENCES = {
     "nopeek": "NoPeek (Vepakomma et al. 2020): alpha x distance correlation of inputs and activations added to "
               "the client's loss",
     "quantize": "uniform quantization of each activation batch to bits bits (min-max), charged at its size",
-}
-ATTACKS = {
-    "none": "no attack",
-    "reconstruction": "input reconstruction from activations: a decoder trained on an auxiliary public set (the "
-                      "test set's last aux_size images) through the client part; SSIM/PSNR/MSE on clients' "
-                      "training inputs it never saw (He et al., 'Model inversion attacks against collaborative "
-                      "inference', ACSAC 2019, the query-free 'inverse network')",
-    "inversion": "model inversion through the averaged client model the server holds: inputs optimised until "
-                 "that model maps them to what the client sent (He et al. 2019's white-box attack, regularized "
-                 "maximum likelihood estimation); SSIM/PSNR/MSE on clients' training inputs; needs a method that "
-                 "averages client models on the server (not psl)",
 }
 
 
@@ -309,3 +299,76 @@ def reconstruction_scores(x: torch.Tensor, x_hat: torch.Tensor) -> dict[str, flo
     return {"ssim": float(structural_similarity_index_measure(xh, x, data_range=(lo, hi), kernel_size=k)),
             "psnr": float(peak_signal_noise_ratio(xh, x, data_range=(lo, hi))),
             "mse": float(torch.nn.functional.mse_loss(x_hat, x))}
+
+
+@dataclass
+class AttackView:
+    """What an attack plug-in gets for one victim (all of it the server's to know but ``z_victim``'s inputs, which
+    only the score uses): ``z_victim``, what the victim sends for the inputs scored; ``aux`` and ``z_aux``, the
+    public auxiliary inputs and what the victim's client part sends for them (where the attack ``needs_aux``);
+    ``held``, the averaged client model's encoder the server holds (where it ``needs_held_model``); ``lo``,
+    ``hi``, the input range per channel (1, C, H, W); ``seed``, for an attack that draws randomness."""
+
+    z_victim: torch.Tensor
+    aux: torch.Tensor | None = None
+    z_aux: torch.Tensor | None = None
+    held: object = None
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    seed: int = 0
+
+
+class Attack:
+    """A server-side attack plug-in (``privacy.attack.kind``): from what the server receives from a victim, the
+    victim's inputs. ``needs_aux``: fitted on the auxiliary public set encoded through the victim's client part;
+    ``needs_held_model``: works through the averaged client model the server holds (refused, before any actor
+    starts, under a method that averages none). The runtime's client host builds the view (it alone holds the
+    ground truth the score needs) and scores what ``reconstruct`` returns."""
+
+    name = ""
+    description = ""
+    needs_aux = False
+    needs_held_model = False
+
+    def __init__(self, spec: PrivacySpec):
+        self.spec = spec
+
+    def reconstruct(self, view: AttackView) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class InverseNetwork(Attack):
+    """He et al., "Model inversion attacks against collaborative inference" (ACSAC 2019), the query-free attack: an
+    inverse network fitted on (activation, input) pairs of public data (:func:`train_decoder`)."""
+
+    name = "reconstruction"
+    description = ("input reconstruction from activations: a decoder trained on an auxiliary public set (the test "
+                   "set's last aux_size images) through the client part; SSIM/PSNR/MSE on clients' training inputs "
+                   "it never saw (He et al., 'Model inversion attacks against collaborative inference', ACSAC 2019, "
+                   "the query-free 'inverse network')")
+    needs_aux = True
+
+    def reconstruct(self, view: AttackView) -> torch.Tensor:
+        dec = train_decoder(view.z_aux, view.aux, self.spec.epochs, self.spec.hidden, seed=view.seed)
+        with torch.no_grad():
+            return dec(view.z_victim)
+
+
+class WhiteBoxInversion(Attack):
+    """He et al. 2019's white-box attack (regularized maximum likelihood estimation) through the averaged client
+    model the server holds (:func:`invert_activations`)."""
+
+    name = "inversion"
+    description = ("model inversion through the averaged client model the server holds: inputs optimised until "
+                   "that model maps them to what the client sent (He et al. 2019's white-box attack, regularized "
+                   "maximum likelihood estimation); SSIM/PSNR/MSE on clients' training inputs; needs a method that "
+                   "averages client models on the server (not psl)")
+    needs_held_model = True
+
+    def reconstruct(self, view: AttackView) -> torch.Tensor:
+        s = self.spec
+        return invert_activations(view.held, view.z_victim, view.lo, view.hi, s.steps, s.lr, s.tv)
+
+
+ATTACK_PLUGINS: dict[str, type[Attack]] = {a.name: a for a in (InverseNetwork, WhiteBoxInversion)}
+ATTACKS = {"none": "no attack", **{n: a.description for n, a in ATTACK_PLUGINS.items()}}

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from raysplit.clock import ClientProfile, FlopCache
 from raysplit.data import to_tensor
-from raysplit.privacy import (CutDefence, distance_correlation, invert_activations, reconstruction_scores,
-                              train_decoder)
+from raysplit.privacy import ATTACK_PLUGINS, AttackView, CutDefence, distance_correlation, reconstruction_scores
 from raysplit.runtime import transport
 from raysplit.runtime.aggregation import weighted_sum
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
@@ -414,22 +413,23 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
     def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
         """``privacy.attack`` against the clients of ``cids`` this host holds, scored on the first ``samples`` of
         the client's training inputs in a seeded order, encoded by the client's current model with its defence
-        applied (what the server receives for them). ``reconstruction``: the attacker's decoder
-        (:func:`train_decoder`) is fitted on the auxiliary set encoded and defended the same way. ``inversion``:
-        the inputs are recovered through ``global_state``, the averaged client model the server holds
-        (:func:`invert_activations`); where the client's own model has moved since the average, the attacker
-        inverts through the wrong model, as it would. Runs here because the score needs the inputs (ground truth
-        the attacker never sees). Returns per client its scores, the distance correlation of those inputs and
-        what the server receives for them (``dcor``, the leakage NoPeek minimises), and the first 8 (input,
-        reconstruction) pairs."""
+        applied (what the server receives for them), by the attack's plug-in (``privacy.ATTACK_PLUGINS``) given
+        what the server would have: for ``reconstruction`` the auxiliary set encoded and defended the same way,
+        for ``inversion`` ``global_state``, the averaged client model the server holds (where the client's own
+        model has moved since the average, the attacker inverts through the wrong model, as it would). Runs here
+        because the score needs the inputs (ground truth the attacker never sees). Returns per client its scores,
+        the distance correlation of those inputs and what the server receives for them (``dcor``, the leakage
+        NoPeek minimises), and the first 8 (input, reconstruction) pairs."""
         priv = self.spec.privacy
+        attack = ATTACK_PLUGINS[priv.attack](priv)
         mine = [int(c) for c in cids if int(c) in self.train_idx]
-        if priv.attack == "inversion" and mine:
+        held = lo = hi = None
+        if attack.needs_held_model and mine:
             held = self.build_module()
             held.load_state_dict(global_state.tensors())
             held.eval()
-            ends = to_tensor(priv.aux_x, self.spec.data_spec)  # the input range: per channel, the test set's
-        aux = to_tensor(priv.aux_x, self.spec.data_spec) if mine and priv.attack == "reconstruction" else None
+            lo, hi = to_tensor(priv.aux_x, self.spec.data_spec).split(1)  # per channel, the test set's range
+        aux = to_tensor(priv.aux_x, self.spec.data_spec) if mine and attack.needs_aux else None
         out = {}
         for c in mine:
             module = self.build_module()
@@ -443,18 +443,16 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
             order = np.random.default_rng([self.spec.seed, 0xA77, c]).permutation(self.train_idx[c])
             victim = to_tensor(self.x[np.sort(order[:priv.samples])], self.spec.data_spec)
             with torch.no_grad(), self.seeded(c, 3, rnd):
-                z_aux, z_vic = sent(aux) if aux is not None else None, sent(victim)
-            if priv.attack == "inversion":
-                rec = invert_activations(self.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(held, None)), z_vic,
-                                         ends[:1], ends[1:], priv.steps, priv.lr, priv.tv)
-            else:
-                dec = train_decoder(z_aux, aux, priv.epochs, priv.hidden, seed=self.spec.seed * 7919 + c)
-                with torch.no_grad():
-                    rec = dec(z_vic).reshape(victim.shape)
+                z_aux = sent(aux) if aux is not None else None
+                z_vic = sent(victim)
+            rec = attack.reconstruct(AttackView(
+                z_vic, aux=aux, z_aux=z_aux, lo=lo, hi=hi, seed=self.spec.seed * 7919 + c,
+                held=self.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(held, None)) if held is not None else None))
+            rec = rec.reshape(victim.shape)
             out[c] = {**reconstruction_scores(victim, rec), "dcor": float(distance_correlation(victim, z_vic)),
                       "images": (victim[:8].numpy(), rec[:8].numpy())}
             self._pool.append(module)
-        if priv.attack == "inversion" and mine:
+        if held is not None:
             self._pool.append(held)
         return out
 
