@@ -84,28 +84,37 @@ def cached(method: str, cut: str, defence: str, seed: int) -> dict | None:
     return named(json.loads(f.read_text())) if f.is_file() else None
 
 
+def _row(m: str, c: str, d: str, res: list[dict]) -> dict:
+    """Print one table row (median [min, max] over the runs ``res``); returns its point for the frontier figure
+    (conv1, decoder attack only)."""
+    import numpy as np
+
+    def col(k, scale=1.0, fmt=".2f"):
+        v = [scale * r[k] for r in res if k in r]
+        return median_range(v, fmt) if v else "-"
+
+    print(f"| {m} | {c} | {d} | {len(res)} | {col('eval/accuracy', 100)} | {col('privacy/ssim', 1, '.3f')} | "
+          f"{col('privacy/psnr', 1, '.1f')} | {col('privacy/dcor', 1, '.3f')} | {col('privacy/epsilon', 1, '.3g')} |")
+    if c != "conv1" or "privacy/ssim" not in res[0] or d.endswith("+inv"):
+        return {}
+    return {(m, d): (float(np.median([r["privacy/ssim"] for r in res])),
+                     float(np.median([100 * r["eval/accuracy"] for r in res])))}
+
+
 def report(seeds: list[int], plot: str | None) -> None:
-    rows = [(m, c, d) for part in PARTS.values() for m, c, d in part]
-    print("| method | cut | defence | seeds | accuracy (%) | SSIM | PSNR (dB) | dCor | epsilon (delta 1e-5) |\n"
-          "|---|---|---|---|---|---|---|---|---|")
     points = {}
-    for m, c, d in dict.fromkeys(rows):
-        res = [r for s in seeds if (r := cached(m, c, d, s)) is not None]
-        if not res:
-            continue
-
-        def col(k, scale=1.0, fmt=".2f"):
-            v = [scale * r[k] for r in res if k in r]
-            return median_range(v, fmt) if v else "-"
-
-        print(f"| {m} | {c} | {d} | {len(res)} | {col('eval/accuracy', 100)} | {col('privacy/ssim', 1, '.3f')} | "
-              f"{col('privacy/psnr', 1, '.1f')} | {col('privacy/dcor', 1, '.3f')} | "
-              f"{col('privacy/epsilon', 1, '.3g')} |")
-        if c == "conv1" and "privacy/ssim" in res[0]:
-            import numpy as np
-
-            points[(m, d)] = (float(np.median([r["privacy/ssim"] for r in res])),
-                              float(np.median([100 * r["eval/accuracy"] for r in res])))
+    for part, rows in PARTS.items():
+        print(f"\n{part}:\n\n| method | cut | defence | seeds | accuracy (%) | SSIM | PSNR (dB) | dCor | epsilon "
+              "(delta 1e-5) |\n|---|---|---|---|---|---|---|---|---|")
+        for m, c, d in rows:
+            res = [r for s in seeds if (r := cached(m, c, d, s)) is not None]
+            if res:
+                points.update(_row(m, c, d, res))
+    pairs = [(a, b) for m, c, d in PARTS["inversion"] for s in seeds
+             if (a := cached(m, c, d, s)) is not None and (b := cached(m, c, d.removesuffix("+inv"), s)) is not None]
+    same = sum(all(a[k] == b[k] for k in ("eval/accuracy", "eval/loss", "train/loss")) for a, b in pairs)
+    print(f"\nruns under the inversion attack whose accuracy and losses equal the same run under the decoder: "
+          f"{same} of {len(pairs)}")
     if plot and points:
         import matplotlib
 
@@ -113,7 +122,7 @@ def report(seeds: list[int], plot: str | None) -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for m, marker in (("sflv2", "o"), ("psl", "s"), ("gas", "^")):
+        for m, marker in (("sflv2", "o"), ("psl", "s"), ("gas", "^"), ("sflv1", "D"), ("ampere", "v")):
             for kind, colour in (("noise", "tab:red"), ("nopeek", "tab:blue"), ("quantize", "tab:green")):
                 pts = [points[(m, "none")]] if (m, "none") in points else []
                 pts += [points[(m, d)] for d in DEFENCES if d.startswith(kind) and (m, d) in points]
