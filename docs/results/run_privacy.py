@@ -57,9 +57,10 @@ DEFENCES.update({f"{d}+inv": {**DEFENCES[d], "privacy.attack.kind": "inversion"}
                  for d in ("none", "noise0.01", "noise0.03", "nopeek3", "quantize4")})
 PARTS = {
     "leak": [(m, cut, "none") for cut in ("conv1", "conv2") for m in METHODS],
-    "frontier": [(m, "conv1", d) for d in DEFENCES if d.startswith(("noise", "nopeek"))
+    "frontier": [(m, "conv1", d) for d in DEFENCES if d.startswith(("noise", "nopeek")) and "+" not in d
                  for m in ("sflv2", "psl", "gas")],
-    "quantize": [(m, "conv1", d) for d in DEFENCES if d.startswith("quantize") for m in ("sflv2", "psl", "gas")],
+    "quantize": [(m, "conv1", d) for d in DEFENCES if d.startswith("quantize") and "+" not in d
+                 for m in ("sflv2", "psl", "gas")],
     "wider": ([(m, "conv1", d) for d in ("noise0.03", "noise0.1") for m in ("sflv1", "ampere")]
               + [("sflv2", "conv2", d) for d in ("noise0.03", "noise0.1", "nopeek3")]),
     "inversion": ([(m, cut, "none+inv") for cut in ("conv1", "conv2") for m in ("sflv2", "sflv1", "gas", "ampere")]
