@@ -139,9 +139,13 @@ def write(record: dict) -> None:
 
 
 def fingerprint(name: str) -> str:
-    """The stored fingerprint's digest (12 hex digits of SHA-256 over its per-round metrics, as stored)."""
-    rounds = load(name)["rounds"]
-    return hashlib.sha256(json.dumps(rounds, sort_keys=True).encode()).hexdigest()[:12]
+    """The stored fingerprint's digest: 12 hex digits of SHA-256 over its file (the per-round metrics and the
+    configuration that made them), the one digest the results pages' stamps name (scripts/stamps.py)."""
+    return digest(path(name))
+
+
+def digest(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()[:12]
 
 
 def differences(expected: dict, got: dict) -> list[str]:

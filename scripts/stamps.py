@@ -36,11 +36,16 @@ STALE = re.compile(r"^> \*\*Stale:\*\* .*$", re.M)
 
 
 def fingerprint(method: str) -> str:
+    """``scripts/golden.py``'s digest of the method's stored fingerprint (what ``golden.py --fingerprints``
+    prints)."""
     path = GOLDEN / f"{method}.json"
     if not path.is_file():
         known = sorted(p.stem for p in GOLDEN.glob("*.json"))
         raise SystemExit(f"no golden fingerprint for method {method!r} ({path}); known: {', '.join(known)}")
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if p not in sys.path]
+    from golden import digest
+
+    return digest(path)
 
 
 def short_names_fingerprint(method: str) -> str | None:

@@ -101,3 +101,13 @@ def test_the_repository_pages_pass_the_check():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stamps.py"), "check"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_stamps_name_the_digest_golden_prints():
+    """One fingerprint digest: what ``golden.py --fingerprints`` prints for a method is what a page's stamp names
+    (they were once two digests, of the rounds and of the file, so no stamp matched the printed value)."""
+    stamps, golden = load_script("stamps"), load_script("golden")
+    for name in ("sflv2", "gas", "privacy_inversion"):
+        assert stamps.fingerprint(name) == golden.fingerprint(name)
+    page = (ROOT / "docs" / "results" / "privacy.md").read_text()
+    assert f'"sflv2": "{golden.fingerprint("sflv2")}"' in page
