@@ -197,18 +197,19 @@ def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_
             raise ConfigError(f"privacy.attack.aux_size={a.aux_size} must be smaller than the test set "
                               f"({len(x_te)} inputs): the auxiliary set is the test set's last aux_size inputs")
         aux = np.ascontiguousarray(x_te[len(x_te) - a.aux_size:])
-    if plugin is not None and plugin.needs_held_model and not alg.keeps_global_client_model():
-        raise ConfigError(f"privacy.attack.kind={a.kind} works through the averaged client model the server "
-                          f"holds; {alg.name} never averages client models (each client keeps its own), so the "
-                          f"server has none to invert (privacy.attack.kind=reconstruction needs no client model)")
-    if plugin is not None and plugin.needs_held_model:  # the input range it keeps to: the test set's, per channel
-        axes = (0, *range(2, x_te.ndim))
-        lo = np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:])
-        hi = np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])
-        aux = np.ascontiguousarray(np.stack([lo, hi]))
+    input_range = None
+    if plugin is not None and plugin.needs_held_model:
+        if not alg.keeps_global_client_model():
+            raise ConfigError(f"privacy.attack.kind={a.kind} works through the averaged client model the server "
+                              f"holds; {alg.name} never averages client models (each client keeps its own), so the "
+                              f"server has none to invert (privacy.attack.kind=reconstruction needs no client model)")
+        axes = (0, *range(2, x_te.ndim))  # the input range it keeps to: the test set's, per channel
+        input_range = np.ascontiguousarray(np.stack([
+            np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:]),
+            np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])]))
     return PrivacySpec(defence=d.kind, sigma=d.sigma, clip=d.clip, alpha=d.alpha, bits=d.bits, delta=d.delta,
-                       attack=a.kind, aux_x=aux, victims=tuple(range(a.victims)), samples=a.samples,
-                       epochs=a.epochs, hidden=a.hidden, steps=a.steps, lr=a.lr, tv=a.tv)
+                       attack=a.kind, aux_x=aux, input_range=input_range, victims=tuple(range(a.victims)),
+                       samples=a.samples, epochs=a.epochs, hidden=a.hidden, steps=a.steps, lr=a.lr, tv=a.tv)
 
 
 def _atomic_save(obj, path: Path) -> None:

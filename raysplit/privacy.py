@@ -148,11 +148,10 @@ def quantized_nbytes(numel: int, bits: int) -> int:
 
 @dataclass(frozen=True)
 class PrivacySpec:
-    """The ``privacy`` config section as the hosts get it (plain values). ``aux_x``: the attack's auxiliary
-    inputs (raw, as the dataset stores them): for ``reconstruction`` the public images its decoder is fitted on,
-    for ``inversion`` two, the smallest and the largest value of each channel over the test set (the input range
-    the attacker keeps its inversion in); ``victims``: the clients whose training inputs the attack is scored
-    on."""
+    """The ``privacy`` config section as the hosts get it (plain values). ``aux_x``: the public images an attack
+    that ``needs_aux`` is fitted on (raw, as the dataset stores them); ``input_range``: for an attack that
+    ``needs_held_model``, two raw inputs, the smallest and the largest value of each channel over the test set (the
+    range it keeps its inversion in); ``victims``: the clients whose training inputs the attack is scored on."""
 
     defence: str = "none"
     sigma: float = 0.0
@@ -162,6 +161,7 @@ class PrivacySpec:
     delta: float = 1e-5
     attack: str = "none"
     aux_x: np.ndarray | None = None
+    input_range: np.ndarray | None = None
     victims: tuple[int, ...] = ()
     samples: int = 64
     epochs: int = 10

@@ -428,7 +428,7 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
             held = self.build_module()
             held.load_state_dict(global_state.tensors())
             held.eval()
-            lo, hi = to_tensor(priv.aux_x, self.spec.data_spec).split(1)  # per channel, the test set's range
+            lo, hi = to_tensor(priv.input_range, self.spec.data_spec).split(1)
         aux = to_tensor(priv.aux_x, self.spec.data_spec) if mine and attack.needs_aux else None
         out = {}
         for c in mine:
