@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from helpers import make_config, write_fake_cifar10
-from raysplit.algorithms.semisfl import ema_update, ks_milestones, ks_ratio, pseudo_label_ce
+from raysplit.algorithms.semisfl import ema_update, ks_milestones, ks_ratio, milestone_change, pseudo_label_ce
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
 from raysplit.losses import FeatureQueue, queue_contrastive_loss
@@ -105,6 +105,11 @@ def test_ks_milestones_rule_on_a_loss_trace():
         ks = ks_milestones(ks, r, trace[:r + 1], [20, 30, 40], 10, 0.01, 0.05)
         seq.append(ks)
     assert seq[:19] == [16] * 19 and seq[19:29] == [8] * 10 and seq[29:39] == [16] * 10 and seq[39] == 16
+    # what the rule read (logged as method/ks_loss_change): signed, positive while the loss falls
+    assert milestone_change(29, trace[:30], [20, 30, 40], 10) == pytest.approx(0.2)
+    assert milestone_change(19, trace[:20], [20, 30, 40], 10) == 0.0
+    assert milestone_change(24, trace[:25], [20, 30, 40], 10) is None
+    assert milestone_change(19, trace[:20], [20], 11) is None  # not two windows of history yet
 
 
 def test_ks_ratio_rule_on_a_loss_trace():
@@ -217,6 +222,23 @@ def test_semi_algorithms_two_rounds_with_mlflow(tmp_path, mlflow_uri, fmnist_roo
         assert run.data.metrics["comm/bytes_up"] > 0 and run.data.metrics["compute/client_flops"] > 0
     if algorithm == "supervised_only":
         assert run.data.metrics["comm/bytes_up"] == 0
+
+
+def test_the_milestone_rule_logs_the_change_it_read(tmp_path, mlflow_uri, fmnist_root):
+    """At each milestone the run logs the windowed change of the supervised loss the rule compared with rho1 and
+    rho2 (from method/loss_x, as logged) and K_s follows it; nothing is logged off the milestones."""
+    alg = {"name": "semisfl", "ks_initial": 2, "server_batch_size": 8, "queue_size": 64, "ks": "milestones",
+           "milestones": [2, 3], "window": 1, "rho1": 0.0, "rho2": 1e9}  # every change lands between: K_s kept
+    cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, "train.rounds": 3,
+                                                          "runtime.backend": "local"})
+    rid = run_experiment(cfg)["run_id"]
+    client = MlflowClient(mlflow_uri)
+    loss_x = [m.value for m in sorted(client.get_metric_history(rid, "method/loss_x"), key=lambda m: m.step)]
+    change = {m.step: m.value for m in client.get_metric_history(rid, "method/ks_loss_change")}
+    assert sorted(change) == [1, 2]  # rounds 2 and 3 (steps from 0)
+    for step, value in change.items():
+        assert value == pytest.approx(loss_x[step - 1] - loss_x[step])
+    assert [m.value for m in client.get_metric_history(rid, "method/ks")] == [2, 2, 2]
 
 
 @pytest.mark.parametrize("name", ["fmnist", "svhn", pytest.param("cifar10", marks=pytest.mark.slow)])

@@ -72,15 +72,24 @@ def ks_milestones(ks: int, rnd: int, loss_x: list[float], milestones: list[int],
                   rho2: float) -> int:
     """The paper's rule, applied after round ``rnd``: at a milestone, |change of the windowed mean supervised
     loss| < rho1 halves K_s, > rho2 doubles it."""
-    if rnd + 1 not in milestones or len(loss_x) < 2 * window:
+    change = milestone_change(rnd, loss_x, milestones, window)
+    if change is None:
         return ks
-    cur, prev = np.mean(loss_x[-window:]), np.mean(loss_x[-2 * window:-window])
-    change = abs(prev - cur)
+    change = abs(change)
     if change < rho1:
         return max(1, ks // 2)
     if change > rho2:
         return ks * 2
     return ks
+
+
+def milestone_change(rnd: int, loss_x: list[float], milestones: list[int], window: int) -> float | None:
+    """What the milestones rule reads after round ``rnd``: the mean supervised loss of the window before the last
+    minus that of the last ``window`` rounds (positive: still falling); None off a milestone or before two
+    windows of history."""
+    if rnd + 1 not in milestones or len(loss_x) < 2 * window:
+        return None
+    return float(np.mean(loss_x[-2 * window:-window]) - np.mean(loss_x[-window:]))
 
 
 def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: list[float], kss: list[int],
@@ -326,7 +335,8 @@ class SemiServer(ServerHost):
             return ce + queue_contrastive_loss(q, k, labels, mask, self.queue, p.temperature)
 
         step = len(self.round_loss["u"])
-        lv = self.step_through(e, torch.zeros(len(e)), self.heads, [self._opt_u], tag=Tag(-1, rnd, step, "unsupervised"),
+        lv = self.step_through(e, torch.zeros(len(e)), self.heads, [self._opt_u],
+                               tag=Tag(-1, rnd, step, "unsupervised"),
                                flop_key=("semi", len(e)), loss_fn=loss_fn,
                                where=f"the cross-entity phase, round {rnd}, step {step}")
         self.round_loss["u"].append(lv)
@@ -358,8 +368,9 @@ class SemiServer(ServerHost):
         h["loss_u"].append(float(np.mean(self.round_loss["u"])) if self.round_loss["u"] else float("nan"))
         h["lr"].append(round_lr(self.spec.server_optimizer, self.round, self.spec.rounds))
         h["ks"].append(self.ks)
-        used = self.ks
+        used, change = self.ks, None
         if p.ks == "milestones":
+            change = milestone_change(self.round, h["loss_x"], p.milestones, p.window)
             self.ks = ks_milestones(self.ks, self.round, h["loss_x"], p.milestones, p.window, p.rho1, p.rho2)
         elif p.ks == "ratio":
             share = len(self.labeled["y"]) / self.spec.host_setup.num_train
@@ -369,6 +380,8 @@ class SemiServer(ServerHost):
         out["metrics"].update({"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
                                "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"]
                                else float("nan")})
+        if change is not None:  # logged where the rule decides: the change it compared with rho1 and rho2
+            out["metrics"]["ks_loss_change"] = change
         return out
 
 
