@@ -1,6 +1,7 @@
 """Reproduce docs/results/semisfl.md: Semi-SFL against its baselines on Fashion-MNIST (configs/semisfl/fmnist.yaml).
 
     .venv/bin/python docs/results/run_semisfl.py [--rounds 60] [--seeds 0 1 2] [--jobs 2] [--target 0.8] [--methods ...]
+        [--labels 1000] [--server-views strong] [--partitions IID "Dirichlet 0.1"]
 
 1,000 labelled samples on the server, 30 clients (10 active), IID and Dirichlet(0.1): Semi-SFL (K_s by the paper's
 milestones rule), Semi-SFL with a fixed K_s, FedSwitch-SL, supervised-only (milestones and fixed K_s: each Semi-SFL
@@ -39,16 +40,28 @@ OUT = HERE / ".semisfl_runs"
 CLIENTS = 30
 
 
-def cached(method, part_label, seed, rounds) -> Path:
-    return OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_")
+LABELS, VIEWS = 1000, "strong"  # the page's main setting; --labels / --server-views run a variant
 
 
-def one(method, alg, part_label, partition, seed, rounds):
-    out = cached(method, part_label, seed, rounds)
+def variant(labels: int, views: str) -> str:
+    """The cache-name suffix of a variant ("" for the main setting)."""
+    return ("" if labels == LABELS else f"_l{labels}") + ("" if views == VIEWS else f"_sv{views}")
+
+
+def cached(method, part_label, seed, rounds, labels=LABELS, views=VIEWS) -> Path:
+    return OUT / f"{method}_{part_label}_s{seed}_r{rounds}{variant(labels, views)}.json".replace(" ", "_")
+
+
+def one(method, alg, part_label, partition, seed, rounds, labels=LABELS, views=VIEWS):
+    out = cached(method, part_label, seed, rounds, labels, views)
+    if "server_views" in alg:
+        alg = {**alg, "server_views": [views, views]}
     res = run_config(ROOT / "configs/semisfl/fmnist.yaml", {
         "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds,
-        "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0},
-        f"{method} {part_label} seed {seed}", out, keys=("method/ks", "comm/bytes_up", "comm/bytes_down"))
+        "data.n_labeled": labels, "runtime.backend": "local", "runtime.torch_threads": 1,
+        "tracking.checkpoint_every": 0},
+        f"{method} {part_label} seed {seed}{variant(labels, views)}", out,
+        keys=("method/ks", "comm/bytes_up", "comm/bytes_down", "method/loss_x", "method/loss_u", "method/mask_rate"))
     print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['eval/accuracy']:.4f}", flush=True)
     return res
 
@@ -64,14 +77,15 @@ def to_target(res: dict, target: float) -> float | None:
     return None
 
 
-def table(results, rounds, target) -> str:
-    head = " | ".join(f"{p} acc. @{rounds} | {p} best | {p} MB/client to {target:.0%}" for p, _ in PARTITIONS)
-    lines = [f"| method | seeds | {head} |", "|---" * (2 + 3 * len(PARTITIONS)) + "|"]
+def table(results, rounds, target, parts=None) -> str:
+    parts = parts or [p for p, _ in PARTITIONS]
+    head = " | ".join(f"{p} acc. @{rounds} | {p} best | {p} MB/client to {target:.0%}" for p in parts)
+    lines = [f"| method | seeds | {head} |", "|---" * (2 + 3 * len(parts)) + "|"]
     for method, _ in METHODS:
-        if (method, PARTITIONS[0][0]) not in results:
+        if (method, parts[0]) not in results:
             continue
-        cells = [", ".join(str(s) for s, _ in results[(method, PARTITIONS[0][0])])]
-        for part, _ in PARTITIONS:
+        cells = [", ".join(str(s) for s, _ in results[(method, parts[0])])]
+        for part in parts:
             rs = [r for _, r in results[(method, part)]]
             a = np.array([r["eval/accuracy"] for r in rs]) * 100
             b = np.array([max(c[2] for c in r["curve"]) for r in rs]) * 100
@@ -127,17 +141,27 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--methods", nargs="*", choices=[m for m, _ in METHODS], default=[m for m, _ in METHODS],
                     help="run only these rows; the other rows show the seeds already cached")
+    ap.add_argument("--labels", type=int, default=LABELS, help="data.n_labeled (a variant: own cache, no figures)")
+    ap.add_argument("--server-views", choices=("weak", "strong"), default=VIEWS,
+                    help="the supervised phase's views, both the same (weak: the authors' SVHN setting `twice`)")
+    ap.add_argument("--partitions", nargs="*", choices=[p for p, _ in PARTITIONS], default=[p for p, _ in PARTITIONS])
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     todo = [(m, alg, pl, p, s) for s in args.seeds for pl, p in PARTITIONS for m, alg in METHODS
-            if m in args.methods or cached(m, pl, s, args.rounds).exists()]
-    done = run_all("semisfl-fmnist", todo, lambda *job: one(*job, args.rounds), args.jobs)
+            if pl in args.partitions
+            and (m in args.methods or cached(m, pl, s, args.rounds, args.labels, args.server_views).exists())]
+    done = run_all("semisfl-fmnist", todo,
+                   lambda *job: one(*job, args.rounds, args.labels, args.server_views), args.jobs)
     results: dict = {}
     for (m, _, pl, _, s), res in done:
         results.setdefault((m, pl), []).append((s, res))
-    print(table(results, args.rounds, args.target))
+    parts = [p for p, _ in PARTITIONS if p in args.partitions]
+    print(table(results, args.rounds, args.target, parts))
     print()
-    print(paired_table(results, PAIRS, [p for p, _ in PARTITIONS], args.rounds))
+    print(paired_table(results, [pr for pr in PAIRS if all((m, parts[0]) in results for m in pr)], parts,
+                       args.rounds))
+    if variant(args.labels, args.server_views):
+        return 0  # a variant: the page's figures and summary stay those of the main setting
     figures(results)
     (OUT / f"summary_r{args.rounds}.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
     return 0

@@ -6,18 +6,18 @@ configs/semisfl/fmnist.yaml, does unlabelled data add accuracy at all when there
 Two arms per (labels, seed), one process each, cached as JSON under docs/results/.semisfl_premise/:
 
 - **supervised**: Semi-SFL's CNN (``semisfl_cnn``, 28x28 Fashion-MNIST) trained on the labelled set only, weak views
-  (flip and crop), batch ``--batch``;
+  (flip and crop) or with ``--lview strong`` the strong ones Semi-SFL's server trains on, batch ``--batch``;
 - **fixmatch**: the same, plus each step an unlabelled batch of ``--mu`` x ``--batch`` images: an EMA teacher
   (decay ``--gamma``, eval mode) labels their weak views, and the student's cross-entropy on their strong views
   (RandAugment + cutout) counts where the teacher's confidence reaches ``--tau`` (FixMatch's loss, Sohn et al.
   2020, with Semi-SFL's teacher as its code builds it: ``pseudo_label_ce``, ``ema_update``, ``teacher_mode`` and
   ``Augmenter`` are raysplit's own, the ones the split method runs).
 
-The labelled set is the one ``data.n_labeled`` draws for the seed (``labeled_split``, the same indices); every other training
-image is unlabelled; the test set is Fashion-MNIST's 10,000 images. Optimizer as the config's: SGD lr 0.02, Nesterov
-momentum 0.9, weight decay 5e-4, cosine to 0.005 over the steps. Prints per labels count the final test accuracy of
-each arm (median [min, max] over seeds, the student; the teacher's is in the cache) and fixmatch minus supervised
-paired by seed. One thread per run.
+The labelled set is the one ``data.n_labeled`` draws for the seed (``labeled_split``, the same indices); every other
+training image is unlabelled; the test set is Fashion-MNIST's 10,000 images. Optimizer as the config's: SGD lr 0.02,
+Nesterov momentum 0.9, weight decay 5e-4, cosine to 0.005 over the steps. Prints per labels count the final test
+accuracy of each arm (median [min, max] over seeds, the student; the teacher's is in the cache) and fixmatch minus
+supervised paired by seed. One thread per run.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def labelled_indices(y: np.ndarray, n: int, seed: int) -> np.ndarray:
 
 
 def run(arm: str, labels: int, seed: int, steps: int, batch: int, mu: int, tau: float, gamma: float,
-        lam: float, every: int) -> dict:
+        lam: float, every: int, lview: str = "weak") -> dict:
     import copy
 
     import torch
@@ -84,7 +84,7 @@ def run(arm: str, labels: int, seed: int, steps: int, batch: int, mu: int, tau: 
         for g in opt.param_groups:
             g["lr"] = lr
         i = rng.choice(lab, batch, replace=len(lab) < batch)
-        xb = aug(data.x_train[i], "weak")
+        xb = aug(data.x_train[i], lview)
         loss = F.cross_entropy(student(xb), torch.as_tensor(data.y_train[i]))
         if arm == "fixmatch":
             u = rng.choice(unl, mu * batch, replace=False)
@@ -106,10 +106,13 @@ def run(arm: str, labels: int, seed: int, steps: int, batch: int, mu: int, tau: 
 
 def cached(job: tuple, args) -> dict:
     arm, labels, seed = job
-    out = OUT / f"{arm}_l{labels}_s{seed}_t{args.steps}_b{args.batch}_mu{args.mu}_split.json"  # _split: labeled_split's set
+    view = "" if args.lview == "weak" else f"_lv{args.lview}"
+    # _split: labeled_split's set
+    out = OUT / f"{arm}_l{labels}_s{seed}_t{args.steps}_b{args.batch}_mu{args.mu}_split{view}.json"
     if out.is_file():
         return json.loads(out.read_text())
-    res = run(arm, labels, seed, args.steps, args.batch, args.mu, args.tau, args.gamma, args.lam, args.every)
+    res = run(arm, labels, seed, args.steps, args.batch, args.mu, args.tau, args.gamma, args.lam, args.every,
+              args.lview)
     out.write_text(json.dumps(res))
     print(f"{arm:10s} labels {labels:4d} seed {seed}: student {100 * res['accuracy']:.2f} "
           f"teacher {100 * res['teacher_accuracy']:.2f}", flush=True)
@@ -126,6 +129,9 @@ def main() -> int:
     ap.add_argument("--tau", type=float, default=0.95)
     ap.add_argument("--gamma", type=float, default=0.99, help="EMA decay of the teacher")
     ap.add_argument("--lam", type=float, default=1.0, help="weight of the unlabelled loss")
+    ap.add_argument("--lview", choices=("weak", "strong"), default="weak",
+                    help="view of the labelled batches: weak (FixMatch) or strong (what Semi-SFL's server trains on, "
+                    "server_views [strong, strong])")
     ap.add_argument("--every", type=int, default=250, help="steps between test evaluations")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
