@@ -241,6 +241,32 @@ def test_the_milestone_rule_logs_the_change_it_read(tmp_path, mlflow_uri, fmnist
     assert [m.value for m in client.get_metric_history(rid, "method/ks")] == [2, 2, 2]
 
 
+@pytest.mark.parametrize("views", [["weak", "weak"], ["strong", "strong"]])
+def test_the_supervised_phase_trains_on_the_configured_views(tmp_path, mlflow_uri, fmnist_root, monkeypatch, views):
+    """algorithm.server_views decides what the labelled batches look like (semisfl.md: strong views give
+    supervised-only the gain the unlabelled clients bring with weak ones, so this key decides the comparison);
+    the clients' streams keep FixMatch's pair (strong for the student, weak for the teacher)."""
+    from raysplit.data.augment import Augmenter
+
+    seen: list[tuple[int, str]] = []
+    real = Augmenter.__call__
+
+    def spy(self, x, view):
+        seen.append((len(x), view))
+        return real(self, x, view)
+
+    monkeypatch.setattr(Augmenter, "__call__", spy)
+    alg = {"name": "supervised_only", "ks_initial": 2, "server_batch_size": 5, "queue_size": 64, "ks": "fixed",
+           "server_views": views}  # batch 5 on the server, 8 on the clients: the calls tell the phases apart
+    run_experiment(semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, "train.rounds": 1}))
+    assert sorted({v for n, v in seen if n == 5}) == sorted(set(views)) and len([1 for n, _ in seen if n == 5]) == 4
+    seen.clear()
+    run_experiment(semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {**alg, "name": "semisfl"},
+                                                                    "train.rounds": 1}))
+    assert sorted({v for n, v in seen if n == 5}) == sorted(set(views))
+    assert sorted({v for n, v in seen if n == 8}) == ["strong", "weak"]
+
+
 @pytest.mark.parametrize("name", ["fmnist", "svhn", pytest.param("cifar10", marks=pytest.mark.slow)])
 def test_shipped_semisfl_configs_run_a_round(tmp_path, mlflow_uri, fmnist_root, name):
     """configs/semisfl/*.yaml resolve and run a round on small fake files in the real formats (no download)."""
