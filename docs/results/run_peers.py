@@ -1,0 +1,111 @@
+"""Parity with the authors' code (issue 28, item 1): the tables and figures of docs/results/peers.md from runs of
+the authors' code (benchmarks/peers/<peer>/run.py, cached in benchmarks/peers/<peer>/.runs/) and raysplit's runs of
+the same setting (cached by the results scripts), no training.
+
+    .venv/bin/python docs/results/run_peers.py semisfl [--seeds 0 1 2] [--views twice]
+
+Semi-SFL: Capsule HEAD (0c37252) against raysplit's Semi-SFL, both at 100 labels, K_s fixed at 20, K_u = 10, 60
+rounds, IID, 30 clients (10 active), the same labelled set and client split per seed, the server's labelled views
+``twice`` (weak, weak; the authors' SVHN setting) or ``strong_twice``; each with its supervised-only arm. Runs made by
+
+    .venv/bin/python benchmarks/peers/capsule/run.py --capsule PATH --commit head --labels 100 --ks fixed \\
+        --server-views twice --arm {semi,supervised} --rounds 60 --seed S
+    .venv/bin/python docs/results/run_semisfl.py --rounds 60 --seeds 0 1 2 --jobs 2 --labels 100 \\
+        --partitions IID --methods "Semi-SFL fixed K_s" "Supervised-only fixed K_s" --server-views weak
+
+Prints the table (final teacher accuracy per arm: median [min, max] over the seeds both ran; the Semi-SFL minus
+supervised-only gain paired by seed in each code base; raysplit minus the authors' code, paired by seed) and writes
+docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from _runs import ROOT, median_range
+
+HERE = Path(__file__).resolve().parent
+CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
+OURS = HERE / ".semisfl_runs"
+RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
+
+
+def theirs(arm: str, seed: int, views: str) -> dict | None:
+    """A cached run of the authors' code (benchmarks/peers/capsule/run.py's ``run_name``)."""
+    f = CAPSULE / f"head{'' if arm == 'semi' else '_sup'}_l100_ksfixed_{views}_k20u10_s{seed}_r60.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return {"curve": [(int(r), float(acc)) for r, acc in d["curve"]], "final": float(d["final_accuracy"])}
+
+
+def ours(arm: str, seed: int, views: str) -> dict | None:
+    method = "Semi-SFL_fixed_K_s" if arm == "semi" else "Supervised-only_fixed_K_s"
+    sv = "" if RAYSPLIT_VIEWS[views] == "strong" else "_svweak"
+    f = OURS / f"{method}_IID_s{seed}_r60_l100{sv}.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return {"curve": [(int(r), float(a)) for r, _, a in d["curve"]], "final": float(d["eval/accuracy"])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("method", choices=["semisfl"])
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--views", choices=sorted(RAYSPLIT_VIEWS), default="twice")
+    a = ap.parse_args()
+    runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
+            for code, fn in (("Capsule", theirs), ("raysplit", ours)) for arm in ("semi", "supervised")}
+    print(f"| code | arm (server views {a.views}) | seeds | accuracy @60 | per seed |\n|---|---|---|---|---|")
+    for (code, arm), by_seed in runs.items():
+        v = [100 * r["final"] for r in by_seed.values()]
+        print(f"| {code} | {arm} | {', '.join(map(str, by_seed))} | {median_range(v) if v else 'not run'} | "
+              f"{', '.join(f'{x:.2f}' for x in v)} |")
+    print("\n| difference | seeds | points, paired by seed | per seed |\n|---|---|---|---|")
+    pairs = [(("Capsule", "semi"), ("Capsule", "supervised"), "Capsule: Semi-SFL minus supervised-only"),
+             (("raysplit", "semi"), ("raysplit", "supervised"), "raysplit: Semi-SFL minus supervised-only"),
+             (("raysplit", "semi"), ("Capsule", "semi"), "Semi-SFL: raysplit minus Capsule"),
+             (("raysplit", "supervised"), ("Capsule", "supervised"), "supervised-only: raysplit minus Capsule")]
+    for x, y, label in pairs:
+        seeds = sorted(set(runs[x]) & set(runs[y]))
+        if not seeds:
+            continue
+        d = [100 * (runs[x][s]["final"] - runs[y][s]["final"]) for s in seeds]
+        print(f"| {label} | {', '.join(map(str, seeds))} | {median_range(d, '+.2f')} | "
+              f"{', '.join(f'{v:+.2f}' for v in d)} |")
+    figure(runs, a.views)
+    return 0
+
+
+def figure(runs: dict, views: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = {("Capsule", "semi"): ("C0", "-"), ("raysplit", "semi"): ("C1", "-"),
+              ("Capsule", "supervised"): ("C0", ":"), ("raysplit", "supervised"): ("C1", ":")}
+    for key, by_seed in runs.items():
+        if not by_seed:
+            continue
+        color, ls = styles[key]
+        for r in by_seed.values():
+            ax.plot(*zip(*[(rd, 100 * acc) for rd, acc in r["curve"]]), color=color, ls=ls, lw=0.6, alpha=0.4)
+        common = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for r in by_seed.values()]))
+        med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in common]
+        ax.plot(common, med, color=color, ls=ls, lw=2, label=f"{key[0]} {key[1]} (median of {len(by_seed)})")
+    ax.set_xlabel("round"), ax.set_ylabel("teacher test accuracy (%)"), ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    ax.set_title(f"Semi-SFL, Fashion-MNIST, 100 labels, K_s 20 fixed, server views {views}")
+    fig.tight_layout()
+    fig.savefig(HERE / "peers_semisfl.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
