@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 from _runs import ROOT, median_range
+from run_semisfl import cached
 
 HERE = Path(__file__).resolve().parent
 CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
-OURS = HERE / ".semisfl_runs"
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
 
 
@@ -44,13 +44,13 @@ def theirs(arm: str, seed: int, views: str) -> dict | None:
 
 
 def ours(arm: str, seed: int, views: str) -> dict | None:
-    method = "Semi-SFL_fixed_K_s" if arm == "semi" else "Supervised-only_fixed_K_s"
-    sv = "" if RAYSPLIT_VIEWS[views] == "strong" else "_svweak"
-    f = OURS / f"{method}_IID_s{seed}_r60_l100{sv}.json"
+    """A cached run of docs/results/run_semisfl.py (its own cache names)."""
+    method = "Semi-SFL fixed K_s" if arm == "semi" else "Supervised-only fixed K_s"
+    f = cached(method, "IID", seed, 60, labels=100, views=RAYSPLIT_VIEWS[views])
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    return {"curve": [(int(r), float(a)) for r, _, a in d["curve"]], "final": float(d["eval/accuracy"])}
+    return {"curve": [(int(r), float(acc)) for r, _, acc in d["curve"]], "final": float(d["eval/accuracy"])}
 
 
 def main() -> int:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from _runs import ROOT, median_range
+from semisfl_premise import labelled_indices
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".semisfl_ladder"
@@ -55,7 +56,6 @@ def run(rung: str, labels: int, seed: int, a) -> dict:
     from raysplit.algorithms.semisfl import ema_update, pseudo_label_ce, teacher_mode
     from raysplit.data.augment import Augmenter
     from raysplit.data.datasets import load_fashion_mnist, to_tensor
-    from raysplit.data.partition import labeled_split
     from raysplit.models.core import build_model
 
     level = RUNGS.index(rung)
@@ -63,7 +63,7 @@ def run(rung: str, labels: int, seed: int, a) -> dict:
     torch.manual_seed(seed)
     data = load_fashion_mnist()
     spec = data.spec
-    lab = np.sort(labeled_split(data.y_train, labels, np.random.default_rng([seed, 4]))[0])
+    lab = labelled_indices(data.y_train, labels, seed)
     unl = np.setdiff1d(np.arange(len(data.y_train)), lab)
     aug = Augmenter(spec)
     enc, heads = build_model("semisfl_cnn", spec.num_classes, spec.input_shape).split("features")
@@ -90,7 +90,7 @@ def run(rung: str, labels: int, seed: int, a) -> dict:
         return float((pred == y_test).float().mean())
 
     def pseudo(u):
-        """Teacher logits of weak views of ``u``; the student's strong views; (mask, purity) bookkeeping."""
+        """The teacher's logits on weak views of ``u`` and the student's strong views of them."""
         with torch.no_grad(), teacher_mode(t_enc, t_heads):
             t_logits = t_heads(t_enc(aug(data.x_train[u], "weak")))
         return t_logits, aug(data.x_train[u], "strong")

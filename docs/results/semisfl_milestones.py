@@ -34,6 +34,7 @@ def main() -> int:
     from mlflow.tracking import MlflowClient
 
     from raysplit.algorithms.semisfl import milestone_change
+    from raysplit.metrics import short_name
 
     client = MlflowClient(a.tracking_uri)
     print("| method | partition | seeds | window | " + " | ".join(f"change at round {m}" for m in MILESTONES)
@@ -46,8 +47,8 @@ def main() -> int:
                 if not f.is_file():
                     continue
                 rid = json.loads(f.read_text())["run_id"]
-                hist = sorted(client.get_metric_history(rid, "method/loss_x")
-                              or client.get_metric_history(rid, "loss_x"), key=lambda m: m.step)  # before the groups
+                hist = sorted(client.get_metric_history(rid, "method/loss_x")  # or as logged before the groups
+                              or client.get_metric_history(rid, short_name("method/loss_x")), key=lambda m: m.step)
                 if hist:  # a run logged to another store (a worktree's) is left out; the seeds column says
                     traces.append([m.value for m in hist])
                     seeds.append(str(seed))

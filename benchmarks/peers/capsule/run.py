@@ -90,21 +90,22 @@ def prepare_data(work: Path) -> Path:
 
 
 def raysplit_partition(labels: int, seed: int, num_clients: int, partition: str, alpha: float) -> list[np.ndarray]:
-    """[labelled set, client 0, ..., client V-1]: what raysplit's experiment._load_partitioned draws for
-    configs/semisfl/fmnist.yaml with data.n_labeled=labels and seed (labelled set: labeled_split with
-    default_rng([seed, 4]); clients: the named partitioner over the rest with default_rng([seed, 1]))."""
+    """[labelled set, client 0, ..., client V-1]: what raysplit's own data path (experiment._load_partitioned)
+    draws for configs/semisfl/fmnist.yaml with these overrides; the labelled set is every training index no client
+    holds (the config has no subsample and no client test split)."""
     sys.path.insert(0, str(ROOT))
-    from raysplit.data import labeled_split
-    from raysplit.data import partition as split
-    from raysplit.data.datasets import load_fashion_mnist
+    from raysplit.config import load_config
+    from raysplit.experiment import _load_partitioned
 
-    y = np.asarray(load_fashion_mnist().y_train)
-    lab, pool = labeled_split(y, labels, np.random.default_rng([seed, 4]))
-    params = {"alpha": alpha} if partition == "dirichlet" else {}
-    parts = split(partition, y[pool], num_clients, np.random.default_rng([seed, 1]), **params)
-    out = [np.asarray(lab, dtype=np.int64)] + [np.asarray(pool[p], dtype=np.int64) for p in parts]
-    assert sum(len(p) for p in out) == len(y) and len(np.unique(np.concatenate(out))) == len(y)
-    return out
+    part = {"name": partition, **({"alpha": alpha} if partition == "dirichlet" else {})}
+    cfg = load_config(ROOT / "configs" / "semisfl" / "fmnist.yaml", {
+        "seed": seed, "data.n_labeled": labels, "data.num_clients": num_clients, "data.partition": part})
+    assert not cfg.data.max_train_samples and not cfg.data.test_fraction, "the indices must be the file's"
+    _, (_, y, _, _), train_idx, _, _, _ = _load_partitioned(cfg)
+    clients = [np.asarray(p, dtype=np.int64) for p in train_idx]
+    lab = np.setdiff1d(np.arange(len(y)), np.concatenate(clients)).astype(np.int64)
+    assert len(lab) == labels
+    return [lab] + clients
 
 
 def prepare_code(capsule: Path, commit: str, work: Path) -> tuple[Path, str]:

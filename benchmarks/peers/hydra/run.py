@@ -158,21 +158,6 @@ def setting(a) -> dict:
             "head_share": param_share(a.arch, cut_a, cut_b)}
 
 
-def performance_gap(acc) -> float:
-    """raysplit/metrics.py performance_gap (= their my_utils.performance_gap): best label minus the mean."""
-    v = np.asarray(acc, dtype=float)
-    return float(v.max() - v.mean())
-
-
-def backward_transfer(history) -> float:
-    """raysplit/metrics.py backward_transfer (their my_utils.bw_score as intended): mean over labels of the max
-    over earlier rounds minus the final round; 0.0 with fewer than two rounds."""
-    h = np.asarray(history, dtype=float)
-    if h.ndim != 2 or h.shape[0] < 2:
-        return 0.0
-    return float((h[:-1].max(axis=0) - h[-1]).mean())
-
-
 def fmnist_raw(files: list[str]) -> Path:
     """torchvision's FashionMNIST(download=False) reads uncompressed IDX files from <root>/FashionMNIST/raw; unpack
     the files raysplit read (the Debian package's .gz) once into a cache under /tmp."""
@@ -268,6 +253,8 @@ def run_and_watch(cmd, cwd, env, stdout_path):
 
 
 def main(argv=None):
+    from raysplit.metrics import backward_transfer, performance_gap  # light: no torch, no data
+
     a = parse_args(argv)
     if a.setting_json:
         Path(a.setting_json).write_text(json.dumps(setting(a)))
@@ -346,7 +333,7 @@ def main(argv=None):
             acc = None
         r["label_acc"] = acc
         if acc is not None and None not in acc:
-            r["pg"] = performance_gap(acc)
+            r["pg"] = performance_gap(acc)  # raysplit's definition (= their my_utils.performance_gap)
             history.append(acc)
     for i, r in enumerate(rounds):
         r["wall_s"] = round(r["t_logged_s"] - (rounds[i - 1]["t_logged_s"] if i else 0.0), 2)
@@ -371,7 +358,7 @@ def main(argv=None):
         "returncode": rc, "rounds_completed": len(rounds), "rounds": rounds,
         "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
         "final_pg": rounds[-1].get("pg") if rounds else None,
-        "bw": backward_transfer(np.asarray(history)) if history else None,
+        "bw": backward_transfer(np.asarray(history)) if history else None,  # their bw_score as intended
         "wall_time_s": round(wall, 1),
         "wall_s_per_round_median_after_first": float(np.median(steady)) if steady else None,
         "files": {"log": f"{name}.log", "stdout": f"{name}.stdout"},
