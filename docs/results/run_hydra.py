@@ -77,9 +77,11 @@ from raysplit.experiment import run_experiment
 cfg = load_config({str(ROOT / STUDY['config'])!r}, {{"algorithm": {alg!r}, "seed": {seed},
       "data.num_clients": {10 * c}, "runtime.backend": {backend!r}, "tracking.progress": False,
       "tracking.run_name": {f'{label} {order} c={c} seed {seed}'!r}, **{overrides!r}}})
-hist = []
-res = run_experiment(cfg, on_round=lambda r, m: hist.append(m))
+hist, rounds = [], []
+res = run_experiment(cfg, on_round=lambda r, m: (hist.append(m), rounds.append(r + 1)))
 out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
+# (rounds done, accuracy) at each evaluated round, as _runs.run_config: the overlay in docs/results/peers.md
+out["curve"] = [(r, m["eval/accuracy"]) for r, m in zip(rounds, hist) if "eval/accuracy" in m]
 for key in ["eval/accuracy", "eval/performance_gap"] + [f"eval/position_acc/{{i}}" for i in range(10)]:
     h = [float(m[key]) for m in hist if key in m]
     if h:
