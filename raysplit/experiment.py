@@ -44,9 +44,12 @@ def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> n
     return np.stack([rng.choice(num_clients, per_round, replace=False) for _ in range(rounds)])
 
 
-def _load_partitioned(cfg: ExperimentConfig):
+def load_partitioned(cfg: ExperimentConfig):
     """The dataset, subsampled as configured, the server's labelled set taken out (``data.n_labeled``), the rest
-    partitioned over the clients (each with a test split)."""
+    partitioned over the clients (each with a test split): exactly the data a run of ``cfg`` trains on, without
+    training. Returns ``(spec, (x_train, y_train, x_test, y_test), train_idx, test_idx, labeled, provenance)``:
+    ``train_idx[c]`` / ``test_idx[c]`` index client ``c``'s samples in ``x_train``; ``labeled`` is ``{"x", "y"}``
+    (empty without ``data.n_labeled``). Runners that give other code the same split use it (benchmarks/peers/)."""
     from raysplit.data import client_train_test_split, labeled_split, load_dataset, partition
 
     bundle = load_dataset(cfg.data.dataset, cfg.data.root, **cfg.data.options)
@@ -111,7 +114,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.models import MODELS, build_model
 
     alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
-    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = _load_partitioned(cfg)
+    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg)
     num_clients = len(train_idx)
     counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
 
