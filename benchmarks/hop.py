@@ -10,7 +10,9 @@ gradient down) / Ray time per hop. Three transports are measured in the same run
 * ``compiled`` (default runtime path): the server actor drives the steps (``HostActor.drive``) through Ray
   Compiled Graphs, one per client actor (``runtime.transport.kind: compiled``): shared-memory channels;
 * ``calls``    (``runtime.transport.kind: calls``): the server actor drives the steps with ordinary actor calls;
-* ``chained``  (``runtime.transport.direct_steps=false``): the driver chains forward -> train_step -> backward ObjectRefs.
+* ``chained``  (``runtime.transport.direct_steps=false``): the driver chains forward -> train_step -> backward ObjectRefs;
+* ``rdt``      (``runtime.transport.kind: rdt``, driver-chained): as ``chained``, the activation and the gradient
+  moving by Ray Direct Transport over a gloo group (``HostActor.call_rdt``) instead of the object store.
 
     python benchmarks/hop.py [--repeats 7] [--steps 20]
 """
@@ -103,6 +105,13 @@ def main():
     client = HostActor.options(num_cpus=0).remote(EchoClient, 1024)
     server = HostActor.options(num_cpus=1).remote(EchoServer)
     ray.get([client.node_id.remote(), server.node_id.remote()])
+    # rdt on actors of its own: a gloo transfer into an actor that also runs a compiled graph hung here (Ray
+    # killed both actors after its 60 s RDT timeout), so the two are never mixed
+    from ray.experimental.collective import create_collective_group
+
+    client_rdt = HostActor.options(num_cpus=0).remote(EchoClient, 1024)
+    server_rdt = HostActor.options(num_cpus=1).remote(EchoServer)
+    create_collective_group([client_rdt, server_rdt], backend="torch_gloo")
     print(f"load {load()}")
 
     def ping_loop(host_actor, other, n):  # runs inside the server actor: the floor of one actor-to-actor call
@@ -114,12 +123,12 @@ def main():
     pings = [ray.get(server.__ray_call__.remote(ping_loop, client, 200)) for _ in range(a.repeats)]
     print(f"empty actor-to-actor call (server -> client actor, reply): {fmt(mmm(pings), 1e3)} ms")
     print("| activation | in-process ms/hop | compiled ms/hop | **compiled overhead ms** | compiled MB/s | "
-          "calls ms/hop | calls overhead ms | chained ms/hop | chained overhead ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "calls ms/hop | calls overhead ms | chained ms/hop | chained overhead ms | rdt ms/hop | rdt overhead ms |")
+    print("|---" * 11 + "|")
     results = {}
-    variants = ("compiled", "calls", "chained")
+    variants = ("compiled", "calls", "chained", "rdt")
     for nbytes in SIZES:
-        ray.get(client.call.remote("set_size", nbytes))
+        ray.get([client.call.remote("set_size", nbytes), client_rdt.call.remote("set_size", nbytes)])
         tags = [Tag(0, 0, i) for i in range(a.steps)]
         plan = stepping.plan_steps([0] * a.steps, 0, {})
         res = {k: [] for k in ("inproc", *variants)}
@@ -137,6 +146,12 @@ def main():
                                                                                                          tag)))
             ray.get(last)
             t["chained"] = (time.perf_counter() - t0) / a.steps
+            t0 = time.perf_counter()
+            for tag in tags:
+                last = client_rdt.call.remote("backward", server_rdt.call_rdt.remote(
+                    "train_step", client_rdt.call_rdt.remote("forward", tag)))
+            ray.get(last)
+            t["rdt"] = (time.perf_counter() - t0) / a.steps
             if rep:
                 for k, x in t.items():
                     res[k].append(x)
@@ -148,8 +163,8 @@ def main():
         results[label] = r
         print(f"| {label} | {r['inproc']['median'] * 1e3:.2f} | {fmt(r['compiled'], 1e3)} | "
               f"{fmt(r['compiled_overhead'], 1e3)} | {r['compiled_MBps']:.0f} | {fmt(r['calls'], 1e3)} | "
-              f"{fmt(r['calls_overhead'], 1e3)} | {fmt(r['chained'], 1e3)} | {fmt(r['chained_overhead'], 1e3)} |",
-              flush=True)
+              f"{fmt(r['calls_overhead'], 1e3)} | {fmt(r['chained'], 1e3)} | {fmt(r['chained_overhead'], 1e3)} | "
+              f"{fmt(r['rdt'], 1e3)} | {fmt(r['rdt_overhead'], 1e3)} |", flush=True)
     ray.get(server.teardown_graphs.remote())
     ray.shutdown()
     name = "hop" + (f"-{a.tag}" if a.tag else "")
@@ -158,7 +173,7 @@ def main():
         m = {"empty_call_ms": mmm(pings)["median"] * 1e3}
         for label, r in results.items():
             k = label.replace(" ", "")
-            for v in ("compiled", "calls", "chained"):
+            for v in variants:
                 m[f"{v}_overhead_ms_{k}"] = r[f"{v}_overhead"]["median"] * 1e3
             m[f"compiled_MBps_{k}"] = r["compiled_MBps"]
         log_mlflow(name, {**vars(a), "load": load()}, m, path)

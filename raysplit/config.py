@@ -275,12 +275,23 @@ class PlacementConfig(_Strict):
 class TransportConfig(_Strict):
     """How a round's split steps travel between the hosts."""
 
-    kind: Literal["compiled", "calls"] = Field(
+    kind: Literal["compiled", "calls", "rdt"] = Field(
         default="compiled", description="Ray, with direct_steps: how the server actor reaches the client actors "
         "in a driven loop: Ray Compiled Graphs (shared-memory channels, one graph per client actor, compiled once "
-        "per run) or ordinary actor calls (the fallback); identical results")
+        "per run) or ordinary actor calls (the fallback); identical results. rdt (a prototype, needs "
+        "direct_steps: false): activations and gradients travel actor to actor by Ray Direct Transport over gloo "
+        "instead of the object store")
     direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "
                                "calling client actors directly (false: the driver chains every call)")
+
+    @model_validator(mode="after")
+    def _rdt_is_driver_chained(self):
+        if self.kind == "rdt" and self.direct_steps:
+            raise ValueError("runtime.transport.kind=rdt needs runtime.transport.direct_steps=false: Ray 2.60's gloo "
+                             "transport is two-sided, an object reaches only a task that takes it as an argument "
+                             "(ray.get on it is refused), so the server cannot pull activations inside a loop it "
+                             "drives; the driver chains the calls instead")
+        return self
     max_in_flight: int = Field(default=256, ge=2, description="split steps submitted ahead of their completion")
     window: int | None = Field(default=4, ge=1, description="forwards submitted ahead per client actor in a round's "
                                "split steps: peak memory O(actors x window), not O(clients per round); null: every "

@@ -137,6 +137,15 @@ def test_runtime_sections_hold_placement_transport_and_fault_policy():
     assert not any(k in flatten(cfg.model_dump()) for k in ("runtime.window", "runtime.max_retries"))
 
 
+def test_the_rdt_transport_is_refused_on_the_server_driven_path_with_the_reason():
+    """Ray 2.60's gloo objects reach only tasks that take them as arguments, so ``kind: rdt`` needs the
+    driver-chained path; asked for with the default ``direct_steps: true`` it is one error naming both keys."""
+    with pytest.raises(ConfigError, match=r"runtime.transport.kind=rdt needs runtime.transport.direct_steps=false"):
+        load_config(None, ["runtime.transport.kind=rdt"])
+    cfg = load_config(None, ["runtime.transport.kind=rdt", "runtime.transport.direct_steps=false"])
+    assert (cfg.runtime.transport.kind, cfg.runtime.transport.direct_steps) == ("rdt", False)
+
+
 def test_old_runtime_keys_still_work_with_one_warning_each(tmp_path):
     """A config written before the runtime had sections: every old key lands in its section, each with a
     one-line FutureWarning naming the new key; a later new-style override finds the section."""

@@ -138,6 +138,8 @@ PATHS = {
     "chained": {"runtime.backend": "ray", "runtime.transport.direct_steps": False, "runtime.transport.kind": "calls"},
     "calls": {"runtime.backend": "ray", "runtime.transport.direct_steps": True, "runtime.transport.kind": "calls"},
     "compiled": {"runtime.backend": "ray", "runtime.transport.direct_steps": True, "runtime.transport.kind": "compiled"},
+    # the Ray Direct Transport prototype (issue 29): driver-chained, activations and gradients over gloo
+    "rdt": {"runtime.backend": "ray", "runtime.transport.direct_steps": False, "runtime.transport.kind": "rdt"},
 }
 
 
@@ -180,16 +182,60 @@ def test_every_synchronous_algorithm_computes_the_same_bits_on_all_four_paths(ra
     server and clients; not the hosts' copies of the process-global torch generator, which in process is one for
     all hosts: a method that drew from it would show in the metrics) and logs the same per-round metrics exactly (losses, accuracy, bytes, FLOPs, simulated
     time): the paths are transports of one computation, not four implementations."""
-    want_state, want_rounds = _final_state(name, "local")
+    want = _final_state(name, "local")
     for path in ("chained", "calls", "compiled"):
-        state, rounds = _final_state(name, path)
-        assert sorted(state) == sorted(want_state), f"{name} on {path}: the checkpoint holds other entries"
-        for at, a in want_state.items():
-            b = state[at]
-            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) else
-                    np.array_equal(a, b, equal_nan=a.dtype.kind == "f") if isinstance(a, np.ndarray) else
-                    a == b or (isinstance(a, float) and a != a and b != b))
-            assert same, f"{name} on {path}: {at} differs from the local backend's ({a!r} vs {b!r})"[:400]
-        for r_want, r_got in zip(want_rounds, rounds, strict=True):
-            diff = {k: (v, r_got.get(k)) for k, v in r_want.items() if not (v == r_got.get(k) or v != v)}
-            assert not diff and set(r_got) == set(r_want), f"{name} on {path}, round {r_want['round']}: {diff}"
+        _assert_same_run(name, path, want, _final_state(name, path))
+
+
+def _assert_same_run(name: str, path: str, want: tuple, got: tuple) -> None:
+    """:func:`_final_state` of ``name`` on ``path`` equals ``want`` (the local backend's) bit for bit."""
+    (want_state, want_rounds), (state, rounds) = want, got
+    assert sorted(state) == sorted(want_state), f"{name} on {path}: the checkpoint holds other entries"
+    for at, a in want_state.items():
+        b = state[at]
+        same = (torch.equal(a, b) if isinstance(a, torch.Tensor) else
+                np.array_equal(a, b, equal_nan=a.dtype.kind == "f") if isinstance(a, np.ndarray) else
+                a == b or (isinstance(a, float) and a != a and b != b))
+        assert same, f"{name} on {path}: {at} differs from the local backend's ({a!r} vs {b!r})"[:400]
+    for r_want, r_got in zip(want_rounds, rounds, strict=True):
+        diff = {k: (v, r_got.get(k)) for k, v in r_want.items() if not (v == r_got.get(k) or v != v)}
+        assert not diff and set(r_got) == set(r_want), f"{name} on {path}, round {r_want['round']}: {diff}"
+
+
+@pytest.mark.parametrize("name", ["sflv2", "semisfl"])  # one stream per client step; two (student, teacher)
+def test_rdt_transport_computes_the_same_bits(ray_session, name):
+    """Issue 29 item 5, the Ray Direct Transport prototype (``runtime.transport.kind: rdt``, driver-chained): the
+    clients' activations and the server's gradients travel over a gloo group as tensors, and the run ends with the
+    local backend's final checkpoint and metrics bit for bit."""
+    _assert_same_run(name, "rdt", _final_state(name, "local"), _final_state(name, "rdt"))
+
+
+def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_session):
+    """What ``HostActor.call_rdt`` returns is an RDT object, not an object-store copy (a plain ``ray.get`` of a
+    two-sided gloo object is refused), and the actor that takes it as an argument gets the wire format back:
+    numpy arrays with the sent values."""
+    import ray
+    from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+    from raysplit.runtime.messages import Activation, Tag
+    from raysplit.runtime.ray_actors import HostActor
+
+    class Host:  # defined here, so that Ray ships it by value to the actors
+        def forward(self, n):
+            return Activation(Tag(3, 0, 0), np.arange(n, dtype=np.float32), np.arange(n) % 10, 1.5)
+
+        def total(self, act):
+            return type(act.x).__name__, type(act.y).__name__, float(act.x.sum()), int(act.y.sum()), act.tag
+
+    a, b = (HostActor.options(num_cpus=0).remote(Host) for _ in range(2))
+    group = create_collective_group([a, b], backend="torch_gloo")
+    try:
+        ref = a.call_rdt.remote("forward", 1000)
+        with pytest.raises(ValueError, match="two-sided"):
+            ray.get(ref, timeout=60)
+        assert ray.get(b.call.remote("total", ref), timeout=60) == ("ndarray", "ndarray", 499500.0, 4500,
+                                                                    Tag(3, 0, 0))
+    finally:
+        destroy_collective_group(group)
+        for h in (a, b):
+            ray.kill(h)

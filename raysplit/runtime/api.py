@@ -357,6 +357,8 @@ class LocalBackend:
     def call(self, host, method, *args, **kwargs):
         return invoke(host, method, *args, **kwargs)
 
+    hop = call  # a call whose result (an activation, a gradient) another host takes: nothing travels in process
+
     def call_n(self, host, n, method, *args, **kwargs):
         out = list(invoke(host, method, *args, **kwargs))
         if len(out) != n:

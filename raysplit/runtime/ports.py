@@ -29,9 +29,9 @@ class DriverPort:
                 out = self.rt.backward(cid, *args)
             elif method == "forward_many":
                 tags, batch_size = args
-                out = [b.call(host, "forward", tag, batch_size) for tag in tags]
+                out = [b.hop(host, "forward", tag, batch_size) for tag in tags]
             else:
-                out = b.call(host, method, *args)
+                out = (b.hop if method == "forward" else b.call)(host, method, *args)
         return out
 
     def fetch(self, handle):
@@ -52,7 +52,7 @@ class DriverServer:
         b = self.backend
         if self.many:
             return b.call_n(b.server, len(args), "serve", method, *args)
-        return b.call(b.server, "serve", method, *args)
+        return b.hop(b.server, "serve", method, *args)  # a gradient, for a client's backward
 
 
 class LocalPort:

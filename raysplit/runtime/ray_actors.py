@@ -5,6 +5,7 @@ Ray Compiled Graphs). With ray_backend.py, the only code that imports Ray."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import math
@@ -15,12 +16,14 @@ from collections import deque
 
 import numpy as np
 import ray
+import torch
 from ray.exceptions import RayActorError, RayChannelError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysplit.errors import ActorFailure
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.hosts import invoke
+from raysplit.runtime.messages import Activation, Gradient
 from raysplit.runtime.snapshots import SnapshotStore
 
 
@@ -130,11 +133,18 @@ class HostActor:
             arm_fault(self.host, *fault)
 
     def call(self, method: str, *args, **kwargs):
-        return invoke(self.host, method, *args, **kwargs)
+        return invoke(self.host, method, *map(from_tensors, args), **kwargs)
+
+    @ray.method(tensor_transport="gloo")
+    def call_rdt(self, method: str, *args, **kwargs):
+        """``call`` whose result's arrays (an activation's features and labels, a gradient) leave this actor by Ray
+        Direct Transport over gloo (``runtime.transport.kind: rdt``), the rest of the message through the object
+        store. The receiving actor's ``call`` turns them back into arrays."""
+        return to_tensors(self.call(method, *args, **kwargs))
 
     def call_split(self, method: str, *args, **kwargs):
         """For num_returns=n calls: one object per element of the method's list."""
-        out = list(invoke(self.host, method, *args, **kwargs))
+        out = list(invoke(self.host, method, *map(from_tensors, args), **kwargs))
         return out[0] if len(out) == 1 else tuple(out)
 
     def node_id(self) -> str:
@@ -204,6 +214,34 @@ class HostActor:
             if dag is not None:
                 dag.teardown()
         self._graphs, self._graph_ids = [], None
+
+
+def to_tensors(msg):
+    """An activation or gradient message (or a list of them) with its arrays as tensors sharing their memory, for
+    Ray Direct Transport, which moves torch tensors only; anything else unchanged. A read-only array (a view of the
+    object store) is copied first."""
+    def t(a):
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+    if isinstance(msg, Activation):
+        return dataclasses.replace(msg, x=t(msg.x), y=t(msg.y))
+    if isinstance(msg, Gradient) and isinstance(msg.g, np.ndarray):
+        return dataclasses.replace(msg, g=t(msg.g))
+    if isinstance(msg, list | tuple):
+        return type(msg)(to_tensors(m) for m in msg)
+    return msg
+
+
+def from_tensors(msg):
+    """:func:`to_tensors` undone on arrival: the wire format's arrays again (sharing the received tensors' memory,
+    which this process owns)."""
+    if isinstance(msg, Activation) and isinstance(msg.x, torch.Tensor):
+        return dataclasses.replace(msg, x=msg.x.numpy(), y=msg.y.numpy())
+    if isinstance(msg, Gradient) and isinstance(msg.g, torch.Tensor):
+        return dataclasses.replace(msg, g=msg.g.numpy())
+    if isinstance(msg, list | tuple) and msg and isinstance(msg[0], Activation | Gradient):
+        return type(msg)(from_tensors(m) for m in msg)
+    return msg
 
 
 def channel_bytes(server_host) -> int:

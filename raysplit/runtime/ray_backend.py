@@ -19,7 +19,6 @@ from raysplit.runtime.ray_actors import HostActor, RayKeeper
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
 
-
 def init_ray(rcfg) -> bool:
     """Join the cluster at ``runtime.address`` (``auto``: the one running on this machine or named by
     RAY_ADDRESS), taking its resources as they are; or, with no address, start a private local Ray for this run
@@ -105,6 +104,9 @@ class RayBackend:
         self._connected = False
         self._refs: dict = {}  # the run's inputs in the object store, put once (they outlive restarted actors)
         self._fault = rcfg.faults.inject_fault  # armed in the run's first actors only, not in their replacements
+        # runtime.transport.kind: rdt (driver-chained): activations and gradients by Ray Direct Transport over gloo
+        self.rdt = rcfg.transport.kind == "rdt"
+        self._group = None
 
     def connect(self) -> None:
         """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
@@ -157,6 +159,10 @@ class RayBackend:
         nodes = self.get(refs)
         for a, node in zip(actors, nodes):
             self.roles[a._actor_id.hex()] += f" on node {node}"
+        if self.rdt:  # one gloo group over the run's actors (replacement actors get a new one)
+            from ray.experimental.collective import create_collective_group
+
+            self._group = create_collective_group(actors, backend="torch_gloo")
 
     def _unplaced(self, pending: list, waited: float) -> str:
         """What to say about replacement actors still not constructed after ``waited`` seconds: those no node took
@@ -193,13 +199,19 @@ class RayBackend:
         self._refs = {}
         self.start(inputs, ready_timeout=self.restart_timeout)
 
-    def call(self, actor, method, *args, **kwargs):
+    def hop(self, actor, method, *args):
+        """A call whose result another actor takes as an argument (a client's activation, the server's gradient):
+        with ``runtime.transport.kind: rdt`` its tensors travel by Ray Direct Transport, else as :meth:`call`."""
+        return self.call(actor, method, *args, _rdt=self.rdt)
+
+    def call(self, actor, method, *args, _rdt: bool = False, **kwargs):
+        call = actor.call_rdt if _rdt else actor.call
         if actor._actor_id not in self._worker_ids:
-            return actor.call.remote(method, *args, **kwargs)
+            return call.remote(method, *args, **kwargs)
         if self._barrier is not None:
             ref = actor.call_after.remote(self._barrier, method, *args, **kwargs)
         else:
-            ref = actor.call.remote(method, *args, **kwargs)
+            ref = call.remote(method, *args, **kwargs)
         self._last[actor._actor_id] = ref
         return ref
 
@@ -225,6 +237,8 @@ class RayBackend:
 
     def get(self, handles, timeout: float | None = None):
         try:
+            if self.rdt:  # the driver is outside the gloo group: what it reads comes through the object store
+                return ray.get(handles, timeout=timeout or self.get_timeout, _use_object_store=True)
             return ray.get(handles, timeout=timeout or self.get_timeout)
         except RayTaskError as e:  # re-raise the host's own exception (NonFiniteLossError, KeyError, ...)
             cause = e
@@ -283,6 +297,14 @@ class RayBackend:
         return RayKeeper()
 
     def _kill_actors(self) -> None:
+        if self._group is not None:
+            from ray.experimental.collective import destroy_collective_group
+
+            try:
+                destroy_collective_group(self._group)
+            except Exception:  # noqa: BLE001 - a member is gone: the group goes with the actors
+                pass
+            self._group = None
         for a in [self.server, *self.workers]:
             if a is not None:
                 try:
