@@ -12,7 +12,7 @@ gradient down) / Ray time per hop. Three transports are measured in the same run
 * ``calls``    (``runtime.transport.kind: calls``): the server actor drives the steps with ordinary actor calls;
 * ``chained``  (``runtime.transport.direct_steps=false``): the driver chains forward -> train_step -> backward ObjectRefs;
 * ``rdt``      (``runtime.transport.kind: rdt``, driver-chained): as ``chained``, the activation and the gradient
-  moving by Ray Direct Transport over a gloo group (``HostActor.call_rdt``) instead of the object store.
+  moving by Ray Direct Transport over a gloo group (``RdtHostActor.call_rdt``) instead of the object store.
 
     python benchmarks/hop.py [--repeats 7] [--steps 20]
 """
@@ -109,8 +109,10 @@ def main():
     # killed both actors after its 60 s RDT timeout), so the two are never mixed
     from ray.experimental.collective import create_collective_group
 
-    client_rdt = HostActor.options(num_cpus=0).remote(EchoClient, 1024)
-    server_rdt = HostActor.options(num_cpus=1).remote(EchoServer)
+    from raysplit.runtime.ray_actors import RdtHostActor
+
+    client_rdt = RdtHostActor.options(num_cpus=0).remote(EchoClient, 1024)
+    server_rdt = RdtHostActor.options(num_cpus=1).remote(EchoServer)
     create_collective_group([client_rdt, server_rdt], backend="torch_gloo")
     print(f"load {load()}")
 

@@ -211,14 +211,14 @@ def test_rdt_transport_computes_the_same_bits(ray_session, name):
 
 
 def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_session):
-    """What ``HostActor.call_rdt`` returns is an RDT object, not an object-store copy (a plain ``ray.get`` of a
+    """What ``RdtHostActor.call_rdt`` returns is an RDT object, not an object-store copy (a plain ``ray.get`` of a
     two-sided gloo object is refused), and the actor that takes it as an argument gets the wire format back:
     numpy arrays with the sent values."""
     import ray
     from ray.experimental.collective import create_collective_group, destroy_collective_group
 
     from raysplit.runtime.messages import Activation, Tag
-    from raysplit.runtime.ray_actors import HostActor
+    from raysplit.runtime.ray_actors import RdtHostActor
 
     class Host:  # defined here, so that Ray ships it by value to the actors
         def forward(self, n):
@@ -227,7 +227,7 @@ def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_s
         def total(self, act):
             return type(act.x).__name__, type(act.y).__name__, float(act.x.sum()), int(act.y.sum()), act.tag
 
-    a, b = (HostActor.options(num_cpus=0).remote(Host) for _ in range(2))
+    a, b = (RdtHostActor.options(num_cpus=0).remote(Host) for _ in range(2))
     group = create_collective_group([a, b], backend="torch_gloo")
     try:
         ref = a.call_rdt.remote("forward", 1000)

@@ -123,9 +123,9 @@ class RayKeeper:
             pass
 
 
-@ray.remote
 class HostActor:
-    """A thin actor around a host object (``ClientHost`` / ``ServerHost`` or an algorithm's subclass)."""
+    """A thin actor around a host object (``ClientHost`` / ``ServerHost`` or an algorithm's subclass). Made an actor
+    class (``ray.remote``) below, after :class:`RdtHostActor` derives from it."""
 
     def __init__(self, host_cls, *args, fault: tuple | None = None):
         self.host = host_cls(*args)
@@ -134,13 +134,6 @@ class HostActor:
 
     def call(self, method: str, *args, **kwargs):
         return invoke(self.host, method, *map(from_tensors, args), **kwargs)
-
-    @ray.method(tensor_transport="gloo")
-    def call_rdt(self, method: str, *args, **kwargs):
-        """``call`` whose result's arrays (an activation's features and labels, a gradient) leave this actor by Ray
-        Direct Transport over gloo (``runtime.transport.kind: rdt``), the rest of the message through the object
-        store. The receiving actor's ``call`` turns them back into arrays."""
-        return to_tensors(self.call(method, *args, **kwargs))
 
     def call_split(self, method: str, *args, **kwargs):
         """For num_returns=n calls: one object per element of the method's list."""
@@ -214,6 +207,22 @@ class HostActor:
             if dag is not None:
                 dag.teardown()
         self._graphs, self._graph_ids = [], None
+
+
+class RdtHostActor(HostActor):
+    """:class:`HostActor` with :meth:`call_rdt` (``runtime.transport.kind: rdt``): a class of its own because a method
+    with a tensor transport makes Ray run every task of the actor on a background thread (Ray 2.60,
+    ray/actor.py), which the other transports should not pay for."""
+
+    @ray.method(tensor_transport="gloo")
+    def call_rdt(self, method: str, *args, **kwargs):
+        """``call`` whose result's arrays (an activation's features and labels, a gradient) leave this actor by Ray
+        Direct Transport over gloo, the rest of the message through the object store. The receiving actor's
+        ``call`` turns them back into arrays."""
+        return to_tensors(self.call(method, *args, **kwargs))
+
+
+HostActor, RdtHostActor = ray.remote(HostActor), ray.remote(RdtHostActor)
 
 
 def to_tensors(msg):

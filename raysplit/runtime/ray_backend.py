@@ -14,7 +14,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.api import RuntimeInputs, host_inputs
-from raysplit.runtime.ray_actors import HostActor, RayKeeper
+from raysplit.runtime.ray_actors import HostActor, RayKeeper, RdtHostActor
 
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
@@ -128,7 +128,8 @@ class RayBackend:
         train_ref, test_ref, client_init = self._refs["train"], self._refs["test"], self._refs["client_init"]
         f, self._fault = self._fault, None
         fault = {f.actor: (f.round, f.call, f.method)} if f is not None else {}
-        self.server = HostActor.options(
+        actor_cls = RdtHostActor if self.rdt else HostActor
+        self.server = actor_cls.options(
             num_cpus=r.server.num_cpus, num_gpus=r.server.num_gpus, resources=r.server.resources or None,
             memory=r.server.memory, name=None,
         ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref, self._refs["labeled"],
@@ -138,7 +139,7 @@ class RayBackend:
         if r.placement.spread_clients:
             opts["scheduling_strategy"] = "SPREAD"
         self.workers = [
-            HostActor.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init,
+            actor_cls.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init,
                                              fault=fault.get(f"client{w}"))
             for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
         ]
