@@ -16,6 +16,22 @@ rounds, IID, 30 clients (10 active), the same labelled set and client split per 
 Prints the table (final teacher accuracy per arm: median [min, max] over the seeds both ran; the Semi-SFL minus
 supervised-only gain paired by seed in each code base; raysplit minus the authors' code, paired by seed) and writes
 docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick).
+
+    .venv/bin/python docs/results/run_peers.py hydra [--seeds 0 1 2] [--ours outputs/hydra_gap_r2]
+
+Hydra: the authors' run_sfl.py (SFLV2) and run_hydra.py (heads conv4+fc, 62 % of the server) against raysplit's
+SFLV2 and SFLV2+Hydra on configs/hydra/fmnist_gap.yaml (c = 1: 10 clients, dominant label 0.8, 12,800 images, the
+same client lists and cycle order per seed), cyclic and random orders, 30 rounds. Runs made by
+
+    .venv/bin/python benchmarks/peers/hydra/run.py --hydra PATH --script {sfl,hydra} --policy {cyclic,random} \
+        --rounds 30 --seed S
+    .venv/bin/python docs/results/run_hydra.py --study gap --jobs 1 --seeds 0 1 2 --only-c 1 \
+        --methods SFLV2 SFLV2+Hydra --orders {cyclic,random} --out outputs/hydra_gap_r2
+
+Prints the table (accuracy at round 30, mean of the last 5 rounds, PG and BW per code, method and order: median
+[min, max] over the seeds both ran), the differences paired by seed (Hydra minus SFLV2 in each code; raysplit minus
+the authors' code per method) and writes docs/results/peers_hydra.png (global accuracy per round, one panel per
+order).
 """
 
 from __future__ import annotations
@@ -31,6 +47,8 @@ from run_semisfl import cached
 
 HERE = Path(__file__).resolve().parent
 CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
+HYDRA = ROOT / "benchmarks" / "peers" / "hydra" / ".runs"
+HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3")}  # their script and cut in the run name
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
 
 
@@ -55,10 +73,15 @@ def ours(arm: str, seed: int, views: str) -> dict | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("method", choices=["semisfl"])
+    ap.add_argument("method", choices=["semisfl", "hydra"])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--views", choices=sorted(RAYSPLIT_VIEWS), default="twice")
+    ap.add_argument("--ours", default="outputs/hydra_gap_r2", help="hydra: run_hydra.py's --out (cached runs)")
     a = ap.parse_args()
+    return hydra(a.seeds, ROOT / a.ours) if a.method == "hydra" else semisfl(a)
+
+
+def semisfl(a) -> int:
     runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
             for code, fn in (("Capsule", theirs), ("raysplit", ours)) for arm in ("semi", "supervised")}
     print(f"| code | arm (server views {a.views}) | seeds | accuracy @60 | per seed |\n|---|---|---|---|---|")
@@ -80,6 +103,82 @@ def main() -> int:
               f"{', '.join(f'{v:+.2f}' for v in d)} |")
     figure(runs, a.views)
     return 0
+
+
+def hydra_theirs(method: str, order: str, seed: int) -> dict | None:
+    """The newest complete 30-round run of the authors' script (benchmarks/peers/hydra/run.py's run name)."""
+    script, cut = HYDRA_METHODS[method]
+    done = []
+    for f in sorted(HYDRA.glob(f"{script}_{order}_cnn_gap_{cut}_s{seed}_r30_n12800_*.json")):
+        d = json.loads(f.read_text())
+        if d["returncode"] == 0 and d["rounds_completed"] == 30:
+            done.append(d)
+    if not done:
+        return None
+    rounds = done[-1]["rounds"]
+    return {"curve": [(r["round"] + 1, r["accuracy"]) for r in rounds],  # their Epoch [e] is logged after epoch e
+            "final": rounds[-1]["accuracy"], "last5": float(np.mean([r["accuracy"] for r in rounds[-5:]])),
+            "pg": rounds[-1]["pg"], "bw": done[-1]["bw"]}
+
+
+def hydra_ours(out: Path, method: str, order: str, seed: int) -> dict | None:
+    """A cached run of docs/results/run_hydra.py --study gap (its run_file names)."""
+    f = out / f"{method}_{order}_c1_s{seed}.json".replace("+", "_")
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return {"curve": [(int(r), float(acc)) for r, acc in d.get("curve", [])], "final": d["eval/accuracy"],
+            "last5": d["eval/accuracy_last5"], "pg": d["eval/performance_gap"], "bw": d["eval/backward_transfer"]}
+
+
+def hydra(seeds: list[int], ours_dir: Path) -> int:
+    runs = {(code, m, o): {s: r for s in seeds if (r := fn(m, o, s)) is not None}
+            for o in ("cyclic", "random") for m in HYDRA_METHODS
+            for code, fn in (("authors", hydra_theirs), ("raysplit", lambda *k: hydra_ours(ours_dir, *k)))}
+    print("| order | method | code | seeds | accuracy @30 (%) | last 5 rounds (%) | PG (pp) | BW (pp) |\n"
+          + "|---" * 8 + "|")
+    for (code, m, o), by_seed in runs.items():
+        if by_seed:
+            cells = [median_range([100 * r[k] for r in by_seed.values()]) for k in ("final", "last5", "pg", "bw")]
+            print(f"| {o} | {m} | {code} | {', '.join(map(str, by_seed))} | {' | '.join(cells)} |")
+    print("\n| order | difference | seeds | accuracy @30 (points), paired by seed | last 5 rounds | PG (pp) |\n"
+          + "|---" * 6 + "|")
+    for o in ("cyclic", "random"):
+        pairs = [((c, "SFLV2+Hydra", o), (c, "SFLV2", o), f"{c}: Hydra minus SFLV2") for c in ("authors", "raysplit")]
+        pairs += [(("raysplit", m, o), ("authors", m, o), f"{m}: raysplit minus authors") for m in HYDRA_METHODS]
+        for x, y, label in pairs:
+            common = sorted(set(runs[x]) & set(runs[y]))
+            if common:
+                cells = [median_range([100 * (runs[x][s][k] - runs[y][s][k]) for s in common], "+.2f")
+                         for k in ("final", "last5", "pg")]
+                print(f"| {o} | {label} | {', '.join(map(str, common))} | {' | '.join(cells)} |")
+    hydra_figure(runs)
+    return 0
+
+
+def hydra_figure(runs: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, o in zip(axes, ("cyclic", "random")):
+        for (code, m, oo), by_seed in runs.items():
+            if oo != o or not by_seed:
+                continue
+            color, ls = ("C0" if m == "SFLV2" else "C3"), ("-" if code == "raysplit" else "--")
+            for r in by_seed.values():
+                ax.plot(*zip(*[(rd, 100 * acc) for rd, acc in r["curve"]]), color=color, ls=ls, lw=0.5, alpha=0.35)
+            common = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for r in by_seed.values()]))
+            med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in common]
+            ax.plot(common, med, color=color, ls=ls, lw=2, label=f"{m}, {code} (median of {len(by_seed)})")
+        ax.set_title(f"{o} order"), ax.set_xlabel("round"), ax.grid(alpha=0.3)
+    axes[0].set_ylabel("global test accuracy (%)"), axes[0].legend(fontsize=8)
+    fig.suptitle("Hydra vs SFLV2, Fashion-MNIST, cnn_gap, dominant label 0.8, 10 clients: authors' code and raysplit")
+    fig.tight_layout()
+    fig.savefig(HERE / "peers_hydra.png", dpi=110)
+    plt.close(fig)
 
 
 def figure(runs: dict, views: str) -> None:
