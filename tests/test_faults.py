@@ -61,11 +61,16 @@ def _curves(mlflow_uri, run_id, keys=("eval/accuracy", "train/loss", "time/sim",
 # Killed between rounds (the death is met by the next round's first call), with the run tracked in MLflow. The
 # SFLV2 (client) and PSL (server) cases that were here are covered, killed mid-round instead, by the fault matrix
 # (tests/test_fault_matrix.py: sflv2-spilled-client0-compiled, psl-spilled-server-calls).
-@pytest.mark.parametrize("algorithm,victim", [("gas", "client")])
+# sflv2 over the rdt transport (issue 29): the replacement actors form a new gloo group, the dead one's is destroyed
+RDT = {"runtime.transport.kind": "rdt", "runtime.transport.direct_steps": False}
+
+
+@pytest.mark.parametrize("algorithm,victim,extra", [("gas", "client", {}), ("sflv2", "client", RDT)],
+                         ids=["gas-client", "sflv2-client-rdt"])
 def test_a_dead_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_session, tmp_path, mlflow_uri,
-                                                                          backends, algorithm, victim):
+                                                                          backends, algorithm, victim, extra):
     over = {"algorithm.name": algorithm, "train.rounds": 4, "tracking.experiment": f"faults-{algorithm}",
-            "eval.every": 1}
+            "eval.every": 1, **extra}
     if algorithm == "psl":
         over["eval.mode"] = "clients"
     if algorithm == "gas":
