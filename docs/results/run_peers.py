@@ -19,14 +19,15 @@ docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, th
 
     .venv/bin/python docs/results/run_peers.py hydra [--seeds 0 1 2] [--ours outputs/hydra_gap_r2]
 
-Hydra: the authors' run_sfl.py (SFLV2) and run_hydra.py (heads conv4+fc, 62 % of the server) against raysplit's
-SFLV2 and SFLV2+Hydra on configs/hydra/fmnist_gap.yaml (c = 1: 10 clients, dominant label 0.8, 12,800 images, the
-same client lists and cycle order per seed), cyclic and random orders, 30 rounds. Runs made by
+Hydra: the authors' run_sfl.py (SFLV2) and run_hydra.py (heads conv4+fc, 62 % of the server; with --cut-b conv4,
+heads fc, 1.1 %) against raysplit's SFLV2, SFLV2+Hydra and SFLV2+Hydra head=fc on configs/hydra/fmnist_gap.yaml
+(c = 1: 10 clients, dominant label 0.8, 12,800 images, the same client lists and cycle order per seed), cyclic and
+random orders, 30 rounds. Runs made by
 
     .venv/bin/python benchmarks/peers/hydra/run.py --hydra PATH --script {sfl,hydra} --policy {cyclic,random} \
-        --rounds 30 --seed S
+        --rounds 30 --seed S [--cut-b conv4]
     .venv/bin/python docs/results/run_hydra.py --study gap --jobs 1 --seeds 0 1 2 --only-c 1 \
-        --methods SFLV2 SFLV2+Hydra --orders {cyclic,random} --out outputs/hydra_gap_r2
+        --methods SFLV2 SFLV2+Hydra "SFLV2+Hydra head=fc" --orders {cyclic,random} --out outputs/hydra_gap_r2
 
 Prints the table (accuracy at round 30, mean of the last 5 rounds, PG and BW per code, method and order: median
 [min, max] over the seeds both ran), the differences paired by seed (Hydra minus SFLV2 in each code; raysplit minus
@@ -43,12 +44,14 @@ from pathlib import Path
 
 import numpy as np
 from _runs import ROOT, median_range
+from run_hydra import run_file
 from run_semisfl import cached
 
 HERE = Path(__file__).resolve().parent
 CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
 HYDRA = ROOT / "benchmarks" / "peers" / "hydra" / ".runs"
-HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3")}  # their script and cut in the run name
+# raysplit's label -> their script and cuts in the run name: heads conv4+fc (62 % of the server), heads fc (1.1 %)
+HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV2+Hydra head=fc": ("hydra", "a1b4")}
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
 
 
@@ -123,7 +126,7 @@ def hydra_theirs(method: str, order: str, seed: int) -> dict | None:
 
 def hydra_ours(out: Path, method: str, order: str, seed: int) -> dict | None:
     """A cached run of docs/results/run_hydra.py --study gap (its run_file names)."""
-    f = out / f"{method}_{order}_c1_s{seed}.json".replace("+", "_")
+    f = out / run_file(1, order, method, None, seed)
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
@@ -144,7 +147,8 @@ def hydra(seeds: list[int], ours_dir: Path) -> int:
     print("\n| order | difference | seeds | accuracy @30 (points), paired by seed | last 5 rounds | PG (pp) |\n"
           + "|---" * 6 + "|")
     for o in ("cyclic", "random"):
-        pairs = [((c, "SFLV2+Hydra", o), (c, "SFLV2", o), f"{c}: Hydra minus SFLV2") for c in ("authors", "raysplit")]
+        pairs = [((c, m, o), (c, "SFLV2", o), f"{c}: {m} minus SFLV2") for m in list(HYDRA_METHODS)[1:]
+                 for c in ("authors", "raysplit")]
         pairs += [(("raysplit", m, o), ("authors", m, o), f"{m}: raysplit minus authors") for m in HYDRA_METHODS]
         for x, y, label in pairs:
             common = sorted(set(runs[x]) & set(runs[y]))
@@ -167,7 +171,7 @@ def hydra_figure(runs: dict) -> None:
         for (code, m, oo), by_seed in runs.items():
             if oo != o or not by_seed:
                 continue
-            color, ls = ("C0" if m == "SFLV2" else "C3"), ("-" if code == "raysplit" else "--")
+            color, ls = {"SFLV2": "C0", "SFLV2+Hydra": "C3"}.get(m, "C2"), ("-" if code == "raysplit" else "--")
             for r in by_seed.values():
                 ax.plot(*zip(*[(rd, 100 * acc) for rd, acc in r["curve"]]), color=color, ls=ls, lw=0.5, alpha=0.35)
             common = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for r in by_seed.values()]))
