@@ -178,7 +178,9 @@ def hydra_figure(runs: dict) -> None:
             med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in common]
             ax.plot(common, med, color=color, ls=ls, lw=2, label=f"{m}, {code} (median of {len(by_seed)})")
         ax.set_title(f"{o} order"), ax.set_xlabel("round"), ax.grid(alpha=0.3)
-    axes[0].set_ylabel("global test accuracy (%)"), axes[0].legend(fontsize=8)
+    axes[0].set_ylabel("global test accuracy (%)")
+    for ax in axes:
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle("Hydra vs SFLV2, Fashion-MNIST, cnn_gap, dominant label 0.8, 10 clients: authors' code and raysplit")
     fig.tight_layout()
     fig.savefig(HERE / "peers_hydra.png", dpi=110)
