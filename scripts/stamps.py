@@ -107,11 +107,12 @@ def stamp(page: Path, section: str | None, methods: list[str], seeds: str, round
           stale: str | None) -> None:
     text = page.read_text()
     start, end = _find_section(text, section)
-    body, tail = _strip(text[start:end], section)
+    # the stamp names the full heading: an earlier stamp of this section is found by it, whatever prefix was given
+    title = None if section is None else re.match(r"## (.+)", text[start:end]).group(1).strip()
+    body, tail = _strip(text[start:end], title)
     body = re.sub(r"\n{3,}", "\n\n", body).rstrip("\n")
     commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    title = None if section is None else re.match(r"## (.+)", body).group(1).strip()
     data = {"commit": commit, "date": datetime.date.today().isoformat(), "section": title,
             "methods": {m: (None if stale else fingerprint(m)) for m in methods}, "seeds": seeds, "rounds": rounds,
             "command": command, "stale": stale}

@@ -41,6 +41,10 @@ def test_a_page_fails_the_check_once_a_method_it_reports_changes(stamps, tmp_pat
     stamps.main(["stamp", str(page), "--methods", "gas,fedbuff", "--seeds", "0,1,2", "--rounds", "60",
                  "--command", "python docs/results/run_gas.py"])
     assert page.read_text().count("<!-- stamp: ") == 2
+    # also a section's, named by the beginning of its heading (the stamp keeps the full heading)
+    stamps.main(["stamp", str(page), "--section", "Buff", "--methods", "gas", "--seeds", "0", "--rounds", "4",
+                 "--command", "python docs/results/run_gas.py --buffers"])
+    assert page.read_text().count("<!-- stamp: ") == 2 and '"section": "Buffers"' in page.read_text()
     capsys.readouterr()
 
     golden = tmp_path / "tests" / "golden" / "fedbuff.json"
