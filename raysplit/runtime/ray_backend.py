@@ -87,6 +87,9 @@ def check_resources(rcfg) -> None:
 
 
 class RayBackend:
+    rdt = False  # runtime.transport.kind: rdt (set per run in __init__)
+    _group = None  # that transport's gloo group over the run's actors
+
     def __init__(self, rcfg, get_timeout: float | None = 3600.0, restart_timeout: float = 30.0):
         self.rcfg = rcfg
         self.get_timeout = get_timeout
