@@ -202,7 +202,8 @@ def _assert_same_run(name: str, path: str, want: tuple, got: tuple) -> None:
         assert not diff and set(r_got) == set(r_want), f"{name} on {path}, round {r_want['round']}: {diff}"
 
 
-@pytest.mark.parametrize("name", ["sflv2", "semisfl"])  # one stream per client step; two (student, teacher)
+# one stream per client step; two (student, teacher); pooled steps (the server's call_split takes RDT activations)
+@pytest.mark.parametrize("name", ["sflv2", "semisfl", "cyclesglr"])
 def test_rdt_transport_computes_the_same_bits(ray_session, name):
     """Issue 29 item 5, the Ray Direct Transport prototype (``runtime.transport.kind: rdt``, driver-chained): the
     clients' activations and the server's gradients travel over a gloo group as tensors, and the run ends with the

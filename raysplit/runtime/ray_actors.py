@@ -133,11 +133,11 @@ class HostActor:
             arm_fault(self.host, *fault)
 
     def call(self, method: str, *args, **kwargs):
-        return invoke(self.host, method, *map(from_tensors, args), **kwargs)
+        return invoke(self.host, method, *args, **kwargs)
 
     def call_split(self, method: str, *args, **kwargs):
         """For num_returns=n calls: one object per element of the method's list."""
-        out = list(invoke(self.host, method, *map(from_tensors, args), **kwargs))
+        out = list(invoke(self.host, method, *args, **kwargs))
         return out[0] if len(out) == 1 else tuple(out)
 
     def node_id(self) -> str:
@@ -212,13 +212,19 @@ class HostActor:
 class RdtHostActor(HostActor):
     """:class:`HostActor` with :meth:`call_rdt` (``runtime.transport.kind: rdt``): a class of its own because a method
     with a tensor transport makes Ray run every task of the actor on a background thread (Ray 2.60,
-    ray/actor.py), which the other transports should not pay for."""
+    ray/actor.py), which the other transports should not pay for. Its calls take what another actor's ``call_rdt``
+    returned, and turn the tensors back into the wire format's arrays first (:func:`from_tensors`)."""
+
+    def call(self, method: str, *args, **kwargs):
+        return super().call(method, *map(from_tensors, args), **kwargs)
+
+    def call_split(self, method: str, *args, **kwargs):
+        return super().call_split(method, *map(from_tensors, args), **kwargs)
 
     @ray.method(tensor_transport="gloo")
     def call_rdt(self, method: str, *args, **kwargs):
         """``call`` whose result's arrays (an activation's features and labels, a gradient) leave this actor by Ray
-        Direct Transport over gloo, the rest of the message through the object store. The receiving actor's
-        ``call`` turns them back into arrays."""
+        Direct Transport over gloo, the rest of the message through the object store."""
         return to_tensors(self.call(method, *args, **kwargs))
 
 
@@ -226,9 +232,9 @@ HostActor, RdtHostActor = ray.remote(HostActor), ray.remote(RdtHostActor)
 
 
 def to_tensors(msg):
-    """An activation or gradient message (or a list of them) with its arrays as tensors sharing their memory, for
-    Ray Direct Transport, which moves torch tensors only; anything else unchanged. A read-only array (a view of the
-    object store) is copied first."""
+    """An activation or gradient message with its arrays as tensors sharing their memory, for Ray Direct Transport,
+    which moves torch tensors only; anything else unchanged. A read-only array (a view of the object store) is
+    copied first."""
     def t(a):
         return torch.from_numpy(a if a.flags.writeable else a.copy())
 
@@ -236,8 +242,6 @@ def to_tensors(msg):
         return dataclasses.replace(msg, x=t(msg.x), y=t(msg.y))
     if isinstance(msg, Gradient) and isinstance(msg.g, np.ndarray):
         return dataclasses.replace(msg, g=t(msg.g))
-    if isinstance(msg, list | tuple):
-        return type(msg)(to_tensors(m) for m in msg)
     return msg
 
 
@@ -248,8 +252,6 @@ def from_tensors(msg):
         return dataclasses.replace(msg, x=msg.x.numpy(), y=msg.y.numpy())
     if isinstance(msg, Gradient) and isinstance(msg.g, torch.Tensor):
         return dataclasses.replace(msg, g=msg.g.numpy())
-    if isinstance(msg, list | tuple) and msg and isinstance(msg[0], Activation | Gradient):
-        return type(msg)(from_tensors(m) for m in msg)
     return msg
 
 

@@ -109,7 +109,6 @@ class RayBackend:
         self._fault = rcfg.faults.inject_fault  # armed in the run's first actors only, not in their replacements
         # runtime.transport.kind: rdt (driver-chained): activations and gradients by Ray Direct Transport over gloo
         self.rdt = rcfg.transport.kind == "rdt"
-        self._group = None
 
     def connect(self) -> None:
         """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
