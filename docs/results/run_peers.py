@@ -160,6 +160,15 @@ def hydra(seeds: list[int], ours_dir: Path) -> int:
     return 0
 
 
+def seed_curves(ax, by_seed: dict, label: str, color: str, ls: str, thin: tuple[float, float]) -> None:
+    """Each seed's accuracy curve thin (``thin``: line width, alpha), their median over the common rounds thick."""
+    for r in by_seed.values():
+        ax.plot(*zip(*[(rd, 100 * acc) for rd, acc in r["curve"]]), color=color, ls=ls, lw=thin[0], alpha=thin[1])
+    common = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for r in by_seed.values()]))
+    med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in common]
+    ax.plot(common, med, color=color, ls=ls, lw=2, label=f"{label} (median of {len(by_seed)})")
+
+
 def hydra_figure(runs: dict) -> None:
     import matplotlib
 
@@ -172,11 +181,7 @@ def hydra_figure(runs: dict) -> None:
             if oo != o or not by_seed:
                 continue
             color, ls = {"SFLV2": "C0", "SFLV2+Hydra": "C3"}.get(m, "C2"), ("-" if code == "raysplit" else "--")
-            for r in by_seed.values():
-                ax.plot(*zip(*[(rd, 100 * acc) for rd, acc in r["curve"]]), color=color, ls=ls, lw=0.5, alpha=0.35)
-            common = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for r in by_seed.values()]))
-            med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in common]
-            ax.plot(common, med, color=color, ls=ls, lw=2, label=f"{m}, {code} (median of {len(by_seed)})")
+            seed_curves(ax, by_seed, f"{m}, {code}", color, ls, thin=(0.5, 0.35))
         ax.set_title(f"{o} order"), ax.set_xlabel("round"), ax.grid(alpha=0.3)
     axes[0].set_ylabel("global test accuracy (%)")
     for ax in axes:
@@ -199,12 +204,7 @@ def figure(runs: dict, views: str) -> None:
     for key, by_seed in runs.items():
         if not by_seed:
             continue
-        color, ls = styles[key]
-        for r in by_seed.values():
-            ax.plot(*zip(*[(rd, 100 * acc) for rd, acc in r["curve"]]), color=color, ls=ls, lw=0.6, alpha=0.4)
-        common = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for r in by_seed.values()]))
-        med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in common]
-        ax.plot(common, med, color=color, ls=ls, lw=2, label=f"{key[0]} {key[1]} (median of {len(by_seed)})")
+        seed_curves(ax, by_seed, f"{key[0]} {key[1]}", *styles[key], thin=(0.6, 0.4))
     ax.set_xlabel("round"), ax.set_ylabel("teacher test accuracy (%)"), ax.grid(alpha=0.3), ax.legend(fontsize=8)
     ax.set_title(f"Semi-SFL, Fashion-MNIST, 100 labels, K_s 20 fixed, server views {views}")
     fig.tight_layout()
