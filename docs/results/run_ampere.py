@@ -10,7 +10,12 @@ local backend with one torch thread, ``--jobs`` at a time. The SFL baselines run
 issue 26 asks for it: Ampere with and without consolidation at each alpha and seed, both phases to their caps
 (patience = 30 = the caps, so both server blocks train exactly 30 epochs) and a loader cache (1,024 MB) that holds
 every activation (exact shuffling of the consolidated set); prints median [min, max] per arm and the difference
-paired by seed.
+paired by seed. ``--converge`` is issue 28's test where the paper says Ampere helps: both phases to convergence
+(the paper's patience 15, caps of 100 device rounds and 100 server epochs), consolidation against none with a cache
+holding every activation, beside SplitFed (the config's SGD with momentum) and SplitFed and SplitFed+SCAFFOLD with
+plain SGD (momentum 0, the assumption of SCAFFOLD's option II control variates; the Ampere paper names SGD for its
+updates and gives no optimizer for its baselines); per alpha the jobs run in that order, so a stopped study keeps
+the most telling runs.
 
 Prints the markdown tables (final accuracy median [min, max] over seeds; bytes per device split into model and
 activation/gradient traffic; on-device FLOPs per device; simulated time; rounds; then each method minus SplitFed,
@@ -83,6 +88,15 @@ def versus(seeded: dict, alphas, reference: str = "SplitFed") -> str:
 
 ARMS = [("Ampere, equal epochs", True), ("Ampere without consolidation, equal epochs", False)]
 PAIRED = (("algorithm.patience", 30), ("algorithm.cache_mb", 1024.0))
+CONVERGE = (("algorithm.patience", 15), ("algorithm.device_rounds", 100), ("algorithm.server_epochs", 100),
+            ("algorithm.cache_mb", 1024.0))
+SGD = (("train.optimizer.momentum", 0.0),)
+# (arm, algorithm, overrides): the arms of --converge, in the order they run for each alpha
+CONVERGED = [("Ampere, to convergence", None, (("algorithm.consolidate", True),) + CONVERGE),
+             ("Ampere without consolidation, to convergence", None, (("algorithm.consolidate", False),) + CONVERGE),
+             ("SplitFed", {"name": "sflv1"}, ()),
+             ("SplitFed, plain SGD", {"name": "sflv1"}, SGD),
+             ("SplitFed+SCAFFOLD, plain SGD", {"name": "sflv1_scaffold"}, SGD)]
 
 
 def paired(res: dict, alphas, seeds) -> str:
@@ -98,6 +112,37 @@ def paired(res: dict, alphas, seeds) -> str:
                      for arm, _ in ARMS for s in seeds})
         lines.append(f"| {a} | {median_range(c)} | {median_range(n)} | {median_range(d, '+.2f')} | "
                      f"{' '.join(f'{x:+.2f}' for x in d)} | {'/'.join(map(str, ep))} |")
+    return "\n".join(lines)
+
+
+def phases(res: dict) -> tuple[int, int]:
+    """(device rounds, server epochs) an Ampere run used: the rounds before its first server epoch, and the most."""
+    ep = [int(h.get("method/server_epochs", 0)) for h in res["history"]]
+    return sum(1 for e in ep if e == 0), max(ep, default=0)
+
+
+def converged(res: dict, alphas, seeds) -> str:
+    """--converge: per alpha, each arm's final accuracy median [min, max] over the seeds that ran, Ampere's phase
+    lengths, and the paired differences the claims rest on (consolidation minus none; Ampere minus SplitFed;
+    SCAFFOLD minus SplitFed, both plain SGD)."""
+    lines = ["| alpha | arm | final accuracy (%) | seeds | device rounds / server epochs per seed |", "|---" * 5 + "|"]
+    for a in alphas:
+        for arm, alg, _ in CONVERGED:
+            got = [s for s in seeds if (arm, a, s) in res]
+            if not got:
+                continue
+            acc = [100 * res[(arm, a, s)]["eval/accuracy"] for s in got]
+            ph = " ".join("%d/%d" % phases(res[(arm, a, s)]) for s in got) if alg is None else "-"
+            lines.append(f"| {a} | {arm} | {median_range(acc)} | {' '.join(map(str, got))} | {ph} |")
+    lines += ["", "| alpha | difference | points, paired by seed | per seed |", "|---" * 4 + "|"]
+    for a in alphas:
+        for x, y in ((CONVERGED[0][0], CONVERGED[1][0]), (CONVERGED[0][0], "SplitFed"),
+                     (CONVERGED[4][0], CONVERGED[3][0])):
+            both = [s for s in seeds if (x, a, s) in res and (y, a, s) in res]
+            if both:
+                d = [100 * (res[(x, a, s)]["eval/accuracy"] - res[(y, a, s)]["eval/accuracy"]) for s in both]
+                lines.append(f"| {a} | {x} minus {y} | {median_range(d, '+.2f')} | "
+                             f"{', '.join(f'{v:+.2f} (seed {s})' for s, v in zip(both, d))} |")
     return "\n".join(lines)
 
 
@@ -153,6 +198,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--ablations", action="store_true")
     ap.add_argument("--paired", action="store_true", help="only the equal-epoch consolidation ablation")
+    ap.add_argument("--converge", action="store_true", help="only issue 28's to-convergence study")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (table rows), e.g. SplitFed PiPar")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
@@ -163,6 +209,11 @@ def main() -> int:
                 for a in args.alphas for arm, cons in ARMS]
         done = run_all("ampere-fmnist", todo, one, args.jobs)
         print(paired(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
+        return 0
+    if args.converge:
+        todo = [(arm, alg, a, s, extra) for a in args.alphas for arm, alg, extra in CONVERGED for s in args.seeds]
+        done = run_all("ampere-fmnist", todo, one, args.jobs)
+        print(converged(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
         return 0
     if args.ablations:
         todo += [("Ampere without consolidation", None, 0.33, s, (("algorithm.consolidate", False),))
