@@ -313,6 +313,7 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         reporter = Reporter(prepared, tracker, out_dir, ckpt["history"] if ckpt else None, on_round)
         if ckpt is None:
             reporter.start()
+            tracker.log_params({f"resolved.{k}": v for k, v in backend.resolved().items()})
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path,
                           **code_version()})
         if ckpt is None and tracker.enabled:  # the files' digest only where it is logged (it reads every file)

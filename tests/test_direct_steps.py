@@ -240,3 +240,41 @@ def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_s
         destroy_collective_group(group)
         for h in (a, b):
             ray.kill(h)
+
+
+@pytest.mark.parametrize("cores,workers,kind", [(2, 2, "calls"), (3, 2, "calls"), (4, 2, "compiled"),
+                                                (16, 8, "compiled"), (16, 15, "calls")])
+def test_auto_transport_gives_compiled_graphs_a_core_per_polling_process(cores, workers, kind):
+    """``runtime.transport.kind: auto``: compiled graphs only where every actor and the driver has a core of its
+    own (idle compiled-graph actors poll their channels), else actor calls; the reason names the count."""
+    from raysplit.runtime.ray_backend import auto_transport
+
+    got, why = auto_transport(cores, workers)
+    assert got == kind and f"{cores:g} CPU cores" in why and str(workers) in why
+
+
+def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path, mlflow_uri, monkeypatch):
+    """The default transport is ``auto``: the backend resolves it when it connects, from the cores it finds, uses
+    the result for the driven loops, and the run logs it as the param ``resolved.transport``."""
+    from mlflow.tracking import MlflowClient
+
+    from raysplit.config import TransportConfig
+    from raysplit.experiment import run_experiment
+    from raysplit.runtime import make_backend
+    from raysplit.runtime import ray_backend
+
+    assert TransportConfig().kind == "auto"
+    cfg = make_config(tmp_path, mlflow_uri, **{"runtime.transport.kind": "auto", "train.rounds": 1})
+    for cores, kind in ((2.0, "calls"), (64.0, "compiled")):
+        monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg, c=cores: c)
+        backend = make_backend(cfg.runtime)
+        backend.connect()
+        assert backend.transport == kind and backend.resolved()["transport"] == kind
+    monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 2.0)  # the 2-core machine: no polling actors
+    final = run_experiment(cfg)
+    params = MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
+    assert params["runtime.transport.kind"] == "auto"
+    assert params["resolved.transport"] == "calls"
+    assert "2 CPU cores for 4 processes" in params["resolved.transport_reason"]
+    local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
+    assert MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params["resolved.transport"] == "in-process"

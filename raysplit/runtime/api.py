@@ -348,6 +348,9 @@ class LocalBackend:
     def connect(self) -> None:
         pass
 
+    def resolved(self) -> dict:
+        return {"transport": "in-process"}
+
     def start(self, inputs: RuntimeInputs) -> None:
         self.server = inputs.server_host(inputs.spec, inputs.server_init, inputs.client_init, inputs.test_data,
                                          inputs.labeled_data)

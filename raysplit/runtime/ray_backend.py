@@ -86,9 +86,31 @@ def check_resources(rcfg) -> None:
         raise ResourceError("the requested actors do not fit this Ray cluster: " + "; ".join(problems))
 
 
+def auto_transport(cores: float, num_workers: int) -> tuple[str, str]:
+    """``runtime.transport.kind: auto``: ``compiled`` where ``cores`` (the CPU cores Ray may use) give one to each
+    actor and one to the driver, else ``calls``; with the reason. Ray 2.60's compiled-graph actors poll their
+    channels while idle (40-86 % of a core each, benchmarks/RESULTS.md), so with fewer cores than polling
+    processes the polling takes CPU from the compute: on 2 cores with a server and two client actors, calls were
+    faster for ResNet18 and GAS and within a few percent for the small CNN."""
+    need = num_workers + 2  # the client actors, the server actor, the driver
+    if cores >= need:
+        return "compiled", f"{cores:g} CPU cores for {num_workers} client actors, the server actor and the driver"
+    return "calls", (f"{cores:g} CPU cores for {need} processes ({num_workers} client actors, the server actor, "
+                     "the driver): compiled graphs' idle polling would take CPU from the compute")
+
+
+def usable_cores(rcfg) -> float:
+    """CPU cores behind the actors: this machine's (those the process may run on) for a private local Ray, whose
+    logical CPUs may be raised above them to fit the actors; the cluster's CPUs when joining one."""
+    if rcfg.address:
+        return float(ray.cluster_resources().get("CPU", 0.0))
+    return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 class RayBackend:
     rdt = False  # runtime.transport.kind: rdt (set per run in __init__)
     _group = None  # that transport's gloo group over the run's actors
+    transport, transport_reason = "calls", ""  # set per run in __init__ and connect()
 
     def __init__(self, rcfg, get_timeout: float | None = 3600.0, restart_timeout: float = 30.0):
         self.rcfg = rcfg
@@ -109,6 +131,9 @@ class RayBackend:
         self._fault = rcfg.faults.inject_fault  # armed in the run's first actors only, not in their replacements
         # runtime.transport.kind: rdt (driver-chained): activations and gradients by Ray Direct Transport over gloo
         self.rdt = rcfg.transport.kind == "rdt"
+        # the transport in use: the configured kind, or what ``auto`` resolves to in connect()
+        self.transport = rcfg.transport.kind
+        self.transport_reason = "runtime.transport.kind"
 
     def connect(self) -> None:
         """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
@@ -117,6 +142,12 @@ class RayBackend:
             self.started_ray = init_ray(self.rcfg)
             self._connected = True
         check_resources(self.rcfg)
+        if self.rcfg.transport.kind == "auto":
+            self.transport, self.transport_reason = auto_transport(usable_cores(self.rcfg), self.rcfg.num_workers)
+
+    def resolved(self) -> dict:
+        """What the run's config left to the backend, logged as ``resolved.*`` params (after connect)."""
+        return {"transport": self.transport, "transport_reason": self.transport_reason}
 
     def start(self, inputs: RuntimeInputs, ready_timeout: float | None = None) -> None:
         """Create the server and client actors and wait until they are constructed (``ready_timeout``: at most
@@ -223,7 +254,7 @@ class RayBackend:
         and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
         self._barrier = self.server.drive.remote(loop, args, self.workers, before, route,
-                                                 self.rcfg.transport.kind == "compiled")
+                                                 self.transport == "compiled")
         return self._barrier
 
     def round_done(self) -> None:
@@ -317,7 +348,7 @@ class RayBackend:
         self.workers, self.server = [], None
 
     def shutdown(self) -> None:
-        if self.server is not None and self.rcfg.transport.kind == "compiled":
+        if self.server is not None and self.transport == "compiled":
             try:  # a clean end of the graphs; a server already gone, or a teardown that hangs, is killed below
                 ray.get(self.server.teardown_graphs.remote(), timeout=30)
             except Exception:  # noqa: BLE001
