@@ -89,7 +89,7 @@ def versus(seeded: dict, alphas, reference: str = "SplitFed") -> str:
 ARMS = [("Ampere, equal epochs", True), ("Ampere without consolidation, equal epochs", False)]
 PAIRED = (("algorithm.patience", 30), ("algorithm.cache_mb", 1024.0))
 CONVERGE = (("algorithm.patience", 15), ("algorithm.device_rounds", 100), ("algorithm.server_epochs", 100),
-            ("algorithm.cache_mb", 1024.0))
+            ("algorithm.cache_mb", 1024.0), ("train.rounds", 200))  # rounds: room for both phases' caps
 SGD = (("train.optimizer.momentum", 0.0),)
 # (arm, algorithm, overrides): the arms of --converge, in the order they run for each alpha
 CONVERGED = [("Ampere, to convergence", None, (("algorithm.consolidate", True),) + CONVERGE),
