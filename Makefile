@@ -9,16 +9,21 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 .PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
 
-bench: bench-hop bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
+bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
 
-# Issue 15: compiled graphs (the default transport) against actor calls and the driver-chained path, side by side.
+# Issue 15: compiled graphs against actor calls and the driver-chained path, side by side.
 bench-hop:
 	$(PY) benchmarks/hop.py --repeats 5
 
 # Ray 2.60 Compiled Graphs on one node and across two (plain Ray): why CompiledPort compiles same-node actors only.
 bench-cg-crossnode:
 	$(PY) benchmarks/cg_crossnode.py --all
+
+# Issue 29 item 1: the default transport (auto) against compiled and calls on the quickstart, GAS and ResNet18.
+bench-transport:
+	$(PY) benchmarks/transport_auto.py --workloads quickstart resnet18 --rounds 4 --repeats 2 --tag transport_auto
+	$(PY) benchmarks/transport_auto.py --workloads gas --rounds 3 --repeats 1 --tag transport_auto_gas
 
 bench-overhead:
 	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --calls --chained --tag cnn_small

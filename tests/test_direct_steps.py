@@ -270,6 +270,10 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
         backend = make_backend(cfg.runtime)
         backend.connect()
         assert backend.transport == kind and backend.resolved()["transport"] == kind
+    chained = make_backend(make_config(tmp_path, mlflow_uri, **{"runtime.transport.kind": "auto",
+                                                                "runtime.transport.direct_steps": False}).runtime)
+    chained.connect()  # no driven loop to carry: the driver chains every call, whatever the cores
+    assert chained.transport == "calls" and "direct_steps" in chained.transport_reason
     monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 2.0)  # the 2-core machine: no polling actors
     final = run_experiment(cfg)
     params = MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params

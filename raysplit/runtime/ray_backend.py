@@ -142,7 +142,10 @@ class RayBackend:
             self.started_ray = init_ray(self.rcfg)
             self._connected = True
         check_resources(self.rcfg)
-        if self.rcfg.transport.kind == "auto":
+        if self.rcfg.transport.kind == "auto" and not self.direct_steps:
+            self.transport, self.transport_reason = "calls", "runtime.transport.direct_steps is false: the driver " \
+                "chains every call"
+        elif self.rcfg.transport.kind == "auto":
             self.transport, self.transport_reason = auto_transport(usable_cores(self.rcfg), self.rcfg.num_workers)
 
     def resolved(self) -> dict:

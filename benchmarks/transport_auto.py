@@ -1,0 +1,105 @@
+"""Does the default transport cost the user? Seconds per round with ``runtime.transport.kind`` = auto (the default),
+compiled and calls, side by side in one run of this script, on the workloads issue 29 names: the quickstart
+(configs/quickstart.yaml), GAS in the authors' setting (configs/gas/fmnist.yaml, evaluation every round as the
+authors do) and ResNet18 (SFLV2, 32x32 synthetic images, cut after layer1, 16 clients of one batch of 8).
+
+    .venv/bin/python benchmarks/transport_auto.py [--workloads quickstart gas resnet18] [--rounds 4] [--repeats 2]
+
+Every run is a fresh interpreter (its own private Ray), tracking off, the config's default threads and actors;
+the transports alternate within each repeat (auto, compiled, calls, then the next repeat) so that a drift in the
+machine's load reaches all three alike. A round's time is the wall time between two ``on_round`` callbacks; the
+first round (start-up, graph compilation) is left out. Prints a markdown table (median [min, max] over repeats of
+each run's median round) with each transport over the best of the three, the transport ``auto`` resolved to, and
+the load average before and after; writes benchmarks/out/TAG.json (``--tag``, default transport_auto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "quickstart": ("configs/quickstart.yaml", {"eval.every": 1000}),
+    "gas": ("configs/gas/fmnist.yaml", {"eval.every": 1}),
+    "resnet18": ("configs/quickstart.yaml", {
+        "model.name": "resnet18", "model.cut": "layer1", "data.dataset": "synthetic",
+        "data.options": {"num_samples": 4000, "shape": [3, 32, 32]}, "data.num_clients": 16,
+        "data.partition": {"name": "iid"}, "train.batch_size": 8, "train.local_steps": 1, "eval.every": 1000}),
+}
+CODE = """
+import json, sys, time
+from raysplit.config import load_config
+from raysplit.experiment import run_experiment
+from raysplit.runtime import ray_backend
+cfg = load_config(sys.argv[1], json.loads(sys.argv[2]))
+marks, resolved = [time.perf_counter()], {}
+real = ray_backend.RayBackend.connect
+def connect(self):
+    real(self)
+    resolved.update(self.resolved())
+ray_backend.RayBackend.connect = connect
+run_experiment(cfg, on_round=lambda r, m: marks.append(time.perf_counter()))
+print("RESULT" + json.dumps({"rounds": [b - a for a, b in zip(marks, marks[1:])], **resolved}))
+"""
+
+
+def one(workload: str, kind: str, rounds: int) -> dict:
+    config, over = WORKLOADS[workload]
+    over = {**over, "train.rounds": rounds, "runtime.transport.kind": kind, "tracking.enabled": False,
+            "tracking.progress": False, "tracking.checkpoint_every": 0}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", CODE, str(ROOT / config), json.dumps(over)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=3600)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+    if out.returncode or not line:
+        raise RuntimeError(f"{workload} {kind} failed:\n{out.stderr[-3000:]}")
+    res = json.loads(line[-1][6:])
+    res["median"] = statistics.median(res["rounds"][1:])
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tag", default="transport_auto", help="the output's name: benchmarks/out/TAG.json")
+    args = ap.parse_args()
+    load = [os.getloadavg()[0]]
+    runs: dict = {}
+    for w in args.workloads:
+        for rep in range(args.repeats):
+            for kind in ("auto", "compiled", "calls"):
+                r = one(w, kind, args.rounds)
+                runs.setdefault((w, kind), []).append(r)
+                print(f"{w:10s} {kind:8s} repeat {rep}: {r['median']:.3f} s/round ({r.get('transport')})",
+                      flush=True)
+    load.append(os.getloadavg()[0])
+    lines = [f"load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after; {os.cpu_count()} CPUs", "",
+             "| workload | auto resolved to | auto s/round | compiled s/round | calls s/round | auto / best | "
+             "compiled / calls |", "|---" * 7 + "|"]
+    for w in args.workloads:
+        med = {k: [r["median"] for r in runs[(w, k)]] for k in ("auto", "compiled", "calls")}
+        mid = {k: statistics.median(v) for k, v in med.items()}
+
+        def cell(v):
+            return f"{statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
+        lines.append(f"| {w} | {runs[(w, 'auto')][0]['transport']} | {cell(med['auto'])} | {cell(med['compiled'])}"
+                     f" | {cell(med['calls'])} | {mid['auto'] / min(mid['compiled'], mid['calls']):.3f} | "
+                     f"{mid['compiled'] / mid['calls']:.3f} |")
+    print("\n".join(lines))
+    out = ROOT / "benchmarks" / "out"
+    out.mkdir(exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(
+        {"load": load, "runs": {f"{w}|{k}": v for (w, k), v in runs.items()}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
