@@ -279,8 +279,9 @@ class TransportConfig(_Strict):
         default="auto", description="Ray, with direct_steps: how the server actor reaches the client actors "
         "in a driven loop: Ray Compiled Graphs (shared-memory channels, one graph per client actor, compiled once "
         "per run) or ordinary actor calls; identical results. auto: compiled where the cluster has a CPU core for "
-        "every actor and the driver (a compiled graph's idle actors poll their channels), else calls; the choice "
-        "is logged as the param resolved.transport. rdt (a prototype, needs "
+        "every actor and the driver (a compiled graph's idle actors poll their channels); with fewer, compiled "
+        "for the split- and pooled-step loops and calls for the event loop (compiled-steps); logged as the param "
+        "resolved.transport. rdt (a prototype, needs "
         "direct_steps: false): activations and gradients travel actor to actor by Ray Direct Transport over gloo "
         "instead of the object store")
     direct_steps: bool = Field(default=True, description="Ray: the server actor drives a round's split steps, "

@@ -242,15 +242,24 @@ def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_s
             ray.kill(h)
 
 
-@pytest.mark.parametrize("cores,workers,kind", [(2, 2, "calls"), (3, 2, "calls"), (4, 2, "compiled"),
-                                                (16, 8, "compiled"), (16, 15, "calls")])
-def test_auto_transport_gives_compiled_graphs_a_core_per_polling_process(cores, workers, kind):
-    """``runtime.transport.kind: auto``: compiled graphs only where every actor and the driver has a core of its
-    own (idle compiled-graph actors poll their channels), else actor calls; the reason names the count."""
-    from raysplit.runtime.ray_backend import auto_transport
+@pytest.mark.parametrize("cores,workers,kind", [(2, 2, "compiled-steps"), (3, 2, "compiled-steps"),
+                                                (4, 2, "compiled"), (16, 8, "compiled"), (16, 15, "compiled-steps")])
+def test_auto_transport_keeps_polling_actors_off_the_event_loop_where_cores_are_few(cores, workers, kind):
+    """``runtime.transport.kind: auto``: compiled graphs for every loop where each actor and the driver has a core
+    of its own (idle compiled-graph actors poll their channels); with fewer cores, compiled graphs only for the
+    step loops (the actors compute in turn) and actor calls for the event loop (they compute at once)."""
+    from raysplit.config import load_config
+    from raysplit.runtime.ray_backend import RayBackend, auto_transport
 
     got, why = auto_transport(cores, workers)
     assert got == kind and f"{cores:g} CPU cores" in why and str(workers) in why
+    backend = RayBackend(load_config(None, {"runtime.transport.kind": "auto"}).runtime)
+    backend.transport = got
+    assert backend.compiled_for("steps") and backend.compiled_for("pooled")
+    assert backend.compiled_for("events") == (kind == "compiled")
+    for fixed in ("compiled", "calls"):  # a named transport is used for every loop
+        backend.transport = fixed
+        assert all(backend.compiled_for(loop) == (fixed == "compiled") for loop in ("steps", "pooled", "events"))
 
 
 def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path, mlflow_uri, monkeypatch):
@@ -265,7 +274,7 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
 
     assert TransportConfig().kind == "auto"
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.transport.kind": "auto", "train.rounds": 1})
-    for cores, kind in ((2.0, "calls"), (64.0, "compiled")):
+    for cores, kind in ((2.0, "compiled-steps"), (64.0, "compiled")):
         monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg, c=cores: c)
         backend = make_backend(cfg.runtime)
         backend.connect()
@@ -274,11 +283,11 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
                                                                 "runtime.transport.direct_steps": False}).runtime)
     chained.connect()  # no driven loop to carry: the driver chains every call, whatever the cores
     assert chained.transport == "calls" and "direct_steps" in chained.transport_reason
-    monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 2.0)  # the 2-core machine: no polling actors
+    monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 2.0)  # the 2-core machine
     final = run_experiment(cfg)
     params = MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
     assert params["runtime.transport.kind"] == "auto"
-    assert params["resolved.transport"] == "calls"
+    assert params["resolved.transport"] == "compiled-steps"
     assert "2 CPU cores for 4 processes" in params["resolved.transport_reason"]
     local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
     assert MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params["resolved.transport"] == "in-process"

@@ -88,15 +88,23 @@ def check_resources(rcfg) -> None:
 
 def auto_transport(cores: float, num_workers: int) -> tuple[str, str]:
     """``runtime.transport.kind: auto``: ``compiled`` where ``cores`` (the CPU cores Ray may use) give one to each
-    actor and one to the driver, else ``calls``; with the reason. Ray 2.60's compiled-graph actors poll their
-    channels while idle (40-86 % of a core each, benchmarks/RESULTS.md), so with fewer cores than polling
-    processes the polling takes CPU from the compute: on 2 cores with a server and two client actors, calls were
-    faster for ResNet18 and GAS and within a few percent for the small CNN."""
+    actor and one to the driver; else ``compiled-steps``: compiled graphs for the split- and pooled-step loops,
+    actor calls for the event loop. Returns it with the reason.
+
+    Ray 2.60's compiled-graph actors poll their channels while idle (40-86 % of a core each, benchmarks/RESULTS.md).
+    In a step loop the actors compute one after another, so on a machine with fewer cores than processes the
+    pollers take the idle core and the channels' lower latency wins: on 2 cores (a server and two client actors)
+    the quickstart's rounds took 1.80 s compiled against 2.30 s with calls, ResNet18's 4.73 against 4.62 s (within
+    the repeats' spread). In the event loop (the asynchronous methods, GAS) every actor computes at once and the
+    pollers take CPU from the compute: GAS's rounds took 56.0 s compiled against 50.2 s with calls
+    (``make bench-transport``, benchmarks/RESULTS.md "Runtime III")."""
     need = num_workers + 2  # the client actors, the server actor, the driver
     if cores >= need:
         return "compiled", f"{cores:g} CPU cores for {num_workers} client actors, the server actor and the driver"
-    return "calls", (f"{cores:g} CPU cores for {need} processes ({num_workers} client actors, the server actor, "
-                     "the driver): compiled graphs' idle polling would take CPU from the compute")
+    return "compiled-steps", (f"{cores:g} CPU cores for {need} processes ({num_workers} client actors, the server "
+                              "actor, the driver): compiled graphs for step loops, where the actors compute in "
+                              "turn; actor calls for the event loop, where the pollers would take CPU from the "
+                              "compute")
 
 
 def usable_cores(rcfg) -> float:
@@ -256,9 +264,12 @@ class RayBackend:
         """Hand a loop (``stepping.LOOPS``) to the server actor (``HostActor.drive``); the driver submits one call
         and does not wait. Client-actor calls the driver submits afterwards wait for it (``call_after``)."""
         before = [self._last[w._actor_id] for w in self.workers if w._actor_id in self._last]
-        self._barrier = self.server.drive.remote(loop, args, self.workers, before, route,
-                                                 self.transport == "compiled")
+        self._barrier = self.server.drive.remote(loop, args, self.workers, before, route, self.compiled_for(loop))
         return self._barrier
+
+    def compiled_for(self, loop: str) -> bool:
+        """Whether a driven ``loop`` (``stepping.LOOPS``) reaches the client actors over compiled graphs."""
+        return self.transport == "compiled" or (self.transport == "compiled-steps" and loop != "events")
 
     def round_done(self) -> None:
         """Everything submitted so far has been fetched: no ordering to enforce any more."""
@@ -351,7 +362,7 @@ class RayBackend:
         self.workers, self.server = [], None
 
     def shutdown(self) -> None:
-        if self.server is not None and self.transport == "compiled":
+        if self.server is not None and self.transport in ("compiled", "compiled-steps"):
             try:  # a clean end of the graphs; a server already gone, or a teardown that hangs, is killed below
                 ray.get(self.server.teardown_graphs.remote(), timeout=30)
             except Exception:  # noqa: BLE001
