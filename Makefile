@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-scale bench-flower bench-store bench-batched bench-window \
+.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-transport bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \

@@ -116,8 +116,7 @@ def usable_cores(rcfg) -> float:
 
 
 class RayBackend:
-    rdt = False  # runtime.transport.kind: rdt (set per run in __init__)
-    _group = None  # that transport's gloo group over the run's actors
+    _group = None  # runtime.transport.kind rdt's gloo group over the run's actors
     transport, transport_reason = "calls", ""  # set per run in __init__ and connect()
 
     def __init__(self, rcfg, get_timeout: float | None = 3600.0, restart_timeout: float = 30.0):
@@ -137,8 +136,6 @@ class RayBackend:
         self._connected = False
         self._refs: dict = {}  # the run's inputs in the object store, put once (they outlive restarted actors)
         self._fault = rcfg.faults.inject_fault  # armed in the run's first actors only, not in their replacements
-        # runtime.transport.kind: rdt (driver-chained): activations and gradients by Ray Direct Transport over gloo
-        self.rdt = rcfg.transport.kind == "rdt"
         # the transport in use: the configured kind, or what ``auto`` resolves to in connect()
         self.transport = rcfg.transport.kind
         self.transport_reason = "runtime.transport.kind"
@@ -155,6 +152,12 @@ class RayBackend:
                 "chains every call"
         elif self.rcfg.transport.kind == "auto":
             self.transport, self.transport_reason = auto_transport(usable_cores(self.rcfg), self.rcfg.num_workers)
+
+    @property
+    def rdt(self) -> bool:
+        """runtime.transport.kind: rdt (driver-chained): activations and gradients by Ray Direct Transport over
+        gloo."""
+        return self.transport == "rdt"
 
     def resolved(self) -> dict:
         """What the run's config left to the backend, logged as ``resolved.*`` params (after connect)."""
