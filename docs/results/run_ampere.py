@@ -15,8 +15,8 @@ paired by seed. ``--converge`` is issue 28's test where the paper says Ampere he
 holding every activation, beside SplitFed (the config's SGD with momentum) and SplitFed and SplitFed+SCAFFOLD with
 plain SGD (momentum 0, the assumption of SCAFFOLD's option II control variates; the Ampere paper names SGD for its
 updates and gives no optimizer for its baselines), and consolidation at a server batch of 320 (as many optimizer
-steps per server epoch as the ablation's averaged blocks take); per alpha the jobs run in that order, so a
-stopped study keeps the most telling runs.
+steps per server epoch as the ablation's averaged blocks take); per alpha the jobs run in that order (or in the
+order of ``--arms``, indices into CONVERGED), so a stopped study keeps the most telling runs.
 
 Prints the markdown tables (final accuracy median [min, max] over seeds; bytes per device split into model and
 activation/gradient traffic; on-device FLOPs per device; simulated time; rounds; then each method minus SplitFed,
@@ -206,6 +206,8 @@ def main() -> int:
     ap.add_argument("--paired", action="store_true", help="only the equal-epoch consolidation ablation")
     ap.add_argument("--converge", action="store_true", help="only issue 28's to-convergence study")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (table rows), e.g. SplitFed PiPar")
+    ap.add_argument("--arms", type=int, nargs="*", default=None,
+                    help="--converge: only these arms (indices into CONVERGED), run in the order given")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     todo = [(m, alg, a, s) for s in args.seeds for a in args.alphas for m, alg in METHODS
@@ -217,7 +219,8 @@ def main() -> int:
         print(paired(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
         return 0
     if args.converge:
-        todo = [(arm, alg, a, s, extra) for a in args.alphas for arm, alg, extra in CONVERGED for s in args.seeds]
+        arms = CONVERGED if args.arms is None else [CONVERGED[i] for i in args.arms]
+        todo = [(arm, alg, a, s, extra) for a in args.alphas for arm, alg, extra in arms for s in args.seeds]
         done = run_all("ampere-fmnist", todo, one, args.jobs)
         print(converged(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
         return 0
