@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-transport bench-scale bench-flower bench-store bench-batched bench-window \
+.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-transport bench-threads bench-gas-floor bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
@@ -24,6 +24,15 @@ bench-cg-crossnode:
 bench-transport:
 	$(PY) benchmarks/transport_auto.py --workloads quickstart resnet18 --rounds 4 --repeats 2 --tag transport_auto
 	$(PY) benchmarks/transport_auto.py --workloads gas --rounds 3 --repeats 1 --tag transport_auto_gas
+
+# Issue 29 items 2-3: torch threads from the machine against one per actor; GAS against its compute floor and the
+# authors' code (GAS_AUTHORS: a checkout of eejiarong/GAS, e.g. from the tool library's fetch; kept outside).
+GAS_AUTHORS ?= ../GAS
+bench-threads:
+	$(PY) benchmarks/transport_auto.py --axis threads --workloads quickstart resnet18 --rounds 4 --repeats 2 --tag threads_auto
+
+bench-gas-floor:
+	$(PY) benchmarks/gas_floor.py --authors $(GAS_AUTHORS) --rounds 3
 
 bench-overhead:
 	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --calls --chained --tag cnn_small

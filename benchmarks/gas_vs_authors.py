@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 
 
-def prepare_authors(src: Path, rounds: int, work: Path) -> Path:
+def prepare_authors(src: Path, rounds: int, work: Path, test_every: int | None = None) -> Path:
+    """A copy of the authors' checkout set for this setting (``test_every``: test every that many rounds, as
+    ``Accu_Test_Frequency``; None: never)."""
     code = work / "GAS"
     shutil.copytree(src, code, ignore=shutil.ignore_patterns(".git"))
     raw = work / "data" / "FashionMNIST" / "raw"
@@ -49,7 +51,8 @@ def prepare_authors(src: Path, rounds: int, work: Path) -> Path:
     main = code / "GAS_main.py"
     text = main.read_text()
     edits = [(r"^cifar = True", "cifar = False"), (r"^fmnist = False", "fmnist = True"),
-             (r"^epochs = \d+", f"epochs = {rounds}"), (r"^Accu_Test_Frequency = \d+", "Accu_Test_Frequency = 10**9"),
+             (r"^epochs = \d+", f"epochs = {rounds}"),
+             (r"^Accu_Test_Frequency = \d+", f"Accu_Test_Frequency = {test_every or 10**9}"),
              (r"^(\s+)epoch \+= 1$",
               r"\1epoch += 1\n\1print('RAYSPLIT_ROUND_DONE', epoch, __import__('time').time(), local_epoch, flush=True)")]
     for pattern, repl in edits:

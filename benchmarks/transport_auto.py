@@ -2,8 +2,10 @@
 compiled and calls, side by side in one run of this script, on the workloads issue 29 names: the quickstart
 (configs/quickstart.yaml), GAS in the authors' setting (configs/gas/fmnist.yaml, evaluation every round as the
 authors do) and ResNet18 (SFLV2, 32x32 synthetic images, cut after layer1, 16 clients of one batch of 8).
+``--axis threads`` compares ``runtime.torch_threads`` = auto (the default) and 1 instead (issue 29 item 2).
 
     .venv/bin/python benchmarks/transport_auto.py [--workloads quickstart gas resnet18] [--rounds 4] [--repeats 2]
+        [--axis transport|threads]
 
 Every run is a fresh interpreter (its own private Ray), tracking off, the config's default threads and actors;
 the transports alternate within each repeat (auto, compiled, calls, then the next repeat) so that a drift in the
@@ -49,16 +51,24 @@ print("RESULT" + json.dumps({"rounds": [b - a for a, b in zip(marks, marks[1:])]
 """
 
 
-def one(workload: str, kind: str, rounds: int) -> dict:
+# --axis: the variants compared, each (label, overrides); the first is the default under test
+AXES = {
+    "transport": [(k, {"runtime.transport.kind": k}) for k in ("auto", "compiled", "calls")],
+    # issue 29 item 2: torch threads from the machine (the default) against one per actor (the default before)
+    "threads": [("auto", {"runtime.torch_threads": "auto"}), ("1", {"runtime.torch_threads": 1})],
+}
+
+
+def one(workload: str, variant: dict, rounds: int) -> dict:
     config, over = WORKLOADS[workload]
-    over = {**over, "train.rounds": rounds, "runtime.transport.kind": kind, "tracking.enabled": False,
+    over = {**over, "train.rounds": rounds, **variant, "tracking.enabled": False,
             "tracking.progress": False, "tracking.checkpoint_every": 0}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     out = subprocess.run([sys.executable, "-c", CODE, str(ROOT / config), json.dumps(over)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=3600)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
     if out.returncode or not line:
-        raise RuntimeError(f"{workload} {kind} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{workload} {variant} failed:\n{out.stderr[-3000:]}")
     res = json.loads(line[-1][6:])
     res["median"] = statistics.median(res["rounds"][1:])
     return res
@@ -69,30 +79,34 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--axis", choices=list(AXES), default="transport",
+                    help="what varies: runtime.transport.kind (item 1) or runtime.torch_threads (item 2)")
     ap.add_argument("--tag", default="transport_auto", help="the output's name: benchmarks/out/TAG.json")
     args = ap.parse_args()
+    variants = AXES[args.axis]
+    names = [v for v, _ in variants]
     load = [os.getloadavg()[0]]
     runs: dict = {}
     for w in args.workloads:
         for rep in range(args.repeats):
-            for kind in ("auto", "compiled", "calls"):
-                r = one(w, kind, args.rounds)
-                runs.setdefault((w, kind), []).append(r)
-                print(f"{w:10s} {kind:8s} repeat {rep}: {r['median']:.3f} s/round ({r.get('transport')})",
-                      flush=True)
+            for name, over in variants:
+                r = one(w, over, args.rounds)
+                runs.setdefault((w, name), []).append(r)
+                print(f"{w:10s} {args.axis} {name:8s} repeat {rep}: {r['median']:.3f} s/round "
+                      f"({r.get('transport')}, {r.get('torch_threads')} threads)", flush=True)
     load.append(os.getloadavg()[0])
     lines = [f"load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after; {os.cpu_count()} CPUs", "",
-             "| workload | auto resolved to | auto s/round | compiled s/round | calls s/round | auto / best | "
-             "compiled / calls |", "|---" * 7 + "|"]
+             f"| workload | {names[0]} resolved to | " + " | ".join(f"{n} s/round" for n in names) +
+             f" | {names[0]} / best |", "|---" * (len(names) + 3) + "|"]
     for w in args.workloads:
-        med = {k: [r["median"] for r in runs[(w, k)]] for k in ("auto", "compiled", "calls")}
+        med = {k: [r["median"] for r in runs[(w, k)]] for k in names}
         mid = {k: statistics.median(v) for k, v in med.items()}
 
         def cell(v):
             return f"{statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
-        lines.append(f"| {w} | {runs[(w, 'auto')][0]['transport']} | {cell(med['auto'])} | {cell(med['compiled'])}"
-                     f" | {cell(med['calls'])} | {mid['auto'] / min(mid['compiled'], mid['calls']):.3f} | "
-                     f"{mid['compiled'] / mid['calls']:.3f} |")
+        first = runs[(w, names[0])][0]
+        lines.append(f"| {w} | {first.get('transport')}, {first.get('torch_threads')} threads | " +
+                     " | ".join(cell(med[k]) for k in names) + f" | {mid[names[0]] / min(mid.values()):.3f} |")
     print("\n".join(lines))
     out = ROOT / "benchmarks" / "out"
     out.mkdir(exist_ok=True)

@@ -381,7 +381,18 @@ class RuntimeConfig(_Strict):
                                    "resources")
     client: ActorResources = Field(default=ActorResources(num_cpus=0.5), description="each client actor's "
                                    "resources")
-    torch_threads: int | None = Field(default=1, ge=1, description="torch threads per actor (oversubscription)")
+    torch_threads: int | Literal["auto"] | None = Field(
+        default="auto", description="torch threads per actor (auto: from the machine when the backend connects: "
+        "its cores for the local backend and for a private Ray, whose actors mostly take turns; ceil of the "
+        "actor's num_cpus when joining a cluster; logged as resolved.torch_threads; a number: that many "
+        "everywhere, which also fixes the last digits of the metrics across machines; null: torch's own default)")
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _threads_positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1 (or auto, or null for torch's own default)")
+        return v
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="the server host's torch device "
                                                    "(auto: cuda where one is visible)")
     placement: PlacementConfig = Field(default=PlacementConfig(), description="which client actor serves a "

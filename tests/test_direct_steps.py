@@ -291,3 +291,50 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
     assert "2 CPU cores for 4 processes" in params["resolved.transport_reason"]
     local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
     assert MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params["resolved.transport"] == "in-process"
+
+
+def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
+    """``runtime.torch_threads: auto`` (the default): on a private Ray every actor gets the machine's cores (they
+    take turns); joining a cluster, its CPU share rounded up; a number is used as given, and null leaves torch's
+    own default."""
+    from raysplit.config import load_config
+    from raysplit.runtime.ray_backend import RayBackend, auto_threads
+
+    rcfg = load_config(None, {}).runtime
+    assert rcfg.torch_threads == "auto"
+    threads, why = auto_threads(rcfg, 2.0)
+    assert threads == {"server": 2, "client": 2} and "2 cores" in why
+    assert auto_threads(rcfg, 16.0)[0] == {"server": 16, "client": 16}
+    joined = load_config(None, {"runtime.address": "auto", "runtime.server.num_cpus": 3,
+                                "runtime.client.num_cpus": 0.5}).runtime
+    threads, why = auto_threads(joined, 64.0)
+    assert threads == {"server": 3, "client": 1} and "CPU share" in why
+    fixed = RayBackend(load_config(None, {"runtime.torch_threads": 3}).runtime)
+    assert fixed.resolved()["torch_threads"] == 3 and fixed.threads_reason == "runtime.torch_threads"
+    assert RayBackend(load_config(None, {"runtime.torch_threads": None}).runtime).resolved()["torch_threads"] is None
+    with pytest.raises(Exception, match="torch_threads"):
+        load_config(None, {"runtime.torch_threads": 0})
+
+
+def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlflow_uri, monkeypatch):
+    """The resolved thread count is what the actors' hosts are built with (the spec each actor gets), and the run
+    logs it as ``resolved.torch_threads``; the local backend gives its one process the machine's cores."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from raysplit.experiment import run_experiment
+    from raysplit.runtime import api, ray_backend
+
+    monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 3.0)
+    final = run_experiment(make_config(tmp_path, mlflow_uri, **{"train.rounds": 1}))
+    params = MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
+    assert params["runtime.torch_threads"] == "auto" and params["resolved.torch_threads"] == "3"
+    assert "3 cores" in params["resolved.torch_threads_reason"]
+    before = torch.get_num_threads()
+    monkeypatch.setattr(api, "machine_cores", lambda: 1)
+    try:
+        local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
+        assert torch.get_num_threads() == 1  # the in-process hosts set it
+    finally:
+        torch.set_num_threads(before)
+    assert MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params["resolved.torch_threads"] == "1"

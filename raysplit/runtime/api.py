@@ -15,12 +15,13 @@ a list of handles). A name the host class does not have fails at once, on the dr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost, invoke
+from raysplit.runtime.hostspec import machine_cores
 from raysplit.runtime.ports import DriverPort, DriverServer, LocalPort
 
 
@@ -335,26 +336,34 @@ class Runtime:
         self.backend.shutdown()
 
 
+def with_threads(spec: HostSpec, threads: int) -> HostSpec:
+    """``spec`` with ``runtime.torch_threads: auto`` resolved to ``threads`` (a number or null stays as it is)."""
+    return replace(spec, torch_threads=threads) if spec.torch_threads == "auto" else spec
+
+
 class LocalBackend:
-    """Runs the hosts in this process; handles are plain values."""
+    """Runs the hosts in this process; handles are plain values. ``runtime.torch_threads: auto`` gives the process
+    the machine's cores (one process computes at a time)."""
 
     direct_steps = True  # split steps run stepping.drive_steps in process, as the server actor does with Ray
 
-    def __init__(self, num_workers: int = 1):
+    def __init__(self, num_workers: int = 1, torch_threads: int | str | None = "auto"):
         self.num_workers = num_workers
         self.workers: list = []
         self.server = None
+        self.threads = machine_cores() if torch_threads == "auto" else torch_threads
 
     def connect(self) -> None:
         pass
 
     def resolved(self) -> dict:
-        return {"transport": "in-process"}
+        return {"transport": "in-process", "torch_threads": self.threads}
 
     def start(self, inputs: RuntimeInputs) -> None:
-        self.server = inputs.server_host(inputs.spec, inputs.server_init, inputs.client_init, inputs.test_data,
+        spec = with_threads(inputs.spec, machine_cores())
+        self.server = inputs.server_host(spec, inputs.server_init, inputs.client_init, inputs.test_data,
                                          inputs.labeled_data)
-        self.workers = [inputs.client_host(inputs.spec, w, inputs.train_data, tr, te, pr, inputs.client_init)
+        self.workers = [inputs.client_host(spec, w, inputs.train_data, tr, te, pr, inputs.client_init)
                         for w, (tr, te, pr) in enumerate(host_inputs(inputs, self.num_workers))]
 
     def call(self, host, method, *args, **kwargs):

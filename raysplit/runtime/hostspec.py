@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ class HostSpec:
     batch_size: int
     seed: int
     eval_batch_size: int = 1000
-    torch_threads: int | None = 1
+    torch_threads: int | str | None = 1  # runtime.torch_threads; "auto" is resolved by the backend before any host
     device: str = "cpu"
     server_flops: float = 1e12
     persist_client_models: bool = False  # no global client model: every client keeps its own
@@ -151,13 +152,20 @@ def invoke(host: Any, method: str, *args, **kwargs) -> Any:
     return getattr(host, method)(*args, **kwargs)
 
 
-def limit_threads(n: int) -> None:
-    """``n`` threads for torch and for the BLAS libraries under numpy and scipy (threadpoolctl). Ray sets
+def machine_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of the machine's where that is not known)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def limit_threads(n: int | str) -> None:
+    """``n`` threads for torch (``"auto"``, for a host built outside a backend: the machine's cores), one for the BLAS libraries under numpy and scipy (threadpoolctl). Ray sets
     OMP_NUM_THREADS only in actors, so an in-process host (the local backend) would otherwise run OpenBLAS with a
     thread per core, and OpenBLAS threads that meet busy cores spin: GAS's factor update (``stpqrt`` on a 3,136 x
-    3,136 factor) took 64 s with 2 threads on the loaded 2-core machine and 0.13 s with 1."""
-    torch.set_num_threads(n)
-    threadpoolctl.threadpool_limits(n)
+    3,136 factor) took 64 s with 2 threads on the loaded 2-core machine and 0.13 s with 1. The numpy/scipy work
+    of the hosts (GAS's statistics, Ampere's shards) is small next to torch's, so it keeps one thread whatever
+    ``runtime.torch_threads`` gives torch."""
+    torch.set_num_threads(machine_cores() if n == "auto" else n)
+    threadpoolctl.threadpool_limits(1)
 
 
 def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

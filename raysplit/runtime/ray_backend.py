@@ -13,7 +13,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raysplit.errors import ActorFailure, ResourceError
-from raysplit.runtime.api import RuntimeInputs, host_inputs
+from raysplit.runtime.api import RuntimeInputs, host_inputs, with_threads
 from raysplit.runtime.ray_actors import HostActor, RayKeeper, RdtHostActor
 
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
@@ -107,6 +107,23 @@ def auto_transport(cores: float, num_workers: int) -> tuple[str, str]:
                               "compute")
 
 
+def auto_threads(rcfg, cores: float) -> tuple[dict, str]:
+    """``runtime.torch_threads: auto``: torch threads per actor role, with the reason. A private Ray runs on this
+    machine, whose actors mostly take turns (a client waits for its gradient, the server for activations), so
+    each gets the machine's ``cores``, as a lone PyTorch process would: the idle cores of whichever actor waits.
+    Joining a cluster, an actor gets its CPU share (``runtime.server``/``runtime.client`` ``num_cpus``, rounded
+    up), since other runs' actors may share its node (``make bench-threads``, ``make bench-gas-floor``,
+    benchmarks/RESULTS.md "Runtime III")."""
+    if rcfg.address:
+        share = {"server": rcfg.server.num_cpus, "client": rcfg.client.num_cpus}
+        threads = {k: max(1, math.ceil(v or 1)) for k, v in share.items()}
+        return threads, (f"joined a cluster: each actor's CPU share, rounded up (server {share['server']:g}, "
+                         f"client {share['client']:g} CPUs)")
+    n = max(1, int(cores))
+    return {"server": n, "client": n}, (f"a private Ray on this machine's {n} cores: every actor may use them all "
+                                        "while the others wait for it")
+
+
 def usable_cores(rcfg) -> float:
     """CPU cores behind the actors: this machine's (those the process may run on) for a private local Ray, whose
     logical CPUs may be raised above them to fit the actors; the cluster's CPUs when joining one."""
@@ -139,6 +156,10 @@ class RayBackend:
         # the transport in use: the configured kind, or what ``auto`` resolves to in connect()
         self.transport = rcfg.transport.kind
         self.transport_reason = "runtime.transport.kind"
+        # torch threads per actor role: runtime.torch_threads, or what ``auto`` resolves to in connect()
+        t = rcfg.torch_threads
+        self.threads = None if t is None else {"server": t, "client": t}
+        self.threads_reason = "runtime.torch_threads"
 
     def connect(self) -> None:
         """Join or start Ray and check that the requested actors fit the cluster: before any MLflow run or
@@ -152,6 +173,8 @@ class RayBackend:
                 "chains every call"
         elif self.rcfg.transport.kind == "auto":
             self.transport, self.transport_reason = auto_transport(usable_cores(self.rcfg), self.rcfg.num_workers)
+        if self.rcfg.torch_threads == "auto":
+            self.threads, self.threads_reason = auto_threads(self.rcfg, usable_cores(self.rcfg))
 
     @property
     def rdt(self) -> bool:
@@ -161,7 +184,10 @@ class RayBackend:
 
     def resolved(self) -> dict:
         """What the run's config left to the backend, logged as ``resolved.*`` params (after connect)."""
-        return {"transport": self.transport, "transport_reason": self.transport_reason}
+        threads = self.threads if self.threads is None or self.threads["server"] != self.threads["client"] else \
+            self.threads["server"]
+        return {"transport": self.transport, "transport_reason": self.transport_reason, "torch_threads": threads,
+                "torch_threads_reason": self.threads_reason}
 
     def start(self, inputs: RuntimeInputs, ready_timeout: float | None = None) -> None:
         """Create the server and client actors and wait until they are constructed (``ready_timeout``: at most
@@ -179,15 +205,16 @@ class RayBackend:
         self.server = actor_cls.options(
             num_cpus=r.server.num_cpus, num_gpus=r.server.num_gpus, resources=r.server.resources or None,
             memory=r.server.memory, name=None,
-        ).remote(inputs.server_host, inputs.spec, inputs.server_init, client_init, test_ref, self._refs["labeled"],
+        ).remote(inputs.server_host, self._spec(inputs, "server"), inputs.server_init, client_init, test_ref,
+                 self._refs["labeled"],
                  fault=fault.get("server"))
         opts = dict(num_cpus=r.client.num_cpus, num_gpus=r.client.num_gpus, resources=r.client.resources or None,
                     memory=r.client.memory)
         if r.placement.spread_clients:
             opts["scheduling_strategy"] = "SPREAD"
         self.workers = [
-            actor_cls.options(**opts).remote(inputs.client_host, inputs.spec, w, train_ref, tr, te, pr, client_init,
-                                             fault=fault.get(f"client{w}"))
+            actor_cls.options(**opts).remote(inputs.client_host, self._spec(inputs, "client"), w, train_ref, tr, te,
+                                             pr, client_init, fault=fault.get(f"client{w}"))
             for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
         ]
         self._worker_ids = {w._actor_id for w in self.workers}
@@ -211,6 +238,10 @@ class RayBackend:
             from ray.experimental.collective import create_collective_group
 
             self._group = create_collective_group(actors, backend="torch_gloo")
+
+    def _spec(self, inputs: RuntimeInputs, role: str):
+        """The HostSpec an actor of ``role`` (server, client) gets: ``torch_threads: auto`` resolved for it."""
+        return with_threads(inputs.spec, self.threads[role]) if self.threads else inputs.spec
 
     def _unplaced(self, pending: list, waited: float) -> str:
         """What to say about replacement actors still not constructed after ``waited`` seconds: those no node took
