@@ -313,7 +313,6 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
         reporter = Reporter(prepared, tracker, out_dir, ckpt["history"] if ckpt else None, on_round)
         if ckpt is None:
             reporter.start()
-            tracker.log_params({f"resolved.{k}": v for k, v in backend.resolved().items()})
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path,
                           **code_version()})
         if ckpt is None and tracker.enabled:  # the files' digest only where it is logged (it reads every file)
@@ -321,7 +320,9 @@ def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
 
             files = prepared.dataset["files"]
             tracker.log_input({**prepared.dataset, "digest": files_digest(files) if files else "generated"})
-        rt = runtime_for(cfg.runtime, prepared.inputs, backend)
+        rt = runtime_for(cfg.runtime, prepared.inputs, backend)  # starts the actors
+        if ckpt is None:  # what the backend resolved (transport, threads) once the actors exist
+            tracker.log_params({f"resolved.{k}": v for k, v in backend.resolved().items()})
         guard = None
         try:
             alg = prepared.algorithm

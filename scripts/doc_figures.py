@@ -44,7 +44,7 @@ FIGURES: list[tuple[str, str]] = [
     ("curve", "accuracy at those evaluations"),
     ("first_target", "first evaluation at or above 85 %"),
     ("sim_time", "simulated time of the whole run"),
-    ("machine", "made on (CPU, torch's kernel set)"),
+    ("machine", "made on (CPU, torch's kernel set, torch threads per actor)"),
 ]
 # Off the machine kind that wrote the page (another CPU model or kernel set: float sums round differently), learned
 # figures are checked within these bounds; the arithmetic ones (seed, rounds, evaluations, simulated time) stay
@@ -62,9 +62,11 @@ def _frac(x: float) -> str:
     return s[1:] if s.startswith("0") else s
 
 
-def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str) -> dict[str, str]:
+def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str, threads: str = "1") -> dict[str, str]:
     """The page's figures, as the page writes them, from a run's evaluations (``(round, metrics)``, round 0-based,
-    in order) and its final metrics. ``clock``: how the simulated time is defined, written next to it."""
+    in order) and its final metrics. ``clock``: how the simulated time is defined, written next to it;
+    ``threads``: the torch threads per actor the run resolved (``runtime.torch_threads: auto`` follows the
+    machine's cores, and CPU sums split by thread count, so it belongs to the machine kind)."""
     first = next(((r, m) for r, m in evals if m["eval/accuracy"] >= TARGET), None)
     return {
         "seed": str(seed),
@@ -78,7 +80,7 @@ def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str) -
         "first_target": (f"round {first[0] + 1}, at {first[1]['time/sim']:.0f} s of simulated time" if first
                          else "none"),
         "sim_time": f"{final['time/sim']:.0f} s ({clock})",
-        "machine": machine(),
+        "machine": f"{machine()}, {threads} torch thread{'' if str(threads) == '1' else 's'}",
     }
 
 
@@ -175,6 +177,10 @@ def produce(config: Path = CONFIG) -> dict[str, str]:
 
     try:
         final = run_experiment(cfg, on_round=on_round)
+        from mlflow.tracking import MlflowClient
+
+        params = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}").get_run(final["run_id"]).data.params
+        threads = params.get("resolved.torch_threads") or str(cfg.runtime.torch_threads)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     c = cfg.clock
@@ -182,7 +188,7 @@ def produce(config: Path = CONFIG) -> dict[str, str]:
              f"{c.down_bandwidth / 1e6:g} MB/s down per client") if c.profile == "homogeneous" else c.profile
     print(f"wall clock (not checked, not written to the page): {time.perf_counter() - t0:.0f} s in all, the rounds "
           f"{final.get('time/wall', float('nan')):.0f} s", flush=True)
-    return figures(cfg.seed, evals, final, clock)
+    return figures(cfg.seed, evals, final, clock, threads)
 
 
 def main(argv: list[str] | None = None) -> int:

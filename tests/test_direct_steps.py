@@ -294,21 +294,24 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
 
 
 def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
-    """``runtime.torch_threads: auto`` (the default): on a private Ray every actor gets the machine's cores (they
-    take turns); joining a cluster, its CPU share rounded up; a number is used as given, and null leaves torch's
+    """``runtime.torch_threads: auto`` (the default) on a private Ray: where the loop runs over compiled graphs
+    (idle actors poll) each actor gets its share of the cores, at least one; over actor calls (idle actors block)
+    the machine's cores; joining a cluster, its CPU share rounded up. A number is used as given, null leaves torch's
     own default."""
     from raysplit.config import load_config
     from raysplit.runtime.ray_backend import RayBackend, auto_threads
 
-    rcfg = load_config(None, {}).runtime
+    rcfg = load_config(None, {"runtime.num_workers": 2}).runtime
     assert rcfg.torch_threads == "auto"
-    threads, why = auto_threads(rcfg, 2.0)
-    assert threads == {"server": 2, "client": 2} and "2 cores" in why
-    assert auto_threads(rcfg, 16.0)[0] == {"server": 16, "client": 16}
+    assert auto_threads(rcfg, 2.0, polling=True)[0] == {"server": 1, "client": 1}  # the 2-core machine
+    assert auto_threads(rcfg, 16.0, polling=True)[0] == {"server": 5, "client": 5}  # 16 // (2 clients + server)
+    threads, why = auto_threads(rcfg, 2.0, polling=False)
+    assert threads == {"server": 2, "client": 2} and "2 cores" in why and "block" in why
     joined = load_config(None, {"runtime.address": "auto", "runtime.server.num_cpus": 3,
                                 "runtime.client.num_cpus": 0.5}).runtime
-    threads, why = auto_threads(joined, 64.0)
-    assert threads == {"server": 3, "client": 1} and "CPU share" in why
+    for polling in (True, False):
+        threads, why = auto_threads(joined, 64.0, polling)
+        assert threads == {"server": 3, "client": 1} and "CPU share" in why
     fixed = RayBackend(load_config(None, {"runtime.torch_threads": 3}).runtime)
     assert fixed.resolved()["torch_threads"] == 3 and fixed.threads_reason == "runtime.torch_threads"
     assert RayBackend(load_config(None, {"runtime.torch_threads": None}).runtime).resolved()["torch_threads"] is None
@@ -317,19 +320,25 @@ def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
 
 
 def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlflow_uri, monkeypatch):
-    """The resolved thread count is what the actors' hosts are built with (the spec each actor gets), and the run
-    logs it as ``resolved.torch_threads``; the local backend gives its one process the machine's cores."""
+    """The run logs the resolved thread count as ``resolved.torch_threads``, from the loop's transport: a
+    split-step method over compiled graphs gets a share per actor, over actor calls the machine's cores. The
+    local backend gives its one process the machine's cores, and its hosts set them."""
     import torch
     from mlflow.tracking import MlflowClient
 
     from raysplit.experiment import run_experiment
     from raysplit.runtime import api, ray_backend
 
-    monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 3.0)
-    final = run_experiment(make_config(tmp_path, mlflow_uri, **{"train.rounds": 1}))
-    params = MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
-    assert params["runtime.torch_threads"] == "auto" and params["resolved.torch_threads"] == "3"
-    assert "3 cores" in params["resolved.torch_threads_reason"]
+    def params(**over):
+        final = run_experiment(make_config(tmp_path, mlflow_uri, **{"train.rounds": 1, **over}))
+        return MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
+
+    monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 6.0)
+    got = params(**{"runtime.num_workers": 2})  # compiled (6 cores >= 4 processes): 6 // 3 per actor
+    assert got["runtime.torch_threads"] == "auto" and got["resolved.transport"] == "compiled"
+    assert got["resolved.torch_threads"] == "2" and "poll" in got["resolved.torch_threads_reason"]
+    got = params(**{"runtime.num_workers": 2, "runtime.transport.kind": "calls"})
+    assert got["resolved.torch_threads"] == "6" and "block" in got["resolved.torch_threads_reason"]
     before = torch.get_num_threads()
     monkeypatch.setattr(api, "machine_cores", lambda: 1)
     try:

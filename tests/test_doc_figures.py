@@ -4,6 +4,7 @@ The quickstart itself (~3 minutes on 2 cores) is not run here: `make check-docs`
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,12 @@ def test_on_another_machine_kind_learned_figures_are_checked_within_bounds():
 
 
 def test_the_page_names_the_machine_kind_it_was_made_on():
+    """The block names the CPU, torch's kernel set and the torch threads per actor the run resolved (the thread
+    count splits CPU sums, so it is part of the machine kind)."""
     written = df.parse((ROOT / "docs" / "quickstart.md").read_text())["machine"]
-    assert written.rsplit(", ", 1)[-1] in {"DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NO AVX"}
+    _, kernels, threads = written.rsplit(", ", 2)
+    assert kernels in {"DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NO AVX"}
+    assert re.fullmatch(r"\d+ torch threads?", threads), threads
     assert ", " in df.machine()
+    assert df.figures(0, [], {"eval/accuracy": 0.5, "eval/f1_macro": 0.5, "eval/mcc": 0.5, "eval/loss": 1.0,
+                              "time/sim": 1.0}, CLOCK, "4")["machine"].endswith(", 4 torch threads")
