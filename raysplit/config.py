@@ -382,10 +382,12 @@ class RuntimeConfig(_Strict):
     client: ActorResources = Field(default=ActorResources(num_cpus=0.5), description="each client actor's "
                                    "resources")
     torch_threads: int | Literal["auto"] | None = Field(
-        default="auto", description="torch threads per actor (auto: from the machine when the backend connects: "
-        "its cores for the local backend and for a private Ray, whose actors mostly take turns; ceil of the "
-        "actor's num_cpus when joining a cluster; logged as resolved.torch_threads; a number: that many "
-        "everywhere, which also fixes the last digits of the metrics across machines; null: torch's own default)")
+        default=1, description="torch threads per actor (a number: that many in every host, so the metrics are the "
+        "same on any backend, transport and number of actors; auto: from the machine and the run's transport at "
+        "start, logged as resolved.torch_threads: the local backend's process gets the machine's cores, a private "
+        "Ray's actors a share of them over compiled graphs and all of them over actor calls, a cluster's actors "
+        "their num_cpus rounded up; faster where idle actors block, but the thread count splits CPU sums, so the "
+        "last digits of the metrics then follow the backend and transport; null: torch's own default)")
 
     @field_validator("torch_threads")
     @classmethod

@@ -294,15 +294,15 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
 
 
 def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
-    """``runtime.torch_threads: auto`` (the default) on a private Ray: where the loop runs over compiled graphs
-    (idle actors poll) each actor gets its share of the cores, at least one; over actor calls (idle actors block)
-    the machine's cores; joining a cluster, its CPU share rounded up. A number is used as given, null leaves torch's
-    own default."""
+    """``runtime.torch_threads: auto`` on a private Ray: where the loop runs over compiled graphs (idle actors poll)
+    each actor gets its share of the cores, at least one; over actor calls (idle actors block) the machine's cores;
+    joining a cluster, its CPU share rounded up. The default is one thread in every host (the same metrics on any
+    backend, transport and number of actors); a number is used as given, null leaves torch's own default."""
     from raysplit.config import load_config
     from raysplit.runtime.ray_backend import RayBackend, auto_threads
 
-    rcfg = load_config(None, {"runtime.num_workers": 2}).runtime
-    assert rcfg.torch_threads == "auto"
+    assert load_config(None, {}).runtime.torch_threads == 1
+    rcfg = load_config(None, {"runtime.num_workers": 2, "runtime.torch_threads": "auto"}).runtime
     assert auto_threads(rcfg, 2.0, polling=True)[0] == {"server": 1, "client": 1}  # the 2-core machine
     assert auto_threads(rcfg, 16.0, polling=True)[0] == {"server": 5, "client": 5}  # 16 // (2 clients + server)
     threads, why = auto_threads(rcfg, 2.0, polling=False)
@@ -320,7 +320,7 @@ def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
 
 
 def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlflow_uri, monkeypatch):
-    """The run logs the resolved thread count as ``resolved.torch_threads``, from the loop's transport: a
+    """With ``auto`` the run logs the resolved thread count as ``resolved.torch_threads``, from the loop's transport: a
     split-step method over compiled graphs gets a share per actor, over actor calls the machine's cores. The
     local backend gives its one process the machine's cores, and its hosts set them."""
     import torch
@@ -330,7 +330,8 @@ def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlfl
     from raysplit.runtime import api, ray_backend
 
     def params(**over):
-        final = run_experiment(make_config(tmp_path, mlflow_uri, **{"train.rounds": 1, **over}))
+        final = run_experiment(make_config(tmp_path, mlflow_uri, **{"train.rounds": 1, "runtime.torch_threads": "auto",
+                                                                    **over}))
         return MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
 
     monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 6.0)
@@ -342,7 +343,8 @@ def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlfl
     before = torch.get_num_threads()
     monkeypatch.setattr(api, "machine_cores", lambda: 1)
     try:
-        local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
+        local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1,
+                                                                    "runtime.torch_threads": "auto"}))
         assert torch.get_num_threads() == 1  # the in-process hosts set it
     finally:
         torch.set_num_threads(before)

@@ -347,7 +347,7 @@ class LocalBackend:
 
     direct_steps = True  # split steps run stepping.drive_steps in process, as the server actor does with Ray
 
-    def __init__(self, num_workers: int = 1, torch_threads: int | str | None = "auto"):
+    def __init__(self, num_workers: int = 1, torch_threads: int | str | None = 1):
         self.num_workers = num_workers
         self.workers: list = []
         self.server = None
