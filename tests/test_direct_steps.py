@@ -335,7 +335,7 @@ def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlfl
         return MlflowClient(mlflow_uri).get_run(final["run_id"]).data.params
 
     monkeypatch.setattr(ray_backend, "usable_cores", lambda rcfg: 6.0)
-    got = params(**{"runtime.num_workers": 2})  # compiled (6 cores >= 4 processes): 6 // 3 per actor
+    got = params(**{"runtime.num_workers": 2, "runtime.transport.kind": "auto"})  # compiled: 6 // 3 per actor
     assert got["runtime.torch_threads"] == "auto" and got["resolved.transport"] == "compiled"
     assert got["resolved.torch_threads"] == "2" and "poll" in got["resolved.torch_threads_reason"]
     got = params(**{"runtime.num_workers": 2, "runtime.transport.kind": "calls"})
