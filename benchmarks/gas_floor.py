@@ -70,7 +70,9 @@ def floor(rounds: int) -> tuple[list[float], list[int], list[float]]:
     client, server = build_model(spec.model, spec.num_classes, spec.input_shape).split(spec.cut)
     client.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in p.inputs.client_init.items()})
     server.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in p.inputs.server_init.items()})
-    opt = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
+    o = cfg.train.optimizer
+    opt = dict(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    clip = cfg.train.clip_grad_norm
     server_opt = torch.optim.SGD(server.parameters(), **opt)
     counts = np.asarray(p.partition_counts, dtype=np.float64)
     adjust = torch.as_tensor(np.log(counts / counts.sum(1, keepdims=True) + 1e-12), dtype=torch.float32)
@@ -93,7 +95,7 @@ def floor(rounds: int) -> tuple[list[float], list[int], list[float]]:
                 (g,) = torch.autograd.grad(loss, [sent])  # the input's gradient only: the server is frozen
                 opts[c].zero_grad()
                 act.backward(g)
-                torch.nn.utils.clip_grad_norm_(models[c].parameters(), 10.0)
+                torch.nn.utils.clip_grad_norm_(models[c].parameters(), clip)
                 opts[c].step()
                 buffer.append((sent.detach(), yb))
                 if len(buffer) == len(active):
@@ -104,7 +106,7 @@ def floor(rounds: int) -> tuple[list[float], list[int], list[float]]:
                         ys = torch.cat([ys, torch.as_tensor(np.repeat(np.arange(labels), need))])
                     server_opt.zero_grad()
                     F.cross_entropy(server(xs), ys).backward()
-                    torch.nn.utils.clip_grad_norm_(server.parameters(), 10.0)
+                    torch.nn.utils.clip_grad_norm_(server.parameters(), clip)
                     server_opt.step()
                     buffer, n_updates = [], n_updates + 1
         states = [models[c].state_dict() for c in active]

@@ -2,7 +2,7 @@
 compiled and calls, side by side in one run of this script, on the workloads issue 29 names: the quickstart
 (configs/quickstart.yaml), GAS in the authors' setting (configs/gas/fmnist.yaml, evaluation every round as the
 authors do) and ResNet18 (SFLV2, 32x32 synthetic images, cut after layer1, 16 clients of one batch of 8).
-``--axis threads`` compares ``runtime.torch_threads`` = auto (the default) and 1 instead (issue 29 item 2).
+``--axis threads`` compares ``runtime.torch_threads`` = auto (opt-in) and 1 (the default) instead (issue 29 item 2).
 
     .venv/bin/python benchmarks/transport_auto.py [--workloads quickstart gas resnet18] [--rounds 4] [--repeats 2]
         [--axis transport|threads]
@@ -51,10 +51,10 @@ print("RESULT" + json.dumps({"rounds": [b - a for a, b in zip(marks, marks[1:])]
 """
 
 
-# --axis: the variants compared, each (label, overrides); the first is the default under test
+# --axis: the variants compared, each (label, overrides); the first is the one under test
 AXES = {
     "transport": [(k, {"runtime.transport.kind": k}) for k in ("auto", "compiled", "calls")],
-    # issue 29 item 2: torch threads from the machine (the default) against one per actor (the default before)
+    # issue 29 item 2: torch threads from the machine (opt-in) against one per actor (the default)
     "threads": [("auto", {"runtime.torch_threads": "auto"}), ("1", {"runtime.torch_threads": 1})],
 }
 

@@ -12,7 +12,7 @@ from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag
 def make_backend(rcfg):
     """Backend for a RuntimeConfig: ``ray`` (actors) or ``local`` (in-process)."""
     if rcfg.backend == "local":
-        return LocalBackend(rcfg.num_workers, rcfg.torch_threads)
+        return LocalBackend(rcfg.num_workers)
     from raysplit.runtime.ray_backend import RayBackend
 
     return RayBackend(rcfg)

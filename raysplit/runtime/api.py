@@ -347,11 +347,11 @@ class LocalBackend:
 
     direct_steps = True  # split steps run stepping.drive_steps in process, as the server actor does with Ray
 
-    def __init__(self, num_workers: int = 1, torch_threads: int | str | None = 1):
+    def __init__(self, num_workers: int = 1):
         self.num_workers = num_workers
         self.workers: list = []
         self.server = None
-        self.threads = machine_cores() if torch_threads == "auto" else torch_threads
+        self.threads: int | str | None = None  # the hosts' torch threads, resolved in start()
 
     def connect(self) -> None:
         pass
@@ -361,6 +361,7 @@ class LocalBackend:
 
     def start(self, inputs: RuntimeInputs) -> None:
         spec = with_threads(inputs.spec, machine_cores())
+        self.threads = spec.torch_threads
         self.server = inputs.server_host(spec, inputs.server_init, inputs.client_init, inputs.test_data,
                                          inputs.labeled_data)
         self.workers = [inputs.client_host(spec, w, inputs.train_data, tr, te, pr, inputs.client_init)

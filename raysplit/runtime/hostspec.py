@@ -158,7 +158,8 @@ def machine_cores() -> int:
 
 
 def limit_threads(n: int | str) -> None:
-    """``n`` threads for torch (``"auto"``, for a host built outside a backend: the machine's cores), one for the BLAS libraries under numpy and scipy (threadpoolctl). Ray sets
+    """``n`` threads for torch (``"auto"``, for a host built outside a backend: the machine's cores), one for the
+    BLAS libraries under numpy and scipy (threadpoolctl). Ray sets
     OMP_NUM_THREADS only in actors, so an in-process host (the local backend) would otherwise run OpenBLAS with a
     thread per core, and OpenBLAS threads that meet busy cores spin: GAS's factor update (``stpqrt`` on a 3,136 x
     3,136 factor) took 64 s with 2 threads on the loaded 2-core machine and 0.13 s with 1. The numpy/scipy work

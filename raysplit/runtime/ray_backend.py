@@ -170,7 +170,7 @@ class RayBackend:
         # the transport in use: the configured kind, or what ``auto`` resolves to in connect()
         self.transport = rcfg.transport.kind
         self.transport_reason = "runtime.transport.kind"
-        # torch threads per actor role: runtime.torch_threads, or what ``auto`` resolves to in connect()
+        # torch threads per actor role: runtime.torch_threads, or what ``auto`` resolves to in start()
         t = rcfg.torch_threads
         self.threads = None if t is None else {"server": t, "client": t}
         self.threads_reason = "runtime.torch_threads"
@@ -182,12 +182,12 @@ class RayBackend:
             self.started_ray = init_ray(self.rcfg)
             self._connected = True
         check_resources(self.rcfg)
+        self.cores = usable_cores(self.rcfg)
         if self.rcfg.transport.kind == "auto" and not self.direct_steps:
             self.transport, self.transport_reason = "calls", "runtime.transport.direct_steps is false: the driver " \
                 "chains every call"
         elif self.rcfg.transport.kind == "auto":
-            self.transport, self.transport_reason = auto_transport(usable_cores(self.rcfg), self.rcfg.num_workers)
-        self.cores = usable_cores(self.rcfg)
+            self.transport, self.transport_reason = auto_transport(self.cores, self.rcfg.num_workers)
 
     @property
     def rdt(self) -> bool:
