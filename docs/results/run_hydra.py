@@ -47,7 +47,12 @@ STUDIES = {
                         ("SFLV2+Hydra head=fc", "hydra", {"cut_b": "conv4"})],
             "parallel": [("SplitFedV1", "sflv1"), ("SplitFedV3", "sflv3"), ("MultiHead", "multihead"),
                          ("MergeSFL", "mergesfl")]},
+    # issue 28 item 3: the paper's model and cut (MobileNetV1 at width 0.25, cut_a 4, cut_b 23), 100 rounds
+    "mobilenet": {"config": "configs/hydra/fmnist_mobilenet.yaml", "phi": 10, "out": "hydra_mobilenet",
+                  "figure": "hydra_mobilenet_positions.png",
+                  "ordered": [("SFLV2", "sflv2", {}), ("SFLV2+Hydra", "hydra", {"cut_b": 23})], "parallel": []},
 }
+EXPERIMENTS = {"fc": "hydra-fmnist", "gap": "hydra-fmnist-gap", "mobilenet": "hydra-fmnist-mobilenet"}
 STUDY = STUDIES["fc"]
 
 
@@ -193,7 +198,8 @@ def main():
     global STUDY
     ap = argparse.ArgumentParser()
     ap.add_argument("--study", choices=list(STUDIES), default="fc", help="fc: the first study (cnn_small); gap: at "
-                    "the paper's proportions (cnn_gap, configs/hydra/fmnist_gap.yaml)")
+                    "the paper's proportions (cnn_gap, configs/hydra/fmnist_gap.yaml); mobilenet: the paper's model "
+                    "and cut (configs/hydra/fmnist_mobilenet.yaml)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--backend", default="local", choices=["local", "ray"])
@@ -229,7 +235,7 @@ def main():
     # create the MLflow store once before parallel runs (sqlite schema race)
     if not a.no_mlflow:
         subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
-                        f"mlflow.set_experiment('hydra-fmnist{'-gap' if a.study == 'gap' else ''}')"], cwd=ROOT,
+                        f"mlflow.set_experiment({EXPERIMENTS[a.study]!r})"], cwd=ROOT,
                        check=True, capture_output=True)
     todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0]) and (a.methods is None or j[2] in a.methods)
             and (a.orders is None or j[1] in a.orders)
@@ -249,14 +255,14 @@ def main():
 
         def ms(k):
             v = np.array([r[k] for r in rs], dtype=float) * 100
-            if a.study == "gap":  # the second study: median [min, max] over the seeds, and how many
+            if a.study != "fc":  # the second study and MobileNetV1: median [min, max] over the seeds, and how many
                 return f"{median_range(v)} n={len(v)}"
             return f"{v.mean():.2f} ± {v.std():.2f}"
 
         print(f"| {c} | {o} | {lab} | {ms('eval/accuracy')} | {ms('eval/performance_gap')} | "
               f"{ms('eval/backward_transfer')} | "
               f"{ms('eval/performance_gap_last5')} |")
-    if a.study == "gap":  # paired by seed: the spread between seeds is larger than most differences
+    if a.study != "fc":  # paired by seed: the spread between seeds is larger than most differences
         print("\n| c | order | method | minus SFLV2 (same seed; same order, else cyclic): accuracy (pp) | PG (pp) | "
               "seeds |\n|---|---|---|---|---|---|")
         for c, o, lab in keys:
