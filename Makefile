@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-transport bench-threads bench-gas-floor bench-scale bench-flower bench-store bench-batched bench-window \
+.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
@@ -15,6 +15,9 @@ bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-s
 # Issue 15: compiled graphs against actor calls and the driver-chained path, side by side.
 bench-hop:
 	$(PY) benchmarks/hop.py --repeats 5
+
+bench-hop-floor:
+	$(PY) benchmarks/hop_floor.py --repeats 7
 
 # Ray 2.60 Compiled Graphs on one node and across two (plain Ray): why CompiledPort compiles same-node actors only.
 bench-cg-crossnode:

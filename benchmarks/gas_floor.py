@@ -16,9 +16,13 @@ The setting is configs/gas/fmnist.yaml (Fashion-MNIST, shards 2, 20 clients, 10 
   them, topped up to 32 samples per label with random activations of the right shape (the batch GAS's server
   steps on, without the Gaussian statistics and sampling that make the generated ones); the 10 client models are
   averaged; then the test set is evaluated (batches of 1,000).
-- **raysplit local**: ``runtime.backend=local`` with the defaults (``runtime.torch_threads: auto``).
-- **raysplit Ray**: the config as a user runs it (Ray, two client actors, the defaults).
-- **raysplit Ray, 1 thread**: ``runtime.torch_threads=1`` (the default before ``auto``): item 2's comparison.
+- **floor1**: the floor with 1 torch thread (what threads are worth to the plain loop).
+- **raysplit local**: ``runtime.backend=local`` with the defaults (1 torch thread); **local_auto** with
+  ``runtime.torch_threads=auto`` (the machine's cores); **local_nogen** as local_auto with
+  ``algorithm.generate=false`` (no Gaussian statistics nor sampling: the server steps on the real activations
+  only, a smaller batch than the floor's, so it bounds what generation costs from above).
+- **raysplit Ray**: the config as a user runs it (Ray, two client actors, the defaults: 1 thread per actor);
+  **ray_auto** with ``runtime.torch_threads=auto``.
 - **authors**: GAS_main.py as benchmarks/gas_vs_authors.py prepares it, testing every round
   (``Accu_Test_Frequency = 1``), torch's default threads.
 
@@ -52,15 +56,16 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/gas/fmnist.yaml"
 
 
-def floor(rounds: int) -> tuple[list[float], list[int], list[float]]:
-    """The plain loop: per-round wall seconds, server updates and evaluation seconds."""
+def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[int], list[float]]:
+    """The plain loop: per-round wall seconds, server updates and evaluation seconds; torch with ``threads``
+    threads (None: the machine's cores)."""
     from raysplit.config import load_config
     from raysplit.data import to_tensor
     from raysplit.experiment import prepare
     from raysplit.models import build_model
     from raysplit.runtime.api import machine_cores
 
-    torch.set_num_threads(machine_cores())
+    torch.set_num_threads(threads or machine_cores())
     cfg = load_config(CONFIG, {"train.rounds": rounds, "tracking.enabled": False, "tracking.progress": False})
     p = prepare(cfg)
     spec = p.inputs.spec
@@ -161,18 +166,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--authors", type=Path, help="a checkout of eejiarong/GAS (not part of this repository)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sides", nargs="*", default=["floor", "local", "ray", "ray1", "authors"])
+    ap.add_argument("--sides", nargs="*", default=["floor", "floor1", "local", "local_auto", "local_nogen", "ray",
+                                                   "ray_auto", "authors"])
     ap.add_argument("--tag", default="gas_floor")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     work = Path(tempfile.mkdtemp(prefix="gas-floor-"))
     out: dict = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}, "sides": {}}
-    sides = {"local": {"runtime.backend": "local"}, "ray": {}, "ray1": {"runtime.torch_threads": 1}}
+    local = {"runtime.backend": "local"}
+    sides = {"local": local, "local_auto": {**local, "runtime.torch_threads": "auto"},
+             "local_nogen": {**local, "runtime.torch_threads": "auto", "algorithm.generate": False},
+             "ray": {}, "ray_auto": {"runtime.torch_threads": "auto"}}
     for side in args.sides:
-        if side == "floor":
-            t, u, ev = floor(args.rounds)
-            out["sides"]["floor"] = {**summary(t, u), "eval_s": ev}
+        if side in ("floor", "floor1"):
+            t, u, ev = floor(args.rounds, 1 if side == "floor1" else None)
+            out["sides"][side] = {**summary(t, u), "eval_s": ev}
         elif side == "authors":
             if not args.authors:
                 continue
@@ -184,8 +193,11 @@ def main() -> int:
         print(side, json.dumps({k: v for k, v in out["sides"].get(side, {}).items()}), flush=True)
     out["machine"]["load_after"] = os.getloadavg()
     s = out["sides"]
-    names = {"floor": "plain loop (the floor)", "local": "raysplit, local backend (defaults)",
-             "ray": "raysplit, Ray (defaults)", "ray1": "raysplit, Ray, `runtime.torch_threads=1`",
+    names = {"floor": "plain loop (the floor), the machine's cores", "floor1": "plain loop, 1 torch thread",
+             "local": "raysplit, local backend (defaults: 1 thread)",
+             "local_auto": "raysplit, local backend, `runtime.torch_threads=auto`",
+             "local_nogen": "raysplit, local backend, `auto`, `algorithm.generate=false`",
+             "ray": "raysplit, Ray (defaults: 1 thread per actor)", "ray_auto": "raysplit, Ray, `auto`",
              "authors": "authors' GAS_main.py"}
     lines = [f"load average {out['machine']['load_before'][0]:.2f} before, {out['machine']['load_after'][0]:.2f} "
              f"after; {os.cpu_count()} CPUs", "",

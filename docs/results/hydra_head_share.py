@@ -3,12 +3,15 @@ server part (part-2 = blocks[cut_a:]) the heads (part-2b = blocks[cut_b:]) hold,
 FLOPs per 32x32 image (torch.utils.flop_counter). No training; a few seconds.
 
     python docs/results/hydra_head_share.py          # prints the Markdown table in hydra.md
+    python docs/results/hydra_head_share.py --width 0.25 --input 1 28 28   # configs/hydra/fmnist_mobilenet.yaml
 
 The paper calls its small heads "the last 2 layers"; Hydra's scripts use cut_a = 4, cut_b = 23, and the authors'
 model file, which fixes what their indices mean, was never committed (seed-code.md §2.2).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -25,9 +28,14 @@ def flops(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 def main() -> None:
-    model = build_model("mobilenet_v1", num_classes=10, input_shape=(3, 32, 32)).eval()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=float, default=1.0, help="MobileNetV1's width_mult")
+    ap.add_argument("--input", type=int, nargs=3, default=[3, 32, 32], metavar=("C", "H", "W"))
+    a = ap.parse_args()
+    model = build_model("mobilenet_v1", num_classes=10, input_shape=tuple(a.input),
+                        width_mult=a.width).eval()
     names = model.block_names
-    per_block, x = [], torch.zeros(1, 3, 32, 32)
+    per_block, x = [], torch.zeros(1, *a.input)
     with torch.no_grad():
         for block in model.blocks:
             f, x = flops(block, x)
