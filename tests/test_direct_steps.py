@@ -319,6 +319,22 @@ def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
         load_config(None, {"runtime.torch_threads": 0})
 
 
+def test_limit_threads_gives_torch_its_threads_and_blas_one():
+    """A host's ``limit_threads(n)`` leaves torch's OpenMP pool at ``n`` threads and the BLAS pools at one. It
+    once limited every pool (threadpoolctl's default), which set torch's OpenMP pool back to one thread, so a
+    ``runtime.torch_threads`` of 2 or ``auto`` ran torch on one thread. In a fresh interpreter: the limits are
+    process-wide."""
+    import subprocess
+
+    code = ("import torch, threadpoolctl\nfrom raysplit.runtime.hostspec import limit_threads\n"
+            "torch.get_num_threads()\nlimit_threads(2)\n"
+            "pools = {i['user_api']: i['num_threads'] for i in threadpoolctl.threadpool_info()}\n"
+            "print(torch.get_num_threads(), pools.get('openmp'), pools.get('blas'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    torch_n, openmp, blas = out.stdout.split()
+    assert torch_n == "2" and openmp in ("2", "None") and blas in ("1", "None"), out.stdout
+
+
 def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlflow_uri, monkeypatch):
     """With ``auto`` the run logs the resolved thread count as ``resolved.torch_threads``, from the loop's transport: a
     split-step method over compiled graphs gets a share per actor, over actor calls the machine's cores. The

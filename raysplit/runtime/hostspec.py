@@ -164,9 +164,10 @@ def limit_threads(n: int | str) -> None:
     thread per core, and OpenBLAS threads that meet busy cores spin: GAS's factor update (``stpqrt`` on a 3,136 x
     3,136 factor) took 64 s with 2 threads on the loaded 2-core machine and 0.13 s with 1. The numpy/scipy work
     of the hosts (GAS's statistics, Ampere's shards) is small next to torch's, so it keeps one thread whatever
-    ``runtime.torch_threads`` gives torch."""
+    ``runtime.torch_threads`` gives torch. Only the BLAS pools are limited (``user_api="blas"``): a limit on every
+    pool also reached torch's OpenMP pool and could take torch back to one thread, whatever it was given."""
     torch.set_num_threads(machine_cores() if n == "auto" else n)
-    threadpoolctl.threadpool_limits(1)
+    threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
