@@ -295,7 +295,8 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
 
 def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
     """``runtime.torch_threads: auto`` on a private Ray: where the loop runs over compiled graphs (idle actors poll)
-    each actor gets its share of the cores, at least one; over actor calls (idle actors block) the machine's cores;
+    or is the event loop (actors compute at once) each actor gets its share of the cores, at least one; a step loop
+    over actor calls (idle actors block) the machine's cores;
     joining a cluster, its CPU share rounded up. The default is one thread in every host (the same metrics on any
     backend, transport and number of actors); a number is used as given, null leaves torch's own default."""
     from raysplit.config import load_config
@@ -307,6 +308,9 @@ def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
     assert auto_threads(rcfg, 16.0, polling=True)[0] == {"server": 5, "client": 5}  # 16 // (2 clients + server)
     threads, why = auto_threads(rcfg, 2.0, polling=False)
     assert threads == {"server": 2, "client": 2} and "2 cores" in why and "block" in why
+    threads, why = auto_threads(rcfg, 2.0, polling=False, concurrent=True)  # the event loop over actor calls
+    assert threads == {"server": 1, "client": 1} and "at once" in why
+    assert auto_threads(rcfg, 16.0, polling=False, concurrent=True)[0] == {"server": 5, "client": 5}
     joined = load_config(None, {"runtime.address": "auto", "runtime.server.num_cpus": 3,
                                 "runtime.client.num_cpus": 0.5}).runtime
     for polling in (True, False):

@@ -107,7 +107,7 @@ def auto_transport(cores: float, num_workers: int) -> tuple[str, str]:
                               "compute")
 
 
-def auto_threads(rcfg, cores: float, polling: bool) -> tuple[dict, str]:
+def auto_threads(rcfg, cores: float, polling: bool, concurrent: bool = False) -> tuple[dict, str]:
     """``runtime.torch_threads: auto``: torch threads per actor role, with the reason. Joining a cluster, an actor
     gets its CPU share (``runtime.server``/``runtime.client`` ``num_cpus``, rounded up), since other runs' actors
     may share its node. A private Ray runs on this machine's ``cores``; how many each actor may use depends on what
@@ -118,8 +118,11 @@ def auto_threads(rcfg, cores: float, polling: bool) -> tuple[dict, str]:
       On the 2-core machine two threads per actor made the quickstart's rounds 4.1x as long (9.73 against 2.37 s)
       and ResNet18's 1.17x: torch's worker threads wait for each other at every operation while pollers hold the
       cores.
-    - otherwise (actor calls: idle actors block): each actor gets the machine's cores, as a lone PyTorch process
-      would, since mostly one computes while the others wait for it.
+    - ``concurrent`` (the event loop: the server and the client actors compute at once): the same share. With
+      every actor on all cores, GAS's rounds were 1.6x as long as in the local backend with 2 threads (3.24
+      against 2.04 s per server update, one round each).
+    - otherwise (a step loop over actor calls: idle actors block): each actor gets the machine's cores, as a lone
+      PyTorch process would, since one computes while the others wait for it.
 
     ``make bench-threads``, ``make bench-gas-floor``; benchmarks/RESULTS.md "Runtime III"."""
     if rcfg.address:
@@ -128,11 +131,12 @@ def auto_threads(rcfg, cores: float, polling: bool) -> tuple[dict, str]:
         return threads, (f"joined a cluster: each actor's CPU share, rounded up (server {share['server']:g}, "
                          f"client {share['client']:g} CPUs)")
     n = max(1, int(cores))
-    if polling:
+    if polling or concurrent:
         k = max(1, n // (rcfg.num_workers + 1))
-        return {"server": k, "client": k}, (f"a private Ray on {n} cores over compiled graphs, whose idle actors "
-                                            f"poll: a share of {k} per actor ({rcfg.num_workers} client actors and "
-                                            "the server)")
+        why = ("over compiled graphs, whose idle actors poll" if polling else
+               "in the event loop, whose actors compute at once")
+        return {"server": k, "client": k}, (f"a private Ray on {n} cores {why}: a share of {k} per actor "
+                                            f"({rcfg.num_workers} client actors and the server)")
     return {"server": n, "client": n}, (f"a private Ray on {n} cores over actor calls, whose idle actors block: "
                                         "each actor may use them all while the others wait for it")
 
@@ -209,7 +213,8 @@ class RayBackend:
         r = self.rcfg
         if r.torch_threads == "auto":  # the run's loop decides whether idle actors poll (compiled) or block
             loop = "events" if inputs.spec.asynchronous else "steps"
-            self.threads, self.threads_reason = auto_threads(r, self.cores, polling=self.compiled_for(loop))
+            self.threads, self.threads_reason = auto_threads(r, self.cores, polling=self.compiled_for(loop),
+                                                             concurrent=loop == "events")
         if not self._refs:  # the dataset goes into the object store once, shared by every actor
             self._refs = {k: ray.put(v) for k, v in (("train", inputs.train_data), ("test", inputs.test_data),
                                                       ("client_init", inputs.client_init),
