@@ -385,8 +385,9 @@ class RuntimeConfig(_Strict):
         default=1, description="torch threads per actor (a number: that many in every host, so the metrics are the "
         "same on any backend, transport and number of actors; auto: from the machine and the run's transport at "
         "start, logged as resolved.torch_threads: the local backend's process gets the machine's cores, a private "
-        "Ray's actors a share of them over compiled graphs and all of them over actor calls, a cluster's actors "
-        "their num_cpus rounded up; faster where idle actors block, but the thread count splits CPU sums, so the "
+        "Ray's actors a share of them over compiled graphs and in the event loop and all of them in a step loop "
+        "over actor calls, a cluster's actors their num_cpus rounded up; faster, but the thread count splits CPU "
+        "sums, so the "
         "last digits of the metrics then follow the backend and transport; null: torch's own default)")
 
     @field_validator("torch_threads")
