@@ -387,8 +387,7 @@ class RuntimeConfig(_Strict):
         "start, logged as resolved.torch_threads: the local backend's process gets the machine's cores, a private "
         "Ray's actors a share of them over compiled graphs and in the event loop and all of them in a step loop "
         "over actor calls, a cluster's actors their num_cpus rounded up; faster, but the thread count splits CPU "
-        "sums, so the "
-        "last digits of the metrics then follow the backend and transport; null: torch's own default)")
+        "sums, so the last digits of the metrics then follow the backend and transport; null: torch's own default)")
 
     @field_validator("torch_threads")
     @classmethod

@@ -117,7 +117,7 @@ def auto_threads(rcfg, cores: float, polling: bool, concurrent: bool = False) ->
       gets its share, ``cores // (client actors + 1)``, at least 1, so that no two compute teams fight for a core.
       On the 2-core machine two threads per actor made the quickstart's rounds 4.1x as long (9.73 against 2.37 s)
       and ResNet18's 1.17x: torch's worker threads wait for each other at every operation while pollers hold the
-      cores.
+      cores (measured before ``limit_threads`` stopped limiting torch's OpenMP pool; not remeasured).
     - ``concurrent`` (the event loop: the server and the client actors compute at once): the same share. With
       every actor on all cores, GAS's rounds were 1.6x as long as in the local backend with 2 threads (3.24
       against 2.04 s per server update, one round each).
