@@ -141,18 +141,18 @@ def raysplit_side(over: dict, rounds: int, work: Path) -> tuple[list[float], lis
                                "tracking.progress": False, "tracking.checkpoint_every": 0,
                                "tracking.output_dir": str(work / "out"), **over})
     marks, ups, resolved = [time.perf_counter()], [], {}
-    real = ray_backend.RayBackend.connect
+    real = ray_backend.RayBackend.start
 
-    def connect(self):  # read what auto resolved to (the local backend reports in-process)
-        real(self)
+    def start(self, *args, **kwargs):  # read what auto resolved to, once start() has resolved it
+        real(self, *args, **kwargs)
         resolved.update(self.resolved())
 
-    ray_backend.RayBackend.connect = connect
+    ray_backend.RayBackend.start = start
     try:
         run_experiment(cfg, on_round=lambda r, m: (marks.append(time.perf_counter()),
                                                    ups.append(int(m.get("method/server_updates", 0)))))
     finally:
-        ray_backend.RayBackend.connect = real
+        ray_backend.RayBackend.start = real
     return [b - a for a, b in zip(marks, marks[1:])], ups, resolved
 
 

@@ -49,7 +49,8 @@ class Driver:
     def __init__(self, nbytes: int):
         from ray.dag import DAGContext
 
-        DAGContext.get_current().buffer_size_bytes = 2 * nbytes + (1 << 20)
+        self.buffer = 2 * nbytes + (1 << 20)  # every channel, both directions: the writer sizes it
+        DAGContext.get_current().buffer_size_bytes = self.buffer
         self.g = np.ones(nbytes // 4, dtype=np.float32)
         self.graphs = []
 
@@ -57,7 +58,7 @@ class Driver:
         import ray
         from ray.dag import InputNode
 
-        ray.get([e.__ray_call__.remote(_buffer, 2 * len(self.g) * 4 + (1 << 20)) for e in echoes])
+        ray.get([e.__ray_call__.remote(_buffer, self.buffer) for e in echoes])
         for e in echoes:
             with InputNode() as inp:
                 dag = e.step.bind(inp)

@@ -52,7 +52,6 @@ STUDIES = {
                   "figure": "hydra_mobilenet_positions.png",
                   "ordered": [("SFLV2", "sflv2", {}), ("SFLV2+Hydra", "hydra", {"cut_b": 23})], "parallel": []},
 }
-EXPERIMENTS = {"fc": "hydra-fmnist", "gap": "hydra-fmnist-gap", "mobilenet": "hydra-fmnist-mobilenet"}
 STUDY = STUDIES["fc"]
 
 
@@ -234,8 +233,9 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     # create the MLflow store once before parallel runs (sqlite schema race)
     if not a.no_mlflow:
+        experiment = yaml.safe_load((ROOT / STUDY["config"]).read_text())["tracking"]["experiment"]
         subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
-                        f"mlflow.set_experiment({EXPERIMENTS[a.study]!r})"], cwd=ROOT,
+                        f"mlflow.set_experiment({experiment!r})"], cwd=ROOT,
                        check=True, capture_output=True)
     todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0]) and (a.methods is None or j[2] in a.methods)
             and (a.orders is None or j[1] in a.orders)
@@ -263,7 +263,7 @@ def main():
               f"{ms('eval/backward_transfer')} | "
               f"{ms('eval/performance_gap_last5')} |")
     if a.study != "fc":  # paired by seed: the spread between seeds is larger than most differences
-        last5 = [] if a.study == "mobilenet" else None
+        paired = []
         print("\n| c | order | method | minus SFLV2 (same seed; same order, else cyclic): accuracy (pp) | PG (pp) | "
               "seeds |\n|---|---|---|---|---|---|")
         for c, o, lab in keys:
@@ -276,13 +276,12 @@ def main():
                  for k in ("eval/accuracy", "eval/performance_gap")}
             print(f"| {c} | {o} | {lab} | {d['eval/accuracy']} | {d['eval/performance_gap']} | "
                   f"{' '.join(str(s) for s, _, _ in pairs)} |")
-            if last5 is not None:
-                last5.append((c, o, lab, pairs))
+            paired.append((c, o, lab, pairs))
     # the cyclic order's last evaluation depends on which label trained last: the last 5 evaluations, paired, too
-    if a.study == "mobilenet" and last5:
+    if a.study == "mobilenet":
         print("\n| c | order | method | minus SFLV2, mean of the last 5 evaluations: accuracy (pp) | PG (pp) | "
               "seeds |\n|---|---|---|---|---|---|")
-        for c, o, lab, pairs in last5:
+        for c, o, lab, pairs in paired:
             d = {k: " ".join(f"{100 * (r[k] - b[k]):+.2f}" for _, r, b in pairs)
                  for k in ("eval/accuracy_last5", "eval/performance_gap_last5")}
             print(f"| {c} | {o} | {lab} | {d['eval/accuracy_last5']} | {d['eval/performance_gap_last5']} | "
