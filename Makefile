@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-scale bench-flower bench-store bench-batched bench-window \
+.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
@@ -36,6 +36,15 @@ bench-threads:
 
 bench-gas-floor:
 	$(PY) benchmarks/gas_floor.py --authors $(GAS_AUTHORS) --rounds 3
+
+# Issue 29 item 4: where cnn_small's rounds go (the steps cost, a spinning neighbour's cost to a computing process);
+# item 5: the RDT prototype's round times beside compiled graphs and actor calls.
+bench-cnn-parts:
+	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 --clients 4 --steps 20 --rounds 5 --warmup 1 --tag cnn_small_steps20 --no-mlflow
+	$(PY) benchmarks/neighbour.py --repeats 5 --steps 100
+
+bench-rdt:
+	$(PY) benchmarks/transport_auto.py --axis rdt --workloads quickstart resnet18 --rounds 4 --repeats 2 --tag transport_rdt
 
 bench-overhead:
 	$(PY) benchmarks/overhead.py --model cnn_small --algorithm sflv2 sflv1 --clients 4 16 --steps 5 --rounds 5 --warmup 1 --calls --chained --tag cnn_small

@@ -2,7 +2,8 @@
 compiled and calls, side by side in one run of this script, on the workloads issue 29 names: the quickstart
 (configs/quickstart.yaml), GAS in the authors' setting (configs/gas/fmnist.yaml, evaluation every round as the
 authors do) and ResNet18 (SFLV2, 32x32 synthetic images, cut after layer1, 16 clients of one batch of 8).
-``--axis threads`` compares ``runtime.torch_threads`` = auto (opt-in) and 1 (the default) instead (issue 29 item 2).
+``--axis threads`` compares ``runtime.torch_threads`` = auto (opt-in) and 1 (the default) instead (issue 29 item 2);
+``--axis rdt`` the Ray Direct Transport prototype (driver-chained steps over gloo) beside compiled and calls (item 5).
 
     .venv/bin/python benchmarks/transport_auto.py [--workloads quickstart gas resnet18] [--rounds 4] [--repeats 2]
         [--axis transport|threads]
@@ -41,11 +42,11 @@ from raysplit.experiment import run_experiment
 from raysplit.runtime import ray_backend
 cfg = load_config(sys.argv[1], json.loads(sys.argv[2]))
 marks, resolved = [time.perf_counter()], {}
-real = ray_backend.RayBackend.connect
-def connect(self):
-    real(self)
+real = ray_backend.RayBackend.start
+def start(self, *args, **kwargs):  # read what auto resolved to once start() has resolved it (threads resolve there)
+    real(self, *args, **kwargs)
     resolved.update(self.resolved())
-ray_backend.RayBackend.connect = connect
+ray_backend.RayBackend.start = start
 run_experiment(cfg, on_round=lambda r, m: marks.append(time.perf_counter()))
 print("RESULT" + json.dumps({"rounds": [b - a for a, b in zip(marks, marks[1:])], **resolved}))
 """
@@ -56,6 +57,9 @@ AXES = {
     "transport": [(k, {"runtime.transport.kind": k}) for k in ("auto", "compiled", "calls")],
     # issue 29 item 2: torch threads from the machine (opt-in) against one per actor (the default)
     "threads": [("auto", {"runtime.torch_threads": "auto"}), ("1", {"runtime.torch_threads": 1})],
+    # issue 29 item 5: the Ray Direct Transport prototype (driver-chained steps, gloo) beside the two others
+    "rdt": [("rdt", {"runtime.transport.kind": "rdt", "runtime.transport.direct_steps": False}),
+            ("compiled", {"runtime.transport.kind": "compiled"}), ("calls", {"runtime.transport.kind": "calls"})],
 }
 
 
@@ -80,7 +84,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--axis", choices=list(AXES), default="transport",
-                    help="what varies: runtime.transport.kind (item 1) or runtime.torch_threads (item 2)")
+                    help="what varies: runtime.transport.kind (item 1), runtime.torch_threads (item 2), "
+                         "or rdt beside compiled and calls (item 5)")
     ap.add_argument("--tag", default="transport_auto", help="the output's name: benchmarks/out/TAG.json")
     args = ap.parse_args()
     variants = AXES[args.axis]
