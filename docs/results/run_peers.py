@@ -15,7 +15,8 @@ rounds, IID, 30 clients (10 active), the same labelled set and client split per 
 
 Prints the table (final teacher accuracy per arm: median [min, max] over the seeds both ran; the Semi-SFL minus
 supervised-only gain paired by seed in each code base; raysplit minus the authors' code, paired by seed) and writes
-docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick).
+docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick). ``--commit early``
+tabulates the early commit's runs (9bd1c6c, ``run.py --commit early``, the semi arm) instead, without the figure.
 
     .venv/bin/python docs/results/run_peers.py hydra [--seeds 0 1 2] [--ours outputs/hydra_gap_r2]
 
@@ -55,9 +56,9 @@ HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
 
 
-def theirs(arm: str, seed: int, views: str) -> dict | None:
-    """A cached run of the authors' code (benchmarks/peers/capsule/run.py's ``run_name``)."""
-    f = CAPSULE / f"head{'' if arm == 'semi' else '_sup'}_l100_ksfixed_{views}_k20u10_s{seed}_r60.json"
+def theirs(arm: str, seed: int, views: str, commit: str = "head") -> dict | None:
+    """A cached run of the authors' code at ``commit`` (benchmarks/peers/capsule/run.py's ``run_name``)."""
+    f = CAPSULE / f"{commit}{'' if arm == 'semi' else '_sup'}_l100_ksfixed_{views}_k20u10_s{seed}_r60.json"
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
@@ -80,13 +81,18 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--views", choices=sorted(RAYSPLIT_VIEWS), default="twice")
     ap.add_argument("--ours", default="outputs/hydra_gap_r2", help="hydra: run_hydra.py's --out (cached runs)")
+    ap.add_argument("--commit", choices=["head", "early"], default="head",
+                    help="semisfl: which commit of Capsule (early: the semi arm only, no figure)")
     a = ap.parse_args()
     return hydra(a.seeds, ROOT / a.ours) if a.method == "hydra" else semisfl(a)
 
 
 def semisfl(a) -> int:
+    def capsule(arm, s, views):
+        return theirs(arm, s, views, a.commit)
     runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
-            for code, fn in (("Capsule", theirs), ("raysplit", ours)) for arm in ("semi", "supervised")}
+            for code, fn in (("Capsule", capsule), ("raysplit", ours)) for arm in ("semi", "supervised")}
+    print(f"Capsule at {a.commit} ({'0c37252' if a.commit == 'head' else '9bd1c6c'})\n")
     print(f"| code | arm (server views {a.views}) | seeds | accuracy @60 | per seed |\n|---|---|---|---|---|")
     for (code, arm), by_seed in runs.items():
         v = [100 * r["final"] for r in by_seed.values()]
@@ -104,7 +110,8 @@ def semisfl(a) -> int:
         d = [100 * (runs[x][s]["final"] - runs[y][s]["final"]) for s in seeds]
         print(f"| {label} | {', '.join(map(str, seeds))} | {median_range(d, '+.2f')} | "
               f"{', '.join(f'{v:+.2f}' for v in d)} |")
-    figure(runs, a.views)
+    if a.commit == "head":
+        figure(runs, a.views)
     return 0
 
 
