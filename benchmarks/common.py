@@ -5,6 +5,7 @@ Benchmarks are not tests: they print figures and log them; they assert nothing a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -44,6 +45,25 @@ def machine() -> dict:
     except ImportError:
         pass
     return info
+
+
+@contextlib.contextmanager
+def resolved_at_start():
+    """Yield a dict that fills with what a run's Ray backend resolved (``RayBackend.resolved()``: transport, torch
+    threads and their reasons) once its ``start()`` has resolved them; the in-process backend leaves it empty."""
+    from raysplit.runtime import ray_backend
+
+    real, out = ray_backend.RayBackend.start, {}
+
+    def start(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        out.update(self.resolved())
+
+    ray_backend.RayBackend.start = start
+    try:
+        yield out
+    finally:
+        ray_backend.RayBackend.start = real
 
 
 def mmm(xs) -> dict:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import resolved_at_start  # noqa: E402
 from gas_vs_authors import prepare_authors, time_authors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,24 +136,14 @@ def raysplit_side(over: dict, rounds: int, work: Path) -> tuple[list[float], lis
     marks), server updates, and what the backend resolved."""
     from raysplit.config import load_config
     from raysplit.experiment import run_experiment
-    from raysplit.runtime import ray_backend
 
     cfg = load_config(CONFIG, {"train.rounds": rounds, "eval.every": 1, "tracking.enabled": False,
                                "tracking.progress": False, "tracking.checkpoint_every": 0,
                                "tracking.output_dir": str(work / "out"), **over})
-    marks, ups, resolved = [time.perf_counter()], [], {}
-    real = ray_backend.RayBackend.start
-
-    def start(self, *args, **kwargs):  # read what auto resolved to, once start() has resolved it
-        real(self, *args, **kwargs)
-        resolved.update(self.resolved())
-
-    ray_backend.RayBackend.start = start
-    try:
+    marks, ups = [time.perf_counter()], []
+    with resolved_at_start() as resolved:
         run_experiment(cfg, on_round=lambda r, m: (marks.append(time.perf_counter()),
                                                    ups.append(int(m.get("method/server_updates", 0)))))
-    finally:
-        ray_backend.RayBackend.start = real
     return [b - a for a, b in zip(marks, marks[1:])], ups, resolved
 
 

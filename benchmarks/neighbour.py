@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from common import fmt, load, mmm
 
 from raysplit.models import build_model
 
 
-def spin(stop) -> None:
+def spin(ready, stop) -> None:
+    ready.set()
     while not stop.is_set():
         pass
 
@@ -51,25 +52,22 @@ def main() -> int:
     steps_ms(model, opt, x, y, 20)  # warm-up
     ctx = mp.get_context("spawn")
     alone, beside = [], []
-    load = os.getloadavg()[0]
+    load_at_start = load()
     for _ in range(a.repeats):
         alone.append(steps_ms(model, opt, x, y, a.steps))
-        stop = ctx.Event()
-        p = ctx.Process(target=spin, args=(stop,))
+        ready, stop = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=spin, args=(ready, stop))
         p.start()
-        time.sleep(0.5)  # let it reach its loop
+        ready.wait(timeout=60)  # a spawned child imports this module (torch) first: time only once it spins
         beside.append(steps_ms(model, opt, x, y, a.steps))
         stop.set()
         p.join(timeout=10)
     ratio = [b / s for s, b in zip(alone, beside)]
-
-    def mmm(v, f=".2f"):
-        return f"{min(v):{f}}/{statistics.median(v):{f}}/{max(v):{f}}"
-    print(f"load average (1 min) {load:.2f} at the start; {os.cpu_count()} CPUs; "
+    print(f"load average (1/5/15 min) {load_at_start} at the start; {os.cpu_count()} CPUs; "
           f"{a.repeats} repeats of {a.steps} steps")
     print("| cnn_small step, batch 64, 1 thread | ms/step alone | ms/step beside a spinning process | beside / alone |")
     print("|---|---|---|---|")
-    print(f"| in process, no Ray | {mmm(alone)} | {mmm(beside)} | {mmm(ratio)} |")
+    print(f"| in process, no Ray | {fmt(mmm(alone))} | {fmt(mmm(beside))} | {fmt(mmm(ratio))} |")
     return 0
 
 

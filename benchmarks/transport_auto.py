@@ -39,15 +39,12 @@ CODE = """
 import json, sys, time
 from raysplit.config import load_config
 from raysplit.experiment import run_experiment
-from raysplit.runtime import ray_backend
+sys.path.insert(0, "benchmarks")
+from common import resolved_at_start
 cfg = load_config(sys.argv[1], json.loads(sys.argv[2]))
-marks, resolved = [time.perf_counter()], {}
-real = ray_backend.RayBackend.start
-def start(self, *args, **kwargs):  # read what auto resolved to once start() has resolved it (threads resolve there)
-    real(self, *args, **kwargs)
-    resolved.update(self.resolved())
-ray_backend.RayBackend.start = start
-run_experiment(cfg, on_round=lambda r, m: marks.append(time.perf_counter()))
+marks = [time.perf_counter()]
+with resolved_at_start() as resolved:
+    run_experiment(cfg, on_round=lambda r, m: marks.append(time.perf_counter()))
 print("RESULT" + json.dumps({"rounds": [b - a for a, b in zip(marks, marks[1:])], **resolved}))
 """
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,8 @@ def theirs(arm: str, seed: int, views: str, commit: str = "head") -> dict | None
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    return {"curve": [(int(r), float(acc)) for r, acc in d["curve"]], "final": float(d["final_accuracy"])}
+    return {"curve": [(int(r), float(acc)) for r, acc in d["curve"]], "final": float(d["final_accuracy"]),
+            "commit": d["commit"][:7]}
 
 
 def ours(arm: str, seed: int, views: str) -> dict | None:
@@ -88,11 +90,11 @@ def main() -> int:
 
 
 def semisfl(a) -> int:
-    def capsule(arm, s, views):
-        return theirs(arm, s, views, a.commit)
     runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
-            for code, fn in (("Capsule", capsule), ("raysplit", ours)) for arm in ("semi", "supervised")}
-    print(f"Capsule at {a.commit} ({'0c37252' if a.commit == 'head' else '9bd1c6c'})\n")
+            for code, fn in (("Capsule", partial(theirs, commit=a.commit)), ("raysplit", ours))
+            for arm in ("semi", "supervised")}
+    commits = sorted({r["commit"] for r in runs[("Capsule", "semi")].values()})
+    print(f"Capsule at {a.commit} ({', '.join(commits) or 'no runs'})\n")
     print(f"| code | arm (server views {a.views}) | seeds | accuracy @60 | per seed |\n|---|---|---|---|---|")
     for (code, arm), by_seed in runs.items():
         v = [100 * r["final"] for r in by_seed.values()]

@@ -98,8 +98,8 @@ def table(results, rounds, target, parts=None) -> str:
     return "\n".join(lines)
 
 
-# (method, minus method): Semi-SFL against every other row, and each K_s schedule's Semi-SFL against the
-# supervised-only run with the same schedule (what the unlabelled clients add at an equal supervised budget)
+# (method, minus method): Semi-SFL against every other row; at a fixed K_s, Semi-SFL and FedSwitch-SL against
+# supervised-only (what the unlabelled clients add at an equal supervised budget) and Semi-SFL against FedSwitch-SL
 PAIRS = [("Semi-SFL", m) for m, _ in METHODS[1:]] + [("Semi-SFL fixed K_s", "Supervised-only fixed K_s"),
                                                      ("Semi-SFL fixed K_s", "FedSwitch-SL fixed K_s"),
                                                      ("FedSwitch-SL fixed K_s", "Supervised-only fixed K_s")]
