@@ -127,6 +127,21 @@ def test_ks_ratio_rule_on_a_loss_trace():
     assert ks_ratio(40, r, flat_x, falling_u, lrs, kss, ku, every, window, 1.5, 8.0, share) == 40
 
 
+def test_ks_ratio_rule_decides_on_the_windows_there_are():
+    """The authors' code slices the last 11 windows' rounds, so its first decision (round 100, w = 10) reads the 10
+    windows there are. Found running their code beside ours: raysplit waited for 11, skipping the first decision."""
+    ku, share, window = 10, 0.0, 5
+    falling_u = [2.0 - 0.05 * i for i in range(20)]
+    flat_x, lrs, kss = [1.0] * 20, [0.02] * 20, [20] * 20
+    # after round 20 (index 19), every 20, 4 windows of 5: it decides, and the unsupervised loss leads
+    assert ks_ratio(20, 19, flat_x, falling_u, lrs, kss, ku, 20, window, 1.5, 8.0, share) == round(20 / 1.5)
+    # the paper-scale first decision: round 100, windows of 10, 10 of them
+    u100 = [3.0 - 0.01 * i for i in range(100)]
+    assert ks_ratio(50, 99, [1.0] * 100, u100, [0.1] * 100, [50] * 100, ku, 100, 10, 1.5, 8.0, share) == 33
+    # one window only is no decision (no rate to compare)
+    assert ks_ratio(20, 4, flat_x[:5], falling_u[:5], lrs[:5], kss[:5], ku, 5, window, 1.5, 8.0, share) == 20
+
+
 # ---- data ---------------------------------------------------------------------------------------------------------
 def test_labeled_set_is_class_balanced_and_disjoint_from_the_clients(tmp_path, mlflow_uri, fmnist_root):
     p = prepare(semi_cfg(tmp_path, mlflow_uri, fmnist_root))

@@ -34,8 +34,11 @@ METHODS = [("Semi-SFL", {"name": "semisfl", "ks": "milestones", **SEMI}),
            ("FedSwitch-SL fixed K_s", {"name": "fedswitch_sl", "ks": "fixed", **SEMI}),
            ("Supervised-only", {"name": "supervised_only", "ks": "milestones", **SEMI}),
            ("Supervised-only fixed K_s", {"name": "supervised_only", "ks": "fixed", **SEMI}),
-           ("SemiFL", {"name": "semifl", "ks_initial": 20, "server_batch_size": 32})]
-EXTRA = ("FedSwitch-SL fixed K_s",)  # run only when named (issue 28's weak-view regime); the main table predates it
+           ("SemiFL", {"name": "semifl", "ks_initial": 20, "server_batch_size": 32}),
+           ("Semi-SFL ratio K_s", {"name": "semisfl", "ks": "ratio", **SEMI})]
+# run only when named: issue 28's weak-view regime and the ratio rule's parity with the authors' code (peers.md);
+# the main table predates them
+EXTRA = ("FedSwitch-SL fixed K_s", "Semi-SFL ratio K_s")
 PARTITIONS = [("IID", {"name": "iid"}), ("Dirichlet 0.1", {"name": "dirichlet", "alpha": 0.1})]
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".semisfl_runs"
@@ -102,7 +105,8 @@ def table(results, rounds, target, parts=None) -> str:
 # supervised-only (what the unlabelled clients add at an equal supervised budget) and Semi-SFL against FedSwitch-SL
 PAIRS = [("Semi-SFL", m) for m, _ in METHODS[1:]] + [("Semi-SFL fixed K_s", "Supervised-only fixed K_s"),
                                                      ("Semi-SFL fixed K_s", "FedSwitch-SL fixed K_s"),
-                                                     ("FedSwitch-SL fixed K_s", "Supervised-only fixed K_s")]
+                                                     ("FedSwitch-SL fixed K_s", "Supervised-only fixed K_s"),
+                                                     ("Semi-SFL ratio K_s", "Semi-SFL fixed K_s")]
 
 
 def figures(results) -> None:

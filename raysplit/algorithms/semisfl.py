@@ -25,9 +25,9 @@ Round r:
 6. K_s for the next round from the schedule (``ks``): ``fixed``; ``milestones`` (the paper: at each milestone round
    compare the mean supervised loss of the last ``window`` rounds with the window before; halve K_s if the change
    is below ``rho1``, double it above ``rho2``); ``ratio`` (the authors' later code: every ``ratio_every`` rounds,
-   over 11 windows, compare the normalised decrease rates of the unsupervised and supervised losses; if the
-   unsupervised one leads in at least half, K_s <- round(max(K_s / alpha, beta K_u n_labeled / n_train)), never
-   increasing).
+   over the last 11 windows (the whole windows there are before that, as the code), compare the normalised
+   decrease rates of the unsupervised and supervised losses; if the unsupervised one leads in at least half,
+   K_s <- round(max(K_s / alpha, beta K_u n_labeled / n_train)), never increasing).
 
 Choices where the paper, the code and this implementation differ (seed-code.md §3.3-3.7):
 - Fresh SGD optimisers every round on the server and the clients (the code's choice; momentum resets), lr from
@@ -97,13 +97,18 @@ def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: l
     """The authors' later rule (seed-code.md §3.5), applied after round ``rnd``: every ``every`` rounds, over the
     last 11 windows, ``dx_i = (x_i - x_(i+1)) / lr_i / Ks_i`` and ``du_i = (u_i - u_(i+1)) / lr_i / Ku``; if
     ``du - dx >= 1e-5`` in at least half of them, K_s <- round(max(K_s / alpha, beta K_u labeled_share)), never
-    upwards."""
-    need = 11 * window
-    if (rnd + 1) % every or len(loss_x) < need:
+    upwards.
+
+    Where fewer than 11 windows of history exist, the rule reads the whole windows there are (at least two), as the
+    authors' code does: it slices the last ``11 w`` rounds, which at its first decision (round 100, w = 10) holds
+    100 rounds, 10 windows. An earlier version here waited for 11 full windows and so skipped the first decision
+    (found running their code beside ours, docs/results/peers.md)."""
+    n = min(len(loss_x), 11 * window) // window
+    if (rnd + 1) % every or n < 2:
         return ks
 
     def windows(v):
-        return np.asarray(v[-need:], dtype=float).reshape(11, window).mean(axis=1)
+        return np.asarray(v[-n * window:], dtype=float).reshape(n, window).mean(axis=1)
 
     x, u, lr, k = windows(loss_x), windows(loss_u), windows(lrs), windows(kss)
     dx = (x[:-1] - x[1:]) / lr[:-1] / k[:-1]
