@@ -256,6 +256,28 @@ def test_the_milestone_rule_logs_the_change_it_read(tmp_path, mlflow_uri, fmnist
     assert [m.value for m in client.get_metric_history(rid, "method/ks")] == [2, 2, 2]
 
 
+def test_the_ratio_rule_logs_the_share_it_read(tmp_path, mlflow_uri, fmnist_root):
+    """Where the ratio rule decides (every ratio_every rounds, from two windows of history on) the run logs R, the
+    share of windows where the unsupervised loss fell faster per step than the supervised one, as logged in
+    method/loss_u and method/loss_x; K_s falls by alpha where R >= 0.5 and is kept otherwise."""
+    alg = {"name": "semisfl", "ks_initial": 3, "server_batch_size": 8, "queue_size": 64, "ks": "ratio",
+           "ratio_every": 2, "window": 1, "alpha": 1.5, "beta": 1e-6}
+    cfg = semi_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, "train.rounds": 4})
+    rid = run_experiment(cfg)["run_id"]
+    client = MlflowClient(mlflow_uri)
+
+    def hist(key):
+        return [m.value for m in sorted(client.get_metric_history(rid, key), key=lambda m: m.step)]
+
+    x, u, ks = hist("method/loss_x"), hist("method/loss_u"), hist("method/ks")
+    r = {m.step: m.value for m in client.get_metric_history(rid, "method/ks_ratio_r")}
+    assert sorted(r) == [1, 3]  # after rounds 2 and 4 (steps from 0); round 2 holds two windows of one round
+    # two windows: one rate each; the lr is positive, so only the signs of the per-step falls decide
+    lead = ((u[0] - u[1]) / 2 - (x[0] - x[1]) / ks[0]) > 0  # K_u = train.local_steps = 2
+    assert r[1] == float(lead)
+    assert ks[2] == (round(ks[1] / 1.5) if r[1] >= 0.5 else ks[1])
+
+
 @pytest.mark.parametrize("views", [["weak", "weak"], ["strong", "strong"]])
 def test_the_supervised_phase_trains_on_the_configured_views(tmp_path, mlflow_uri, fmnist_root, monkeypatch, views):
     """algorithm.server_views decides what the labelled batches look like (semisfl.md: strong views give

@@ -101,7 +101,12 @@ CONVERGED = [("Ampere, to convergence", None, (("algorithm.consolidate", True),)
              # the consolidated block at 10x the batch: as many optimizer steps per epoch as the ablation's averaged
              # per-device blocks take (10 devices x ~1,080 rows / 32 each), against 10x as many at batch 32
              ("Ampere, to convergence, server batch 320", None,
-              (("algorithm.consolidate", True), ("algorithm.server_batch_size", 320)) + CONVERGE)]
+              (("algorithm.consolidate", True), ("algorithm.server_batch_size", 320)) + CONVERGE),
+             # no federation: one device holds all 12,000 images (the alpha 1.0 check of local-loss training)
+             ("Ampere, to convergence, server batch 320, one device", None,
+              (("algorithm.consolidate", True), ("algorithm.server_batch_size", 320), ("data.num_clients", 1))
+              + CONVERGE),
+             ("SplitFed, one device", {"name": "sflv1"}, (("data.num_clients", 1),))]
 
 
 def paired(res: dict, alphas, seeds) -> str:
@@ -143,7 +148,9 @@ def converged(res: dict, alphas, seeds) -> str:
     for a in alphas:
         for x, y in ((CONVERGED[0][0], CONVERGED[1][0]), (CONVERGED[0][0], "SplitFed"),
                      (CONVERGED[4][0], CONVERGED[3][0]), (CONVERGED[5][0], CONVERGED[1][0]),
-                     (CONVERGED[5][0], CONVERGED[0][0]), (CONVERGED[5][0], "SplitFed")):
+                     (CONVERGED[5][0], CONVERGED[0][0]), (CONVERGED[5][0], "SplitFed"),
+                     (CONVERGED[6][0], CONVERGED[7][0]), (CONVERGED[6][0], CONVERGED[5][0]),
+                     (CONVERGED[7][0], "SplitFed")):
             both = [s for s in seeds if (x, a, s) in res and (y, a, s) in res]
             if both:
                 d = [100 * (res[(x, a, s)]["eval/accuracy"] - res[(y, a, s)]["eval/accuracy"]) for s in both]

@@ -57,24 +57,31 @@ HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
 
 
-def theirs(arm: str, seed: int, views: str, commit: str = "head") -> dict | None:
-    """A cached run of the authors' code at ``commit`` (benchmarks/peers/capsule/run.py's ``run_name``)."""
-    f = CAPSULE / f"{commit}{'' if arm == 'semi' else '_sup'}_l100_ksfixed_{views}_k20u10_s{seed}_r60.json"
+def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 100, ks: str = "fixed") -> dict | None:
+    """A cached run of the authors' code at ``commit`` (benchmarks/peers/capsule/run.py's ``run_name``); ``ks``
+    fixed or adaptive (each commit's own rule), with K_s and the ratio rule's R per round where it decided."""
+    f = CAPSULE / f"{commit}{'' if arm == 'semi' else '_sup'}_l{labels}_ks{ks}_{views}_k20u10_s{seed}_r60.json"
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
     return {"curve": [(int(r), float(acc)) for r, acc in d["curve"]], "final": float(d["final_accuracy"]),
-            "commit": d["commit"][:7]}
+            "commit": d["commit"][:7], "ks": [int(r["ks"]) for r in d["rounds"]],
+            "decisions": [(r["round"], r["ratio"]) for r in d["rounds"] if r.get("ratio") is not None]}
 
 
-def ours(arm: str, seed: int, views: str) -> dict | None:
-    """A cached run of docs/results/run_semisfl.py (its own cache names)."""
-    method = "Semi-SFL fixed K_s" if arm == "semi" else "Supervised-only fixed K_s"
-    f = cached(method, "IID", seed, 60, labels=100, views=RAYSPLIT_VIEWS[views])
+def ours(arm: str, seed: int, views: str, labels: int = 100, ks: str = "fixed") -> dict | None:
+    """A cached run of docs/results/run_semisfl.py (its own cache names); ``ks`` adaptive is its ratio rule, the
+    one Capsule's HEAD runs."""
+    method = ("Supervised-only fixed K_s" if arm != "semi" else
+              "Semi-SFL ratio K_s" if ks == "adaptive" else "Semi-SFL fixed K_s")
+    f = cached(method, "IID", seed, 60, labels=labels, views=RAYSPLIT_VIEWS[views])
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    return {"curve": [(int(r), float(acc)) for r, _, acc in d["curve"]], "final": float(d["eval/accuracy"])}
+    hist = d.get("history", [])
+    return {"curve": [(int(r), float(acc)) for r, _, acc in d["curve"]], "final": float(d["eval/accuracy"]),
+            "ks": [int(h["method/ks"]) for h in hist if "method/ks" in h],
+            "decisions": [(h["round"], h["method/ks_ratio_r"]) for h in hist if "method/ks_ratio_r" in h]}
 
 
 def main() -> int:
@@ -85,16 +92,22 @@ def main() -> int:
     ap.add_argument("--ours", default="outputs/hydra_gap_r2", help="hydra: run_hydra.py's --out (cached runs)")
     ap.add_argument("--commit", choices=["head", "early"], default="head",
                     help="semisfl: which commit of Capsule (early: the semi arm only, no figure)")
+    ap.add_argument("--labels", type=int, choices=[100, 1000], default=100, help="semisfl: the labelled set's size")
+    ap.add_argument("--ks", choices=["fixed", "adaptive"], default="fixed",
+                    help="semisfl: K_s fixed at 20, or each code's rule (HEAD: the ratio rule; the semi arm only)"),
     a = ap.parse_args()
     return hydra(a.seeds, ROOT / a.ours) if a.method == "hydra" else semisfl(a)
 
 
 def semisfl(a) -> int:
+    kw = {"labels": a.labels, "ks": a.ks}
     runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
-            for code, fn in (("Capsule", partial(theirs, commit=a.commit)), ("raysplit", ours))
+            for code, fn in (("Capsule", partial(theirs, commit=a.commit, **kw)), ("raysplit", partial(ours, **kw)))
             for arm in ("semi", "supervised")}
+    if a.ks == "adaptive":  # the rule's runs are the semi arm's; supervised-only has no K_s rule to compare
+        runs = {k: v for k, v in runs.items() if k[1] == "semi"}
     commits = sorted({r["commit"] for r in runs[("Capsule", "semi")].values()})
-    print(f"Capsule at {a.commit} ({', '.join(commits) or 'no runs'})\n")
+    print(f"Capsule at {a.commit} ({', '.join(commits) or 'no runs'}), {a.labels} labels, K_s {a.ks}\n")
     print(f"| code | arm (server views {a.views}) | seeds | accuracy @60 | per seed |\n|---|---|---|---|---|")
     for (code, arm), by_seed in runs.items():
         v = [100 * r["final"] for r in by_seed.values()]
@@ -112,8 +125,17 @@ def semisfl(a) -> int:
         d = [100 * (runs[x][s]["final"] - runs[y][s]["final"]) for s in seeds]
         print(f"| {label} | {', '.join(map(str, seeds))} | {median_range(d, '+.2f')} | "
               f"{', '.join(f'{v:+.2f}' for v in d)} |")
-    if a.commit == "head":
-        figure(runs, a.views)
+    if a.ks == "adaptive":
+        print("\n| code | seed | K_s at rounds 1, 21, 41, 60 | the ratio rule's R at its decisions (round: R) |\n"
+              "|---|---|---|---|")
+        for code in ("Capsule", "raysplit"):
+            for s, r in runs[(code, "semi")].items():
+                path = ", ".join(str(r["ks"][i]) for i in (0, 20, 40, 59)) if len(r["ks"]) >= 60 else "-"
+                dec = ", ".join(f"{rd}: {v:.2f}" for rd, v in r.get("decisions", [])) or "not logged"
+                print(f"| {code} | {s} | {path} | {dec} |")
+    complete = all(len(by_seed) == len(a.seeds) for by_seed in runs.values())
+    if a.commit == "head" and a.ks == "fixed" and complete:  # a partial cache must not overwrite the figure
+        figure(runs, a.views, a.labels)
     return 0
 
 
@@ -201,7 +223,7 @@ def hydra_figure(runs: dict) -> None:
     plt.close(fig)
 
 
-def figure(runs: dict, views: str) -> None:
+def figure(runs: dict, views: str, labels: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,9 +237,9 @@ def figure(runs: dict, views: str) -> None:
             continue
         seed_curves(ax, by_seed, f"{key[0]} {key[1]}", *styles[key], thin=(0.6, 0.4))
     ax.set_xlabel("round"), ax.set_ylabel("teacher test accuracy (%)"), ax.grid(alpha=0.3), ax.legend(fontsize=8)
-    ax.set_title(f"Semi-SFL, Fashion-MNIST, 100 labels, K_s 20 fixed, server views {views}")
+    ax.set_title(f"Semi-SFL, Fashion-MNIST, {labels} labels, K_s 20 fixed, server views {views}")
     fig.tight_layout()
-    fig.savefig(HERE / "peers_semisfl.png", dpi=120)
+    fig.savefig(HERE / ("peers_semisfl.png" if labels == 100 else f"peers_semisfl_l{labels}.png"), dpi=120)
     plt.close(fig)
 
 

@@ -66,7 +66,8 @@ def one(method, alg, part_label, partition, seed, rounds, labels=LABELS, views=V
         "data.n_labeled": labels, "runtime.backend": "local", "runtime.torch_threads": 1,
         "tracking.checkpoint_every": 0},
         f"{method} {part_label} seed {seed}{variant(labels, views)}", out,
-        keys=("method/ks", "comm/bytes_up", "comm/bytes_down", "method/loss_x", "method/loss_u", "method/mask_rate"))
+        keys=("method/ks", "comm/bytes_up", "comm/bytes_down", "method/loss_x", "method/loss_u", "method/mask_rate",
+              "method/ks_ratio_r"))
     print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['eval/accuracy']:.4f}", flush=True)
     return res
 

@@ -92,12 +92,11 @@ def milestone_change(rnd: int, loss_x: list[float], milestones: list[int], windo
     return float(np.mean(loss_x[-2 * window:-window]) - np.mean(loss_x[-window:]))
 
 
-def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: list[float], kss: list[int],
-             ku: int, every: int, window: int, alpha: float, beta: float, labeled_share: float) -> int:
-    """The authors' later rule (seed-code.md §3.5), applied after round ``rnd``: every ``every`` rounds, over the
-    last 11 windows, ``dx_i = (x_i - x_(i+1)) / lr_i / Ks_i`` and ``du_i = (u_i - u_(i+1)) / lr_i / Ku``; if
-    ``du - dx >= 1e-5`` in at least half of them, K_s <- round(max(K_s / alpha, beta K_u labeled_share)), never
-    upwards.
+def ratio_score(rnd: int, loss_x: list[float], loss_u: list[float], lrs: list[float], kss: list[int], ku: int,
+                every: int, window: int) -> float | None:
+    """What the authors' later rule (seed-code.md §3.5) reads after round ``rnd``: every ``every`` rounds, over the
+    last 11 windows, ``dx_i = (x_i - x_(i+1)) / lr_i / Ks_i`` and ``du_i = (u_i - u_(i+1)) / lr_i / Ku``, the share
+    R of the windows where ``du - dx >= 1e-5`` (the unsupervised loss falls faster per step); None off the schedule.
 
     Where fewer than 11 windows of history exist, the rule reads the whole windows there are (at least two), as the
     authors' code does: it slices the last ``11 w`` rounds, which at its first decision (round 100, w = 10) holds
@@ -105,7 +104,7 @@ def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: l
     (found running their code beside ours, docs/results/peers.md)."""
     n = min(len(loss_x), 11 * window) // window
     if (rnd + 1) % every or n < 2:
-        return ks
+        return None
 
     def windows(v):
         return np.asarray(v[-n * window:], dtype=float).reshape(n, window).mean(axis=1)
@@ -113,7 +112,15 @@ def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: l
     x, u, lr, k = windows(loss_x), windows(loss_u), windows(lrs), windows(kss)
     dx = (x[:-1] - x[1:]) / lr[:-1] / k[:-1]
     du = (u[:-1] - u[1:]) / lr[:-1] / ku
-    if np.mean(du - dx >= 1e-5) >= 0.5:
+    return float(np.mean(du - dx >= 1e-5))
+
+
+def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: list[float], kss: list[int],
+             ku: int, every: int, window: int, alpha: float, beta: float, labeled_share: float) -> int:
+    """The authors' later rule applied after round ``rnd``: where ``ratio_score`` decides and R >= 0.5,
+    K_s <- round(max(K_s / alpha, beta K_u labeled_share)), never upwards."""
+    r = ratio_score(rnd, loss_x, loss_u, lrs, kss, ku, every, window)
+    if r is not None and r >= 0.5:
         return min(ks, int(round(max(ks / alpha, beta * ku * labeled_share))))
     return ks
 
@@ -373,20 +380,24 @@ class SemiServer(ServerHost):
         h["loss_u"].append(float(np.mean(self.round_loss["u"])) if self.round_loss["u"] else float("nan"))
         h["lr"].append(round_lr(self.spec.server_optimizer, self.round, self.spec.rounds))
         h["ks"].append(self.ks)
-        used, change = self.ks, None
+        used, change, score = self.ks, None, None
         if p.ks == "milestones":
             change = milestone_change(self.round, h["loss_x"], p.milestones, p.window)
             self.ks = ks_milestones(self.ks, self.round, h["loss_x"], p.milestones, p.window, p.rho1, p.rho2)
         elif p.ks == "ratio":
             share = len(self.labeled["y"]) / self.spec.host_setup.num_train
-            self.ks = ks_ratio(self.ks, self.round, h["loss_x"], h["loss_u"], h["lr"], h["ks"],
-                               self.spec.host_setup.local_steps, p.ratio_every, p.window, p.alpha, p.beta, share)
+            hist = (h["loss_x"], h["loss_u"], h["lr"], h["ks"], self.spec.host_setup.local_steps, p.ratio_every,
+                    p.window)
+            score = ratio_score(self.round, *hist)
+            self.ks = ks_ratio(self.ks, self.round, *hist, p.alpha, p.beta, share)
         out = super().end_round()
         out["metrics"].update({"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
                                "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"]
                                else float("nan")})
         if change is not None:  # logged where the rule decides: the change it compared with rho1 and rho2
             out["metrics"]["ks_loss_change"] = change
+        if score is not None:  # the ratio rule's R where it decides (K_s falls at R >= 0.5)
+            out["metrics"]["ks_ratio_r"] = score
         return out
 
 
