@@ -150,7 +150,7 @@ def converged(res: dict, alphas, seeds) -> str:
                      (CONVERGED[4][0], CONVERGED[3][0]), (CONVERGED[5][0], CONVERGED[1][0]),
                      (CONVERGED[5][0], CONVERGED[0][0]), (CONVERGED[5][0], "SplitFed"),
                      (CONVERGED[6][0], CONVERGED[7][0]), (CONVERGED[6][0], CONVERGED[5][0]),
-                     (CONVERGED[7][0], "SplitFed")):
+                     (CONVERGED[6][0], "SplitFed"), (CONVERGED[7][0], "SplitFed")):
             both = [s for s in seeds if (x, a, s) in res and (y, a, s) in res]
             if both:
                 d = [100 * (res[(x, a, s)]["eval/accuracy"] - res[(y, a, s)]["eval/accuracy"]) for s in both]
