@@ -17,6 +17,11 @@ Prints the table (final teacher accuracy per arm: median [min, max] over the see
 supervised-only gain paired by seed in each code base; raysplit minus the authors' code, paired by seed) and writes
 docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick). ``--commit early``
 tabulates the early commit's runs (9bd1c6c, ``run.py --commit early``, the semi arm) instead, without the figure.
+``--labels 1000`` tabulates the 1,000-label runs (figure peers_semisfl_l1000.png). ``--ks adaptive`` tabulates the
+semi arms with each code's K_s rule: Capsule HEAD's ratio rule against raysplit's ``Semi-SFL ratio K_s`` row, or
+(with ``--commit early``) the early commit's milestones rule against raysplit's ``Semi-SFL`` row, the paper's
+milestones rule; with K_s per round and what each rule read at its decisions where the run logged it. A figure is
+written only when every arm has every seed.
 
     .venv/bin/python docs/results/run_peers.py hydra [--seeds 0 1 2] [--ours outputs/hydra_gap_r2]
 
@@ -47,7 +52,7 @@ from pathlib import Path
 import numpy as np
 from _runs import ROOT, median_range
 from run_hydra import run_file
-from run_semisfl import cached
+from run_semisfl import SEMI, cached
 
 HERE = Path(__file__).resolve().parent
 CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
@@ -55,6 +60,7 @@ HYDRA = ROOT / "benchmarks" / "peers" / "hydra" / ".runs"
 # raysplit's label -> their script and cuts in the run name: heads conv4+fc (62 % of the server), heads fc (1.1 %)
 HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV2+Hydra head=fc": ("hydra", "a1b4")}
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
+MILESTONES, WINDOW = SEMI["milestones"], SEMI["window"]  # the milestones rule of run_semisfl.py's "Semi-SFL" row
 
 
 def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 100, ks: str = "fixed") -> dict | None:
@@ -65,23 +71,29 @@ def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 
         return None
     d = json.loads(f.read_text())
     return {"curve": [(int(r), float(acc)) for r, acc in d["curve"]], "final": float(d["final_accuracy"]),
-            "commit": d["commit"][:7], "ks": [int(r["ks"]) for r in d["rounds"]],
+            "commit": d["commit"][:7], "ks": [int(r["ks"]) for r in d["rounds"] if "ks" in r],  # early: not logged
             "decisions": [(r["round"], r["ratio"]) for r in d["rounds"] if r.get("ratio") is not None]}
 
 
-def ours(arm: str, seed: int, views: str, labels: int = 100, ks: str = "fixed") -> dict | None:
-    """A cached run of docs/results/run_semisfl.py (its own cache names); ``ks`` adaptive is its ratio rule, the
-    one Capsule's HEAD runs."""
-    method = ("Supervised-only fixed K_s" if arm != "semi" else
-              "Semi-SFL ratio K_s" if ks == "adaptive" else "Semi-SFL fixed K_s")
+def ours(arm: str, seed: int, views: str, labels: int = 100, ks: str = "fixed", commit: str = "head") -> dict | None:
+    """A cached run of docs/results/run_semisfl.py (its own cache names); ``ks`` adaptive is the rule of Capsule's
+    ``commit``: the ratio rule (HEAD) or the paper's milestones rule (early)."""
+    rule = "Semi-SFL ratio K_s" if commit == "head" else "Semi-SFL"
+    method = ("Supervised-only fixed K_s" if arm != "semi" else rule if ks == "adaptive" else "Semi-SFL fixed K_s")
     f = cached(method, "IID", seed, 60, labels=labels, views=RAYSPLIT_VIEWS[views])
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
     hist = d.get("history", [])
+    decisions = [(h["round"], h["method/ks_ratio_r"]) for h in hist if "method/ks_ratio_r" in h]
+    if method == "Semi-SFL":  # the milestones rule's loss change, recomputed from loss_x (semisfl_milestones.py)
+        from raysplit.algorithms.semisfl import milestone_change
+
+        loss_x = [h["method/loss_x"] for h in hist]
+        decisions = [(r + 1, c) for r in range(len(loss_x))
+                     if (c := milestone_change(r, loss_x[:r + 1], MILESTONES, WINDOW)) is not None]
     return {"curve": [(int(r), float(acc)) for r, _, acc in d["curve"]], "final": float(d["eval/accuracy"]),
-            "ks": [int(h["method/ks"]) for h in hist if "method/ks" in h],
-            "decisions": [(h["round"], h["method/ks_ratio_r"]) for h in hist if "method/ks_ratio_r" in h]}
+            "ks": [int(h["method/ks"]) for h in hist if "method/ks" in h], "decisions": decisions}
 
 
 def main() -> int:
@@ -100,9 +112,9 @@ def main() -> int:
 
 
 def semisfl(a) -> int:
-    kw = {"labels": a.labels, "ks": a.ks}
+    kw = {"labels": a.labels, "ks": a.ks, "commit": a.commit}
     runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
-            for code, fn in (("Capsule", partial(theirs, commit=a.commit, **kw)), ("raysplit", partial(ours, **kw)))
+            for code, fn in (("Capsule", partial(theirs, **kw)), ("raysplit", partial(ours, **kw)))
             for arm in ("semi", "supervised")}
     if a.ks == "adaptive":  # the rule's runs are the semi arm's; supervised-only has no K_s rule to compare
         runs = {k: v for k, v in runs.items() if k[1] == "semi"}
@@ -119,19 +131,19 @@ def semisfl(a) -> int:
              (("raysplit", "semi"), ("Capsule", "semi"), "Semi-SFL: raysplit minus Capsule"),
              (("raysplit", "supervised"), ("Capsule", "supervised"), "supervised-only: raysplit minus Capsule")]
     for x, y, label in pairs:
-        seeds = sorted(set(runs[x]) & set(runs[y]))
+        seeds = sorted(set(runs.get(x, {})) & set(runs.get(y, {})))
         if not seeds:
             continue
         d = [100 * (runs[x][s]["final"] - runs[y][s]["final"]) for s in seeds]
         print(f"| {label} | {', '.join(map(str, seeds))} | {median_range(d, '+.2f')} | "
               f"{', '.join(f'{v:+.2f}' for v in d)} |")
     if a.ks == "adaptive":
-        print("\n| code | seed | K_s at rounds 1, 21, 41, 60 | the ratio rule's R at its decisions (round: R) |\n"
+        print("\n| code | seed | K_s at rounds 1, 21, 41, 60 | the rule's reading at its decisions (round: value) |\n"
               "|---|---|---|---|")
         for code in ("Capsule", "raysplit"):
             for s, r in runs[(code, "semi")].items():
                 path = ", ".join(str(r["ks"][i]) for i in (0, 20, 40, 59)) if len(r["ks"]) >= 60 else "-"
-                dec = ", ".join(f"{rd}: {v:.2f}" for rd, v in r.get("decisions", [])) or "not logged"
+                dec = ", ".join(f"{rd}: {v:.3f}" for rd, v in r.get("decisions", [])) or "not logged"
                 print(f"| {code} | {s} | {path} | {dec} |")
     complete = all(len(by_seed) == len(a.seeds) for by_seed in runs.values())
     if a.commit == "head" and a.ks == "fixed" and complete:  # a partial cache must not overwrite the figure
