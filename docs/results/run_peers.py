@@ -17,7 +17,8 @@ Prints the table (final teacher accuracy per arm: median [min, max] over the see
 supervised-only gain paired by seed in each code base; raysplit minus the authors' code, paired by seed) and writes
 docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick). ``--commit early``
 tabulates the early commit's runs (9bd1c6c, ``run.py --commit early``, the semi arm) instead, without the figure.
-``--labels 1000`` tabulates the 1,000-label runs (figure peers_semisfl_l1000.png). ``--ks adaptive`` tabulates the
+``--labels 1000`` tabulates the 1,000-label runs (figure peers_semisfl_l1000.png; ``--views strong_twice`` adds
+``_strong_twice`` to a figure's name). ``--ks adaptive`` tabulates the
 semi arms with each code's K_s rule: Capsule HEAD's ratio rule against raysplit's ``Semi-SFL ratio K_s`` row, or
 (with ``--commit early``) the early commit's milestones rule against raysplit's ``Semi-SFL`` row, the paper's
 milestones rule; with K_s per round and what each rule read at its decisions where the run logged it. A figure is
@@ -106,7 +107,7 @@ def main() -> int:
                     help="semisfl: which commit of Capsule (early: the semi arm only, no figure)")
     ap.add_argument("--labels", type=int, choices=[100, 1000], default=100, help="semisfl: the labelled set's size")
     ap.add_argument("--ks", choices=["fixed", "adaptive"], default="fixed",
-                    help="semisfl: K_s fixed at 20, or each code's rule (HEAD: the ratio rule; the semi arm only)"),
+                    help="semisfl: K_s fixed at 20, or each code's rule (HEAD: the ratio rule; the semi arm only)")
     a = ap.parse_args()
     return hydra(a.seeds, ROOT / a.ours) if a.method == "hydra" else semisfl(a)
 
@@ -251,7 +252,8 @@ def figure(runs: dict, views: str, labels: int) -> None:
     ax.set_xlabel("round"), ax.set_ylabel("teacher test accuracy (%)"), ax.grid(alpha=0.3), ax.legend(fontsize=8)
     ax.set_title(f"Semi-SFL, Fashion-MNIST, {labels} labels, K_s 20 fixed, server views {views}")
     fig.tight_layout()
-    fig.savefig(HERE / ("peers_semisfl.png" if labels == 100 else f"peers_semisfl_l{labels}.png"), dpi=120)
+    name = "peers_semisfl" + ("" if labels == 100 else f"_l{labels}") + ("" if views == "twice" else f"_{views}")
+    fig.savefig(HERE / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
