@@ -135,7 +135,7 @@ def test_ks_ratio_rule_decides_on_the_windows_there_are():
     flat_x, lrs, kss = [1.0] * 20, [0.02] * 20, [20] * 20
     # after round 20 (index 19), every 20, 4 windows of 5: it decides, and the unsupervised loss leads
     assert ks_ratio(20, 19, flat_x, falling_u, lrs, kss, ku, 20, window, 1.5, 8.0, share) == round(20 / 1.5)
-    # the paper-scale first decision: round 100, windows of 10, 10 of them
+    # the authors' own scale, first decision: round 100, windows of 10, 10 of them
     u100 = [3.0 - 0.01 * i for i in range(100)]
     assert ks_ratio(50, 99, [1.0] * 100, u100, [0.1] * 100, [50] * 100, ku, 100, 10, 1.5, 8.0, share) == 33
     # one window only is no decision (no rate to compare)
