@@ -102,7 +102,8 @@ CONVERGED = [("Ampere, to convergence", None, (("algorithm.consolidate", True),)
              # per-device blocks take (10 devices x ~1,080 rows / 32 each), against 10x as many at batch 32
              ("Ampere, to convergence, server batch 320", None,
               (("algorithm.consolidate", True), ("algorithm.server_batch_size", 320)) + CONVERGE),
-             # no federation: one device holds all 12,000 images (the alpha 1.0 check of local-loss training)
+             # no federation: one device holds all 12,000 images (alpha 1.0: is the gap to SplitFed the federated device
+             # phase or the local loss? ampere.md, "Why Ampere is below SplitFed at alpha 1.0")
              ("Ampere, to convergence, server batch 320, one device", None,
               (("algorithm.consolidate", True), ("algorithm.server_batch_size", 320), ("data.num_clients", 1))
               + CONVERGE),

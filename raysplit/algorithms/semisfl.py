@@ -72,7 +72,11 @@ def ks_milestones(ks: int, rnd: int, loss_x: list[float], milestones: list[int],
                   rho2: float) -> int:
     """The paper's rule, applied after round ``rnd``: at a milestone, |change of the windowed mean supervised
     loss| < rho1 halves K_s, > rho2 doubles it."""
-    change = milestone_change(rnd, loss_x, milestones, window)
+    return ks_on_change(ks, milestone_change(rnd, loss_x, milestones, window), rho1, rho2)
+
+
+def ks_on_change(ks: int, change: float | None, rho1: float, rho2: float) -> int:
+    """The milestones rule's decision on what it read (``milestone_change``; None: no decision)."""
     if change is None:
         return ks
     change = abs(change)
@@ -119,8 +123,13 @@ def ks_ratio(ks: int, rnd: int, loss_x: list[float], loss_u: list[float], lrs: l
              ku: int, every: int, window: int, alpha: float, beta: float, labeled_share: float) -> int:
     """The authors' later rule applied after round ``rnd``: where ``ratio_score`` decides and R >= 0.5,
     K_s <- round(max(K_s / alpha, beta K_u labeled_share)), never upwards."""
-    r = ratio_score(rnd, loss_x, loss_u, lrs, kss, ku, every, window)
-    if r is not None and r >= 0.5:
+    return ks_on_score(ks, ratio_score(rnd, loss_x, loss_u, lrs, kss, ku, every, window), ku, alpha, beta,
+                       labeled_share)
+
+
+def ks_on_score(ks: int, score: float | None, ku: int, alpha: float, beta: float, labeled_share: float) -> int:
+    """The ratio rule's decision on what it read (``ratio_score``; None: no decision)."""
+    if score is not None and score >= 0.5:
         return min(ks, int(round(max(ks / alpha, beta * ku * labeled_share))))
     return ks
 
@@ -383,13 +392,11 @@ class SemiServer(ServerHost):
         used, change, score = self.ks, None, None
         if p.ks == "milestones":
             change = milestone_change(self.round, h["loss_x"], p.milestones, p.window)
-            self.ks = ks_milestones(self.ks, self.round, h["loss_x"], p.milestones, p.window, p.rho1, p.rho2)
+            self.ks = ks_on_change(self.ks, change, p.rho1, p.rho2)
         elif p.ks == "ratio":
-            share = len(self.labeled["y"]) / self.spec.host_setup.num_train
-            hist = (h["loss_x"], h["loss_u"], h["lr"], h["ks"], self.spec.host_setup.local_steps, p.ratio_every,
-                    p.window)
-            score = ratio_score(self.round, *hist)
-            self.ks = ks_ratio(self.ks, self.round, *hist, p.alpha, p.beta, share)
+            ku, share = self.spec.host_setup.local_steps, len(self.labeled["y"]) / self.spec.host_setup.num_train
+            score = ratio_score(self.round, h["loss_x"], h["loss_u"], h["lr"], h["ks"], ku, p.ratio_every, p.window)
+            self.ks = ks_on_score(self.ks, score, ku, p.alpha, p.beta, share)
         out = super().end_round()
         out["metrics"].update({"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
                                "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"]
