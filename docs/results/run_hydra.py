@@ -50,7 +50,10 @@ STUDIES = {
     # issue 28 item 3: the paper's model and cut (MobileNetV1 at width 0.25, cut_a 4, cut_b 23), 100 rounds
     "mobilenet": {"config": "configs/hydra/fmnist_mobilenet.yaml", "phi": 10, "out": "hydra_mobilenet",
                   "figure": "hydra_mobilenet_positions.png",
-                  "ordered": [("SFLV2", "sflv2", {}), ("SFLV2+Hydra", "hydra", {"cut_b": 23})], "parallel": []},
+                  "ordered": [("SFLV2", "sflv2", {}), ("SFLV2+Hydra", "hydra", {"cut_b": 23})],
+                  # Table 3's baselines that take no order (SplitFedV1 first: the cheapest; V3 and MultiHead pick the
+                  # most confident of 10 client models per test image, 10 inferences an evaluation)
+                  "parallel": [("SplitFedV1", "sflv1"), ("SplitFedV3", "sflv3"), ("MultiHead", "multihead")]},
 }
 STUDY = STUDIES["fc"]
 
@@ -286,6 +289,19 @@ def main():
                  for k in ("eval/accuracy_last5", "eval/performance_gap_last5")}
             print(f"| {c} | {o} | {lab} | {d['eval/accuracy_last5']} | {d['eval/performance_gap_last5']} | "
                   f"{' '.join(str(s) for s, _, _ in pairs)} |")
+        # the paper's Table 3: Hydra in the random order against each baseline (random order, or none), by seed
+        print("\n| c | Hydra (random) minus | seeds | accuracy, final (pp) | accuracy, mean of last 5 (pp) | "
+              "PG, mean of last 5 (pp) |\n|---|---|---|---|---|---|")
+        for c, o, lab in keys:
+            hyd = {s: r for (cc, oo, ll, s), r in results.items() if (cc, oo, ll) == (c, "random", "SFLV2+Hydra")}
+            base = {s: r for (cc, oo, ll, s), r in results.items() if (cc, oo, ll) == (c, o, lab)}
+            seeds = sorted(set(hyd) & set(base))
+            if o == "cyclic" or lab == "SFLV2+Hydra" or not seeds:
+                continue
+            d = {k: " ".join(f"{100 * (hyd[s][k] - base[s][k]):+.2f}" for s in seeds)
+                 for k in ("eval/accuracy", "eval/accuracy_last5", "eval/performance_gap_last5")}
+            print(f"| {c} | {lab}{'' if o == '-' else f' ({o})'} | {' '.join(map(str, seeds))} | "
+                  f"{d['eval/accuracy']} | {d['eval/accuracy_last5']} | {d['eval/performance_gap_last5']} |")
     # the page's figure comes from the default runs only
     if a.out == default_out and (a.report or (a.only_c is None and a.methods is None and a.orders is None)):
         figure(results, ROOT / "docs" / "results" / STUDY["figure"])
