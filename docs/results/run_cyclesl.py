@@ -5,8 +5,9 @@
 Runs PSL, SGLR, SFLV1, SFLV2, CyclePSL, CycleSGLR, CycleSFL (E = 1) and CycleSFL with E in {2, 4, 8} for each seed,
 each a full raysplit run logged to MLflow (experiment cyclesl-fmnist in ./mlflow.db), then prints the markdown
 table of final accuracy, macro-F1 and MCC (median [min, max] over seeds) plus rounds to 70 % and the mean/std of
-the gradient norms sent to clients, then each Cycle variant's accuracy minus its original's, paired by seed. ``--backend local`` runs the same hosts in-process (identical results to the Ray
-backend, tested in tests/test_semantics.py) to fit the sweep on 2 cores.
+the gradient norms sent to clients, then each Cycle variant's accuracy minus its original's, paired by seed.
+``--backend local`` runs the same hosts in-process (identical results to the Ray backend, tested in
+tests/test_semantics.py) to fit the sweep on 2 cores.
 """
 
 from __future__ import annotations
