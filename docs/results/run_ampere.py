@@ -119,6 +119,23 @@ CONVERGED = [("Ampere, to convergence", None, (("algorithm.consolidate", True),)
               SGD + (("model.cut", "fc1"), ("train.optimizer.lr", 0.02)))]
 
 
+# the differences converged() prints, paired by seed (x minus y), where both arms ran
+CONVERGED_PAIRS = [("Ampere, to convergence", "Ampere without consolidation, to convergence"),
+                   ("Ampere, to convergence", "SplitFed"),
+                   ("SplitFed+SCAFFOLD, plain SGD", "SplitFed, plain SGD"),
+                   ("Ampere, to convergence, server batch 320", "Ampere without consolidation, to convergence"),
+                   ("Ampere, to convergence, server batch 320", "Ampere, to convergence"),
+                   ("Ampere, to convergence, server batch 320", "SplitFed"),
+                   ("Ampere, to convergence, server batch 320, one device", "SplitFed, one device"),
+                   ("Ampere, to convergence, server batch 320, one device", "Ampere, to convergence, server batch 320"),
+                   ("Ampere, to convergence, server batch 320, one device", "SplitFed"),
+                   ("SplitFed, one device", "SplitFed"),
+                   ("SplitFed+SCAFFOLD, plain SGD, cut fc1", "SplitFed, plain SGD, cut fc1"),
+                   ("SplitFed, plain SGD, cut fc1", "SplitFed, plain SGD"),
+                   ("SplitFed+SCAFFOLD, plain SGD, cut fc1, lr 0.02", "SplitFed, plain SGD, cut fc1, lr 0.02")]
+assert {n for pair in CONVERGED_PAIRS for n in pair} <= {arm for arm, _, _ in CONVERGED}
+
+
 def paired(res: dict, alphas, seeds) -> str:
     """Per alpha: each arm's final accuracy and server epochs, median [min, max] over seeds, and consolidation minus
     no consolidation paired by seed (positive: consolidation better, as the paper's section 5.2.4 finds)."""
@@ -156,13 +173,7 @@ def converged(res: dict, alphas, seeds) -> str:
             lines.append(f"| {a} | {arm} | {median_range(acc)} | {' '.join(map(str, got))} | {ph} |")
     lines += ["", "| alpha | difference | points, paired by seed | per seed |", "|---" * 4 + "|"]
     for a in alphas:
-        for x, y in ((CONVERGED[0][0], CONVERGED[1][0]), (CONVERGED[0][0], "SplitFed"),
-                     (CONVERGED[4][0], CONVERGED[3][0]), (CONVERGED[5][0], CONVERGED[1][0]),
-                     (CONVERGED[5][0], CONVERGED[0][0]), (CONVERGED[5][0], "SplitFed"),
-                     (CONVERGED[6][0], CONVERGED[7][0]), (CONVERGED[6][0], CONVERGED[5][0]),
-                     (CONVERGED[6][0], "SplitFed"), (CONVERGED[7][0], "SplitFed"),
-                     (CONVERGED[9][0], CONVERGED[8][0]), (CONVERGED[8][0], CONVERGED[3][0]),
-                     (CONVERGED[10][0], CONVERGED[11][0])):
+        for x, y in CONVERGED_PAIRS:
             both = [s for s in seeds if (x, a, s) in res and (y, a, s) in res]
             if both:
                 d = [100 * (res[(x, a, s)]["eval/accuracy"] - res[(y, a, s)]["eval/accuracy"]) for s in both]
