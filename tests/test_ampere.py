@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
-from helpers import make_config
+from helpers import make_config, run_rounds
 from raysplit.data.store import ActivationStore, IncompleteStore, ShuffledLoader
 from raysplit.errors import ConfigError
 from raysplit.experiment import prepare, run_experiment
@@ -206,8 +206,6 @@ def test_bad_ampere_input_names_the_key(tmp_path, mlflow_uri, fmnist_root, over,
 
 # ---- the baselines reduce to SplitFed where they must ----------------------------------------------------------------
 def _states(cfg):
-    from helpers import run_rounds
-
     client, server, _, stats = run_rounds(cfg)
     return client, server, stats
 
@@ -252,6 +250,91 @@ def test_scaffold_with_one_client_is_splitfed(tmp_path, mlflow_uri, fmnist_root)
     c0, _, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1"}, **over}))
     c1, _, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1_scaffold"}, **over}))
     assert any(not torch.allclose(c0[k], c1[k]) for k in c0)
+
+
+def _scaffold_digits(tmp_path, mlflow_uri, name, **over):
+    """Digits over 4 clients of 2 label shards each (each client sees about 2 of the 10 labels), cut after fc1 so
+    the device block is most of the model, plain SGD at a constant rate, 10 local steps a round."""
+    base = {"algorithm.name": name, "runtime.backend": "local", "runtime.num_workers": 2, "data.num_clients": 4,
+            "data.partition": {"name": "shards", "per_client": 2}, "model.cut": "fc1", "train.local_steps": 10,
+            "train.optimizer.lr": 0.05, "train.optimizer.momentum": 0, "train.participation.count": 4}
+    return make_config(tmp_path, mlflow_uri, **{**base, **over})
+
+
+def test_scaffold_control_variates_follow_option_ii(tmp_path, mlflow_uri, monkeypatch):
+    """SCAFFOLD's algebra, round by round: a client steps with g - c_i + c, then option II sets
+    c_i <- c_i - c + (x - y_i) / (K lr), which with plain SGD at a constant rate is exactly the mean of the K raw
+    gradients the client computed this round; and the server's c stays the mean of the c_i (every client in
+    every round). A correction applied with the wrong sign, to the wrong step, or from a stale start point breaks
+    the first; a wrong server update breaks the second."""
+    from raysplit.algorithms.sflvariants import ScaffoldClient
+    from raysplit.experiment import prepare
+    from raysplit.runtime import runtime_for
+
+    raw: dict[int, list] = {}
+    correct = ScaffoldClient.before_step
+
+    def spy(self, cid, slot):  # the raw gradients, before SCAFFOLD's correction
+        raw.setdefault(cid, []).append([p.grad.detach().clone() for p in slot.module.parameters()])
+        correct(self, cid, slot)
+
+    monkeypatch.setattr(ScaffoldClient, "before_step", spy)
+    cfg = _scaffold_digits(tmp_path, mlflow_uri, "sflv1_scaffold", **{"train.local_steps": 5, "train.rounds": 3})
+    p = prepare(cfg)
+    rt = runtime_for(cfg.runtime, p.inputs)
+    try:
+        driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
+        corrected = 0.0
+        for r in range(3):
+            raw.clear()
+            driver.run(r, r + 1, lambda *a: None)
+            own = {c: ci for host in rt.backend.workers for c, ci in host.c_own.items()}
+            assert sorted(own) == sorted(raw) == [0, 1, 2, 3]
+            for c, grads in raw.items():
+                assert len(grads) == 5
+                for ci, g in zip(own[c], zip(*grads)):
+                    torch.testing.assert_close(ci, torch.stack(g).mean(0), rtol=1e-4, atol=1e-6)
+            control = rt.backend.server.control
+            for i, cis in enumerate(zip(*own.values())):
+                torch.testing.assert_close(control[str(i)], torch.stack(cis).mean(0), rtol=1e-5, atol=1e-8)
+            if r:
+                corrected = max(corrected, max(float((c_ - ci).abs().max()) for host in rt.backend.workers
+                                               for cid in host.c_own for c_, ci in
+                                               zip(host.c_global, own[cid])))
+        assert corrected > 1e-3  # from round 2 on the correction c - c_i is not zero
+    finally:
+        rt.shutdown()
+
+
+def test_scaffold_lowers_the_client_drift(tmp_path, mlflow_uri, monkeypatch):
+    """SCAFFOLD's purpose: on clients with disjoint labels, the device blocks the clients bring to aggregation
+    drift apart far less than SplitFed's (mean squared distance to their mean, rounds 3-5, from the same start and
+    batches). Measured: SplitFed 0.16-0.19, SCAFFOLD 0.02-0.03 on 3 seeds; round 1 (no control yet) is equal."""
+    from raysplit.runtime.client_host import ClientHost
+
+    brought: dict[int, dict] = {}  # round -> client -> the device block it brings to aggregation
+    partial_sum = ClientHost.partial_sum
+
+    def spy(self, weights):
+        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self._state_of(int(c)).items()}
+                                                   for c in weights if int(c) in self.train_idx})
+        return partial_sum(self, weights)
+
+    monkeypatch.setattr(ClientHost, "partial_sum", spy)
+
+    def drift(states):
+        keys = next(iter(states.values()))
+        return sum(float(((s - s.mean(0)) ** 2).sum()) for s in
+                   (torch.stack([st[k].float() for st in states.values()]) for k in keys)) / len(states)
+
+    spread = {}
+    for name in ("sflv1", "sflv1_scaffold"):
+        brought.clear()
+        run_rounds(_scaffold_digits(tmp_path, mlflow_uri, name, **{"train.rounds": 5}))
+        assert sorted(brought) == list(range(5)) and all(len(b) == 4 for b in brought.values())
+        spread[name] = [drift(brought[r]) for r in range(5)]
+    assert spread["sflv1_scaffold"][0] == pytest.approx(spread["sflv1"][0], rel=1e-5)
+    assert all(s < 0.4 * f for s, f in zip(spread["sflv1_scaffold"][2:], spread["sflv1"][2:])), spread
 
 
 @pytest.mark.parametrize("algorithm", ["ampere", "pipar", "splitgp", "sflv1_scaffold"])
