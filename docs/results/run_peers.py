@@ -103,13 +103,16 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--views", choices=sorted(RAYSPLIT_VIEWS), default="twice")
     ap.add_argument("--ours", default="outputs/hydra_gap_r2", help="hydra: run_hydra.py's --out (cached runs)")
+    ap.add_argument("--theirs", default=str(HYDRA.relative_to(ROOT)),
+                    help="hydra: benchmarks/peers/hydra/run.py's --out (benchmarks/peers/hydra/.runs_keeplast: "
+                    "the runs with --keep-last); the figure is drawn for the defaults of --ours and --theirs only")
     ap.add_argument("--commit", choices=["head", "early"], default="head",
                     help="semisfl: which commit of Capsule (early: the semi arm only, no figure)")
     ap.add_argument("--labels", type=int, choices=[100, 1000], default=100, help="semisfl: the labelled set's size")
     ap.add_argument("--ks", choices=["fixed", "adaptive"], default="fixed",
                     help="semisfl: K_s fixed at 20, or each code's rule (HEAD: the ratio rule; the semi arm only)")
     a = ap.parse_args()
-    return hydra(a.seeds, ROOT / a.ours) if a.method == "hydra" else semisfl(a)
+    return hydra(a.seeds, ROOT / a.ours, ROOT / a.theirs) if a.method == "hydra" else semisfl(a)
 
 
 def semisfl(a) -> int:
@@ -152,11 +155,12 @@ def semisfl(a) -> int:
     return 0
 
 
-def hydra_theirs(method: str, order: str, seed: int) -> dict | None:
-    """The newest complete 30-round run of the authors' script (benchmarks/peers/hydra/run.py's run name)."""
+def hydra_theirs(method: str, order: str, seed: int, folder: Path = HYDRA) -> dict | None:
+    """The newest complete 30-round run of the authors' script (benchmarks/peers/hydra/run.py's run name) in
+    ``folder``."""
     script, cut = HYDRA_METHODS[method]
     done = []
-    for f in sorted(HYDRA.glob(f"{script}_{order}_cnn_gap_{cut}_s{seed}_r30_n12800_*.json")):
+    for f in sorted(folder.glob(f"{script}_{order}_cnn_gap_{cut}_s{seed}_r30_n12800_*.json")):
         d = json.loads(f.read_text())
         if d["returncode"] == 0 and d["rounds_completed"] == 30:
             done.append(d)
@@ -178,10 +182,11 @@ def hydra_ours(out: Path, method: str, order: str, seed: int) -> dict | None:
             "last5": d["eval/accuracy_last5"], "pg": d["eval/performance_gap"], "bw": d["eval/backward_transfer"]}
 
 
-def hydra(seeds: list[int], ours_dir: Path) -> int:
+def hydra(seeds: list[int], ours_dir: Path, theirs_dir: Path = HYDRA) -> int:
     runs = {(code, m, o): {s: r for s in seeds if (r := fn(m, o, s)) is not None}
             for o in ("cyclic", "random") for m in HYDRA_METHODS
-            for code, fn in (("authors", hydra_theirs), ("raysplit", lambda *k: hydra_ours(ours_dir, *k)))}
+            for code, fn in (("authors", partial(hydra_theirs, folder=theirs_dir)),
+                             ("raysplit", lambda *k: hydra_ours(ours_dir, *k)))}
     print("| order | method | code | seeds | accuracy @30 (%) | last 5 rounds (%) | PG (pp) | BW (pp) |\n"
           + "|---" * 8 + "|")
     for (code, m, o), by_seed in runs.items():
@@ -200,7 +205,13 @@ def hydra(seeds: list[int], ours_dir: Path) -> int:
                 cells = [median_range([100 * (runs[x][s][k] - runs[y][s][k]) for s in common], "+.2f")
                          for k in ("final", "last5", "pg")]
                 print(f"| {o} | {label} | {', '.join(map(str, common))} | {' | '.join(cells)} |")
-    hydra_figure(runs)
+    print("\n| order | method | code | BW per seed (pp) | accuracy @30 per seed (%) |\n" + "|---" * 5 + "|")
+    for (code, m, o), by_seed in runs.items():
+        if by_seed:
+            bw, acc = (", ".join(f"{100 * r[k]:.2f}" for r in by_seed.values()) for k in ("bw", "final"))
+            print(f"| {o} | {m} | {code} | {bw} | {acc} |")
+    if theirs_dir == HYDRA and ours_dir == ROOT / "outputs/hydra_gap_r2":  # the page's figure: the page's runs only
+        hydra_figure(runs)
     return 0
 
 

@@ -73,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=str(HERE / ".runs"), help="result folder")
     p.add_argument("--tag", default="", help="appended to the result's file name")
+    p.add_argument("--keep-last", action="store_true",
+                   help="optional edit E11: their train loaders keep the last short batch (drop_last=False at "
+                   "get_data.py:512), so a client runs ceil(n/64) batches a round as in raysplit (README.md)")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary copy of their repository")
     p.add_argument("--_setting-json", dest="setting_json", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -180,7 +183,10 @@ def fmnist_raw(files: list[str]) -> Path:
     return cache
 
 
-def prepare_copy(hydra: Path, data_root: Path) -> Path:
+KEEP_LAST = ("pin_memory=False, drop_last=True))", "pin_memory=False, drop_last=False))")  # E11, get_data.py:512
+
+
+def prepare_copy(hydra: Path, data_root: Path, keep_last: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="hydra_parity_"))
     archive = subprocess.run(["git", "-C", str(hydra), "archive", "--format=tar", "HEAD"], check=True,
                              capture_output=True).stdout
@@ -189,6 +195,12 @@ def prepare_copy(hydra: Path, data_root: Path) -> Path:
                        capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise SystemExit(f"edits.diff does not apply to {hydra} HEAD:\n{r.stdout}{r.stderr}")
+    if keep_last:
+        src = (tmp / "get_data.py").read_text()
+        if src.count(KEEP_LAST[0]) != 1:
+            raise SystemExit(f"--keep-last: get_data.py has {src.count(KEEP_LAST[0])} train loaders with "
+                             f"{KEEP_LAST[0]!r}, expected 1")
+        (tmp / "get_data.py").write_text(src.replace(*KEEP_LAST))
     (tmp / "models").mkdir(exist_ok=True)
     for f in (HERE / "shim" / "models").glob("*.py"):
         shutil.copy(f, tmp / "models" / f.name)
@@ -281,7 +293,7 @@ def main(argv=None):
     momentum = st["momentum"]
 
     data_root = fmnist_raw(files)
-    tmp = prepare_copy(hydra, data_root)
+    tmp = prepare_copy(hydra, data_root, a.keep_last)
     script = {"sfl": "run_sfl.py", "hydra": "run_hydra.py"}[a.script]
     their = ["--dataset_type", "fmnist", "--model_name", "mobilenet", "--num_clients", str(N),
              "--batch_size", str(batch), "--training_lr", str(lr), "--decay_rate", str(decay),
@@ -307,7 +319,8 @@ def main(argv=None):
     name = (f"{a.script}_{a.policy}_{a.arch}_a{cut_a}" + (f"b{cut_b}" if a.script == "hydra" else "")
             + f"_s{a.seed}_r{a.rounds}"
             + (f"_n{st['max_train_samples']}" if st["max_train_samples"] and a.partition == "raysplit" else "")
-            + ("_theirpart" if a.partition == "theirs" else "") + (f"_{a.tag}" if a.tag else "")
+            + ("_theirpart" if a.partition == "theirs" else "") + ("_keeplast" if a.keep_last else "")
+            + (f"_{a.tag}" if a.tag else "")
             + datetime.now().strftime("_%Y%m%d-%H%M%S"))
     print(f"their commit {commit[:10]}, copy {tmp}\n  {' '.join(cmd)}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed runner stops their script too (finally)
@@ -353,7 +366,9 @@ def main(argv=None):
                     "max_train_samples": st["max_train_samples"] if a.partition == "raysplit" else None,
                     "batch_size": batch, "lr": lr, "decay": decay, "min_lr": min_lr,
                     "momentum": momentum, "weight_decay": wd, "phi": phi, "threads": a.threads},
-        "client_sizes": sizes, "batches_per_client": [s // batch for s in sizes] if sizes else None,
+        "keep_last": a.keep_last,
+        "client_sizes": sizes,
+        "batches_per_client": [-(-s // batch) if a.keep_last else s // batch for s in sizes] if sizes else None,
         "label_order_raysplit": labels, "artificial_order": order,
         "returncode": rc, "rounds_completed": len(rounds), "rounds": rounds,
         "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
