@@ -16,7 +16,14 @@ differ where their papers do.
 - **SplitFed + SCAFFOLD** (Karimireddy et al., ICML 2020, extended to SFL by Ampere's authors): SCAFFOLD's control
   variates on the device block. A client steps with ``g - c_i + c``; after its ``K`` steps of the round
   ``c_i <- c_i - c + (x_start - x_end) / (K lr)`` (option II), and the server adds ``sum(delta c_i) / N`` to ``c``;
-  controls travel like models (counted as model bytes). The server blocks follow SplitFed V1.
+  controls travel like models (counted as model bytes). The server blocks follow SplitFed V1. SCAFFOLD's paper
+  averages models and controls uniformly; here the device blocks are averaged with ``train.aggregation.weights``
+  (default: by client size) and ``c`` uniformly. With unequal client sizes the correction then turns a round's
+  size-weighted mean gradient into the uniform mean (``c - sum_i p_i c_i`` is added to it), so the device block
+  follows the clients' uniform objective; ``train.aggregation.weights=uniform`` is the paper's SCAFFOLD exactly,
+  and with equal sizes (Ampere's ``device_dirichlet``) the two agree. Tested: each ``c_i`` is the mean of the
+  client's raw gradients of its round, and the correction lowers the drift between clients
+  (tests/test_ampere.py).
 """
 
 from __future__ import annotations
