@@ -210,6 +210,10 @@ class TrainConfig(_Strict):
     local_epochs: int | None = Field(default=None, ge=1, description="if set: full passes over its data per "
                                      "sampled client per round (ceil(n/batch_size) batches each; replaces "
                                      "local_steps), as in Hydra's code")
+    drop_last: bool = Field(default=False, description="a client's last short batch of each pass over its data is "
+                            "skipped (PyTorch's DataLoader drop_last, as in Hydra's code): local_epochs then gives "
+                            "floor(n/batch_size) batches a pass instead of ceil; a client with fewer than batch_size "
+                            "samples still runs its one short batch")
     optimizer: OptimizerConfig = Field(default=OptimizerConfig(), description="the clients' optimizer (and the "
                                        "server's unless server_optimizer is given)")
     server_optimizer: OptimizerConfig | None = Field(default=None, description="the server's optimizer (null: "

@@ -148,6 +148,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         model_options=dict(cfg.model.options), cut=cut, client_optimizer=opt,
         server_optimizer=(cfg.train.server_optimizer.model_dump() if cfg.train.server_optimizer else opt),
         data_spec=spec_d, batch_size=cfg.train.batch_size, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
+        drop_last=cfg.train.drop_last,
         torch_threads=cfg.runtime.torch_threads, device=cfg.runtime.device, server_flops=cfg.clock.server_flops,
         persist_client_models=not alg.keeps_global_client_model(), stop_on_nonfinite=cfg.train.stop_on_nonfinite,
         rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),

@@ -204,6 +204,41 @@ def test_local_epochs_run_one_full_pass_per_client(tmp_path, mlflow_uri):
         assert st["steps"] == -(-len(p.inputs.train_idx[c]) // 16)
 
 
+def test_drop_last_skips_each_passes_short_batch():
+    """train.drop_last (Hydra's code: DataLoader drop_last=True): a pass over 10 samples at batch 4 is [0, 4),
+    [4, 8), then the next pass; 3 samples still give one short batch a pass."""
+    from raysplit.runtime.hostspec import advance_cursor
+
+    def batches(n, drop_last, k=4):
+        cur, out = (0, 0), []
+        for _ in range(k):
+            epoch, start, stop = advance_cursor(n, 4, cur, drop_last)
+            out.append((epoch, start, stop))
+            cur = (epoch, stop)
+        return out
+
+    assert batches(10, False) == [(0, 0, 4), (0, 4, 8), (0, 8, 10), (1, 0, 4)]
+    assert batches(10, True) == [(0, 0, 4), (0, 4, 8), (1, 0, 4), (1, 4, 8)]
+    assert batches(8, True) == batches(8, False)  # nothing short to skip
+    assert batches(3, True, 2) == [(0, 0, 3), (1, 0, 3)]
+
+
+def test_local_epochs_with_drop_last_run_full_batches_only(tmp_path, mlflow_uri):
+    """Over two rounds of one local epoch each client runs floor(n/16) batches, every one of them full (the same
+    activation bytes per step for every client), also in round 2, whose pass starts after the skipped tail."""
+    cfg = hydra_cfg(tmp_path, mlflow_uri, algorithm={"name": "sflv2", "order": "random"},
+                    **{"train.rounds": 2, "train.drop_last": True})
+    _, _, p, stats = run_rounds(cfg)
+    sizes = {c: len(p.inputs.train_idx[c]) for c in stats[0].clients}
+    assert any(n % 16 for n in sizes.values())  # some client has a short batch to drop
+    per_step = set()
+    for rnd in stats:
+        for c, st in rnd.clients.items():
+            assert st["steps"] == sizes[c] // 16
+            per_step.add(st["bytes_up_activations"] / st["steps"])
+    assert len(per_step) == 1
+
+
 # ---- through Ray and MLflow -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", [
     {"name": "sflv2", "order": "random"},

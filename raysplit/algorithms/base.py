@@ -145,10 +145,16 @@ class Algorithm(Checkpointed):
         """For ordered processing: the label dominant at the clients served at each position of a cycle."""
         return None
 
+    def batches_per_pass(self, n: int, batch_size: int) -> int:
+        """Batches in one pass over ``n`` samples: ceil, or floor with ``train.drop_last`` (at least 1), as the
+        hosts' data cursor draws them."""
+        return max(1, n // batch_size if self.cfg.train.drop_last else math.ceil(n / batch_size))
+
     def steps_for(self, rt, cid: int) -> int:
-        """Batches client ``cid`` runs this round: ``local_steps``, or ``local_epochs`` full passes."""
+        """Batches client ``cid`` runs this round: ``local_steps``, or ``local_epochs`` full passes
+        (:meth:`batches_per_pass`)."""
         if self.local_epochs:
-            return self.local_epochs * max(1, math.ceil(rt.sizes[cid] / self.cfg.train.batch_size))
+            return self.local_epochs * self.batches_per_pass(rt.sizes[cid], self.cfg.train.batch_size)
         return self.local_steps
 
     def run_round(self, rt, rnd: int, clients: list[int], rng) -> Any:

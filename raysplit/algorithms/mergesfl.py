@@ -41,7 +41,6 @@ takes one forward/backward/step of the single server model on it (mean cross-ent
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -210,7 +209,7 @@ class MergeSFL(Algorithm):
     def steps(self, rt, sizes: dict[int, int]) -> dict[int, int]:
         """Each client's merged steps this round: ``local_steps``, or ``local_epochs`` passes at its batch size."""
         if self.local_epochs:
-            return {c: self.local_epochs * max(1, math.ceil(rt.sizes[c] / d)) for c, d in sizes.items()}
+            return {c: self.local_epochs * self.batches_per_pass(rt.sizes[c], d) for c, d in sizes.items()}
         return {c: self.local_steps for c in sizes}
 
     def run_round(self, rt, rnd, clients, rng):

@@ -118,7 +118,8 @@ class ClientHost(ClientJobs, ClientMoves, Checkpointed):
     def draw(self, cid: int, batch_size: int | None = None) -> np.ndarray:
         """Indices of the client's next batch; advances its cursor (:func:`advance_cursor`)."""
         idx_all = self.train_idx[cid]
-        epoch, start, stop = advance_cursor(len(idx_all), batch_size or self.spec.batch_size, self.cursor[cid])
+        epoch, start, stop = advance_cursor(len(idx_all), batch_size or self.spec.batch_size, self.cursor[cid],
+                                            self.spec.drop_last)
         cached = self._perm.get(cid)
         if cached is None or cached[0] != epoch:
             rng = np.random.default_rng([self.spec.seed, cid, epoch])

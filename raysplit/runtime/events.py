@@ -83,11 +83,11 @@ class ClientCosts:
     message sizes derived from the shapes."""
 
     def __init__(self, client_part: torch.nn.Module, setup: EventSetup, batch_size: int, input_shape: tuple,
-                 model_nbytes: int, charge_downloads: bool, act_bits: int | None = None):
+                 model_nbytes: int, charge_downloads: bool, act_bits: int | None = None, drop_last: bool = False):
         self.part = copy.deepcopy(client_part).train()
         self.act_bits = act_bits  # privacy.defence quantize: activations sent at this many bits (privacy.quantize)
         self.setup = setup
-        self.batch_size = batch_size
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.input_shape = tuple(input_shape)
         self.model_nbytes = model_nbytes
         self.charge_downloads = charge_downloads
@@ -126,7 +126,7 @@ class ClientCosts:
         return n * int(np.prod(self.act_shape)) * self.act_itemsize
 
     def next_size(self, cid: int, cursor: tuple[int, int]) -> tuple[int, tuple[int, int]]:
-        epoch, start, stop = advance_cursor(self.setup.client_sizes[cid], self.batch_size, cursor)
+        epoch, start, stop = advance_cursor(self.setup.client_sizes[cid], self.batch_size, cursor, self.drop_last)
         return stop - start, (epoch, stop)
 
     # the steps of a client's job, timed with the client hosts' own arithmetic (ClientProfile.after_*): join
@@ -328,7 +328,8 @@ class AsyncServer(ServerHost):
         priv = spec.privacy
         costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
                             transport.state_nbytes(client_init_state), spec.charge_server,
-                            act_bits=priv.bits if priv is not None and priv.defence == "quantize" else None)
+                            act_bits=priv.bits if priv is not None and priv.defence == "quantize" else None,
+                            drop_last=spec.drop_last)
         self.events = EventLoop(setup, costs, spec.seed)
 
     # ---- hooks ------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class HostSpec:
     data_spec: DataSpec
     batch_size: int
     seed: int
+    drop_last: bool = False  # train.drop_last: a pass over a client's data skips its last short batch
     eval_batch_size: int = 1000
     torch_threads: int | str | None = 1  # runtime.torch_threads; "auto" is resolved by the backend before any host
     device: str = "cpu"
@@ -82,11 +83,14 @@ def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model.split(spec.cut)
 
 
-def advance_cursor(n: int, batch_size: int, cursor: tuple[int, int]) -> tuple[int, int, int]:
+def advance_cursor(n: int, batch_size: int, cursor: tuple[int, int],
+                   drop_last: bool = False) -> tuple[int, int, int]:
     """A client's next batch from its data cursor ``(epoch, position)``: ``(epoch, start, stop)`` in the epoch's
-    permutation. A new epoch starts once the last (possibly short) batch is drawn."""
+    permutation. A new epoch starts once the last (possibly short) batch is drawn; with ``drop_last``
+    (``train.drop_last``) once fewer than ``batch_size`` samples are left, unless the whole pass is one short
+    batch (``n < batch_size``)."""
     epoch, pos = cursor
-    if pos >= n:
+    if pos >= n or (drop_last and pos > 0 and pos + batch_size > n):
         epoch, pos = epoch + 1, 0
     return epoch, pos, min(pos + batch_size, n)
 
