@@ -226,7 +226,7 @@ def test_drop_last_skips_each_passes_short_batch():
 def test_local_epochs_with_drop_last_run_full_batches_only(tmp_path, mlflow_uri):
     """Over two rounds of one local epoch each client runs floor(n/16) batches, every one of them full (the same
     activation bytes per step for every client), also in round 2, whose pass starts after the skipped tail."""
-    cfg = hydra_cfg(tmp_path, mlflow_uri, algorithm={"name": "sflv2", "order": "random"},
+    cfg = hydra_cfg(tmp_path, mlflow_uri, algorithm={"name": "sflv2", "order": "cyclic", "phi": 2},
                     **{"train.rounds": 2, "train.drop_last": True})
     _, _, p, stats = run_rounds(cfg)
     sizes = {c: len(p.inputs.train_idx[c]) for c in stats[0].clients}

@@ -148,6 +148,7 @@ class Algorithm(Checkpointed):
     def batches_per_pass(self, n: int, batch_size: int) -> int:
         """Batches in one pass over ``n`` samples: ceil, or floor with ``train.drop_last`` (at least 1), as the
         hosts' data cursor draws them."""
+        n = int(n)  # the runtime's sizes are floats
         return max(1, n // batch_size if self.cfg.train.drop_last else math.ceil(n / batch_size))
 
     def steps_for(self, rt, cid: int) -> int:
