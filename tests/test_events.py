@@ -186,3 +186,17 @@ def test_async_config_errors_before_any_actor(tmp_path, mlflow_uri):
 
     with pytest.raises(ConfigError, match="local_epochs"):
         prepare(async_cfg(tmp_path, mlflow_uri, **{"train.local_epochs": 1}))
+
+
+@pytest.mark.parametrize("algorithm", [AsyncSL.name, AsyncFL.name])
+def test_drop_last_reaches_the_event_loops_prediction(tmp_path, mlflow_uri, algorithm):
+    """train.drop_last: 20 samples per client at batch 16 make every pass one full batch and a 4-sample tail; the
+    client hosts skip the tail and the event loop's prediction of their clocks must skip it too (the loop raises
+    when a host's clock and its prediction disagree)."""
+    from helpers import run_rounds
+
+    cfg = async_cfg(tmp_path, mlflow_uri, **{"algorithm.name": algorithm, "data.max_train_samples": 100,
+                                             "data.partition.name": "iid", "data.test_fraction": 0.0,
+                                             "train.batch_size": 16, "train.drop_last": True})
+    _, _, _, stats = run_rounds(cfg)
+    assert sum(st.get("steps", 0) for rnd in stats for st in rnd.clients.values()) >= 6  # passes were crossed
