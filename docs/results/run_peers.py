@@ -24,7 +24,8 @@ semi arms with each code's K_s rule: Capsule HEAD's ratio rule against raysplit'
 milestones rule; with K_s per round and what each rule read at its decisions where the run logged it. A figure is
 written only when every arm has every seed.
 
-    .venv/bin/python docs/results/run_peers.py hydra [--seeds 0 1 2] [--ours outputs/hydra_gap_r2]
+    .venv/bin/python docs/results/run_peers.py hydra [--seeds 0 1 2] [--ours outputs/hydra_gap_r2] \
+        [--theirs benchmarks/peers/hydra/.runs]
 
 Hydra: the authors' run_sfl.py (SFLV2) and run_hydra.py (heads conv4+fc, 62 % of the server; with --cut-b conv4,
 heads fc, 1.1 %) against raysplit's SFLV2, SFLV2+Hydra and SFLV2+Hydra head=fc on configs/hydra/fmnist_gap.yaml
