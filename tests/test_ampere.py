@@ -242,10 +242,11 @@ def test_scaffold_with_one_client_is_splitfed(tmp_path, mlflow_uri, fmnist_root)
     not (plain SGD, as SCAFFOLD assumes)."""
     over = {"data.num_clients": 1, "train.participation.count": 1, "train.rounds": 3, "train.optimizer.momentum": 0}
     c0, s0, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1"}, **over}))
-    c1, s1, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1_scaffold"}, **over}))
-    for a, b in ((c0, c1), (s0, s1)):
-        for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    for alg in ({"name": "sflv1_scaffold"}, {"name": "sflv1_scaffold", "server_controls": True}):
+        c1, s1, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": alg, **over}))
+        for a, b in ((c0, c1), (s0, s1)):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     over["data.num_clients"] = over["train.participation.count"] = 3
     c0, _, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1"}, **over}))
     c1, _, _ = _states(amp_cfg(tmp_path, mlflow_uri, fmnist_root, **{"algorithm": {"name": "sflv1_scaffold"}, **over}))
@@ -335,6 +336,80 @@ def test_scaffold_lowers_the_client_drift(tmp_path, mlflow_uri, monkeypatch):
         spread[name] = [drift(brought[r]) for r in range(5)]
     assert spread["sflv1_scaffold"][0] == pytest.approx(spread["sflv1"][0], rel=1e-5)
     assert all(s < 0.4 * f for s, f in zip(spread["sflv1_scaffold"][2:], spread["sflv1"][2:])), spread
+
+
+def test_scaffold_server_controls_follow_option_ii_on_the_server_copies(tmp_path, mlflow_uri, monkeypatch):
+    """``server_controls``: each client's server copy steps with g - c_i + c too, and after the round its server
+    c_i is the mean of the raw gradients that copy computed (option II with plain SGD at a constant rate), and the
+    server block's c the mean of the c_i, round by round. The cut after conv1 leaves most of the model on the
+    server, where the default corrects nothing."""
+    from raysplit.algorithms.sflvariants import ScaffoldServer
+    from raysplit.experiment import prepare
+    from raysplit.runtime import runtime_for
+
+    raw: dict[int, list] = {}
+    settle = ScaffoldServer.settle_step
+
+    def spy(self, lv, flops, module, optimizers, *, tag, **kw):  # the raw gradients, before the correction
+        if tag.client in self.models and module is self.models[tag.client].module:
+            raw.setdefault(tag.client, []).append([p.grad.detach().clone() for p in module.parameters()])
+        return settle(self, lv, flops, module, optimizers, tag=tag, **kw)
+
+    monkeypatch.setattr(ScaffoldServer, "settle_step", spy)
+    cfg = _scaffold_digits(tmp_path, mlflow_uri, "sflv1_scaffold", **{
+        "algorithm.server_controls": True, "model.cut": "conv1", "train.local_steps": 5, "train.rounds": 3})
+    p = prepare(cfg)
+    rt = runtime_for(cfg.runtime, p.inputs)
+    try:
+        driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
+        server = rt.backend.server
+        for r in range(3):
+            raw.clear()
+            before = [t.clone() for t in server.server_control] if server.server_control else None
+            driver.run(r, r + 1, lambda *a: None)
+            assert sorted(raw) == sorted(server.server_own) == [0, 1, 2, 3]
+            for c, grads in raw.items():
+                assert len(grads) == 5
+                for ci, g in zip(server.server_own[c], zip(*grads)):
+                    torch.testing.assert_close(ci, torch.stack(g).mean(0), rtol=1e-4, atol=1e-6)
+            for i, cis in enumerate(zip(*server.server_own.values())):
+                torch.testing.assert_close(server.server_control[i], torch.stack(cis).mean(0), rtol=1e-5, atol=1e-7)
+            if before is not None:  # the round's steps were corrected with the c_i of the round before
+                assert max(float((a - b).abs().max()) for a, b in zip(before, server.server_control)) > 1e-4
+    finally:
+        rt.shutdown()
+
+
+def test_scaffold_server_controls_lower_the_server_copies_drift(tmp_path, mlflow_uri, monkeypatch):
+    """With ``server_controls`` the server copies the clients bring to the merge drift apart far less than without
+    (the device blocks' correction alone leaves them as SplitFed's), from the same start and batches. Measured
+    (digits, 4 clients of 2 label shards, cut conv1, rounds 3-5, seeds 0-2): 0.30-0.32 without, 0.08-0.12 with,
+    a ratio of 0.26-0.38."""
+    from raysplit.algorithms.sflvariants import ScaffoldServer
+
+    brought: dict[int, list] = {}
+    merge = ScaffoldServer.merge
+
+    def spy(self, weights):
+        brought[len(brought)] = [{k: v.clone() for k, v in self.models[c].module.state_dict().items()}
+                                 for c in weights]
+        return merge(self, weights)
+
+    monkeypatch.setattr(ScaffoldServer, "merge", spy)
+
+    def drift(states):
+        return sum(float(((s - s.mean(0)) ** 2).sum()) for s in
+                   (torch.stack([st[k].float() for st in states]) for k in states[0])) / len(states)
+
+    spread = {}
+    for on in (False, True):
+        brought.clear()
+        run_rounds(_scaffold_digits(tmp_path, mlflow_uri, "sflv1_scaffold", **{
+            "algorithm.server_controls": on, "model.cut": "conv1", "train.rounds": 5}))
+        assert sorted(brought) == list(range(5)) and all(len(b) == 4 for b in brought.values())
+        spread[on] = [drift(brought[r]) for r in range(5)]
+    assert spread[True][0] == pytest.approx(spread[False][0], rel=1e-5)
+    assert all(s < 0.5 * f for s, f in zip(spread[True][2:], spread[False][2:])), spread
 
 
 @pytest.mark.parametrize("algorithm", ["ampere", "pipar", "splitgp", "sflv1_scaffold"])

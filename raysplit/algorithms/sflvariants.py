@@ -23,7 +23,11 @@ differ where their papers do.
   follows the clients' uniform objective; ``train.aggregation.weights=uniform`` is the paper's SCAFFOLD exactly,
   and with equal sizes (Ampere's ``device_dirichlet``) the two agree. Tested: each ``c_i`` is the mean of the
   client's raw gradients of its round, and the correction lowers the drift between clients
-  (tests/test_ampere.py).
+  (tests/test_ampere.py). ``server_controls: true`` extends the control variates to the per-client server copies
+  (the same option II rule on each copy's steps, ``c`` and the ``c_i`` of the server block kept at the server, so
+  nothing more travels): SCAFFOLD of the whole model, as SCAFFOLD's paper runs it on an unsplit model. Ampere's
+  paper does not say whether its extension corrects the server part; the default (off) corrects the device block
+  only, which its words name ("correction terms that reduce the divergence between each device's model").
 """
 
 from __future__ import annotations
@@ -186,21 +190,74 @@ class ScaffoldClient(ClientHost):
         return StateMsg.packed(total, t_sent=t)
 
 
+class ScaffoldParams(AlgorithmParams):
+    server_controls: bool = Field(
+        default=False, description="control variates on the per-client server copies too (SCAFFOLD of the whole "
+        "model; kept at the server, no traffic); off: the device block only, as Ampere's extension describes it")
+
+
 class ScaffoldServer(ServerHost):
-    checkpointed = ("control",)
+    """The device block's ``c`` (``control``, updated from the clients' deltas), and with ``server_controls`` the
+    server block's own ``c`` and ``c_i`` (``server_control``, ``server_own``), which correct each client's server
+    copy as its device block is corrected."""
+
+    checkpointed = ("control", "server_control", "server_own")
 
     def __init__(self, spec, *data):
         super().__init__(spec, *data)
         self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
+        self.server_control: list[torch.Tensor] | None = None
+        self.server_own: dict[int, list[torch.Tensor]] = {}
+        self._start: list[torch.Tensor] = []  # the main server block at the round's fork
+        self._steps: dict[int, int] = {}  # steps each copy took this round
+        self._server_deltas: list[list[torch.Tensor]] = []
 
     def control_msg(self) -> StateMsg:
         return self.state_message(self.control)
 
+    def fork(self, keys: list) -> None:
+        super().fork(keys)
+        if self.spec.params.server_controls:
+            self._start = [p.detach().clone() for p in self.models["main"].module.parameters()]
+            self._steps = {int(k): 0 for k in keys}
+
+    def settle_step(self, lv, flops, module, optimizers, *, tag, **kw):
+        """A client's server copy steps with ``g - c_i + c`` (``server_controls``), as its device block does."""
+        cid = tag.client
+        if (self.spec.params.server_controls and optimizers and cid in self._steps
+                and module is self.models[cid].module):
+            self._steps[cid] += 1
+            if self.server_control is not None:
+                own = self.server_own.get(cid)
+                for i, p in enumerate(module.parameters()):
+                    if p.grad is not None:
+                        p.grad.add_(self.server_control[i] - own[i] if own else self.server_control[i])
+        return super().settle_step(lv, flops, module, optimizers, tag=tag, **kw)
+
+    def merge(self, weights: dict) -> None:
+        """Before the copies are averaged and dropped: option II on each copy (``server_controls``)."""
+        self._server_deltas = []
+        for k in (weights if self.spec.params.server_controls else ()):
+            slot = self.models[k]
+            steps, lr = max(self._steps.get(int(k), 0), 1), slot.optimizer.param_groups[0]["lr"]
+            params = [p.detach() for p in slot.module.parameters()]
+            own = self.server_own.get(int(k)) or [torch.zeros_like(p) for p in params]
+            glob = self.server_control or [torch.zeros_like(p) for p in params]
+            new = [ci - cg + (x0 - x) / (steps * lr) for ci, cg, x0, x in zip(own, glob, self._start, params)]
+            self._server_deltas.append([n - o for n, o in zip(new, own)])
+            self.server_own[int(k)] = new
+        self._steps = {}
+        super().merge(weights)
+
     def update_control(self, num_clients: int, *partials: StateMsg | None) -> None:
-        """c <- c + sum(delta c_i) / N."""
+        """c <- c + sum(delta c_i) / N, for the device block and (``server_controls``) the server block."""
         parts = [p.tensors() for p in partials if p is not None]
         step = {k: sum(p[k] for p in parts) / num_clients for k in parts[0]}
         self.control = {k: self.control.get(k, 0) + step[k] for k in step}
+        if self._server_deltas:
+            glob = self.server_control or [torch.zeros_like(d) for d in self._server_deltas[0]]
+            self.server_control = [c + sum(d) / num_clients for c, *d in zip(glob, *self._server_deltas)]
+            self._server_deltas = []
 
 
 @register
@@ -209,7 +266,7 @@ class SplitFedScaffold(SFLV1):
 
     name = "sflv1_scaffold"
     description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
-    Params = AlgorithmParams  # its own loop, one client after another: no batched copies
+    Params = ScaffoldParams  # its own loop, one client after another: no batched copies
     client_host = ScaffoldClient
     server_host = ScaffoldServer
 
