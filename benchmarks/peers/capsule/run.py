@@ -108,7 +108,7 @@ def raysplit_partition(labels: int, seed: int, num_clients: int, partition: str,
     return [lab] + clients
 
 
-def prepare_code(capsule: Path, commit: str, work: Path) -> tuple[Path, str]:
+def prepare_code(capsule: Path, commit: str, work: Path, strong_aug: str = "theirs") -> tuple[Path, str]:
     sha = sh(["git", "-C", str(capsule), "rev-parse", "--verify", COMMITS[commit] + "^{commit}"],
              capture_output=True, text=True).stdout.strip()
     code = work / "capsule"
@@ -120,7 +120,42 @@ def prepare_code(capsule: Path, commit: str, work: Path) -> tuple[Path, str]:
     diff = HERE / f"edits-{commit}.diff"
     sh(["git", "apply", "--check", str(diff)], cwd=code)
     sh(["git", "apply", str(diff)], cwd=code)
+    if strong_aug == "raysplit":
+        src = (code / "utils" / "datasets.py").read_text()
+        for old in RAYSPLIT_STRONG:
+            if src.count(old) != 1:
+                raise SystemExit(f"--strong-aug raysplit: utils/datasets.py has {src.count(old)} of {old!r}, "
+                                 f"expected 1")
+            src = src.replace(old, RAYSPLIT_STRONG[old])
+        (code / "utils" / "datasets.py").write_text(src)
     return code, sha
+
+
+# optional edit E12 (--strong-aug raysplit): their strong view's RandAugmentMC(n=2, m=10) (FixMatch's: two operations
+# of their pool, each applied with probability 0.5 at a magnitude drawn from 1..9, then a 16-pixel cutout) becomes
+# raysplit's (raysplit/data/augment.py: torchvision's RandAugment(num_ops=2, magnitude=10), every operation applied,
+# then a grey cutout of half the image side centred uniformly and clipped), after the same flip and crop
+E12_CLASS = """
+class RaysplitStrong:  # parity runner E12: raysplit's strong view (raysplit/data/augment.py), not theirs
+    def __init__(self):
+        self.rand_augment = transforms.RandAugment(num_ops=2, magnitude=10)
+
+    def __call__(self, img):
+        import torch
+        from PIL import ImageDraw
+        img = self.rand_augment(img).copy()
+        w, h = img.size
+        cut = max(1, h // 2)
+        cy, cx = int(torch.randint(h, ())), int(torch.randint(w, ()))
+        y0, y1 = max(0, cy - cut // 2), min(h, cy + cut // 2)
+        x0, x1 = max(0, cx - cut // 2), min(w, cx + cut // 2)
+        if y1 > y0 and x1 > x0:
+            ImageDraw.Draw(img).rectangle((x0, y0, x1 - 1, y1 - 1), fill=127 if img.mode == 'L' else (127,) * 3)
+        return img
+"""
+RAYSPLIT_STRONG = {"from utils.randaugments import RandAugmentMC\n":
+                   "from utils.randaugments import RandAugmentMC\n" + E12_CLASS,
+                   "RandAugmentMC(n=2, m=10)])": "RaysplitStrong()])  # parity runner E12"}
 
 
 def flags_text(a, part_file: Path) -> str:
@@ -145,7 +180,7 @@ def run_name(a) -> str:
     arm = "" if a.arm == "semi" else "_sup"
     part = "" if a.partition == "iid" else f"_dir{a.alpha:g}"
     return (f"{a.commit}{arm}_l{a.labels}_ks{a.ks}_{a.server_views}{part}_k{a.ks_initial}u{a.ku}"
-            f"_s{a.seed}_r{a.rounds}")
+            f"_s{a.seed}_r{a.rounds}" + ("_rsaug" if a.strong_aug == "raysplit" else ""))
 
 
 def parse(line: str, commit: str) -> dict | None:
@@ -174,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--server-views", choices=["twice", "strong_twice"], default="strong_twice",
                    help="server labelled views: raysplit fmnist.yaml uses strong/strong (= strong_twice); their "
                         "SVHN flags use twice (two weak views)")
+    p.add_argument("--strong-aug", choices=["theirs", "raysplit"], default="theirs",
+                   help="optional edit E12: raysplit's strong view (torchvision RandAugment(2, 10), every operation, "
+                        "and a cutout of half the side) instead of their RandAugmentMC (README.md)")
     p.add_argument("--arm", choices=["semi", "supervised"], default="semi",
                    help="supervised: their pre_round = rounds (server-only supervised rounds; HEAD only)")
     p.add_argument("--rounds", type=int, default=60)
@@ -211,7 +249,7 @@ def main(argv=None) -> int:
     t_setup = time.time()
     proc = None
     try:
-        code, sha = prepare_code(a.capsule.resolve(), a.commit, work)
+        code, sha = prepare_code(a.capsule.resolve(), a.commit, work, a.strong_aug)
         data_root = prepare_data(work)
         part_file = work / "partition.npy"
         parts = raysplit_partition(a.labels, a.seed, a.clients, a.partition, a.alpha)
