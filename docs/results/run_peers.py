@@ -18,7 +18,9 @@ supervised-only gain paired by seed in each code base; raysplit minus the author
 docs/results/peers_semisfl.png (accuracy per evaluated round, each seed thin, the median thick). ``--commit early``
 tabulates the early commit's runs (9bd1c6c, ``run.py --commit early``, the semi arm) instead, without the figure.
 ``--labels 1000`` tabulates the 1,000-label runs (figure peers_semisfl_l1000.png; ``--views strong_twice`` adds
-``_strong_twice`` to a figure's name). ``--ks adaptive`` tabulates the
+``_strong_twice`` to a figure's name; with strong views the runs of Capsule with the runner's edit E12,
+raysplit's strong view, ``run.py ... --strong-aug raysplit``, are a third code, "Capsule E12", where they exist:
+Capsule and raysplit each against it, paired by seed). ``--ks adaptive`` tabulates the
 semi arms with each code's K_s rule: Capsule HEAD's ratio rule against raysplit's ``Semi-SFL ratio K_s`` row, or
 (with ``--commit early``) the early commit's milestones rule against raysplit's ``Semi-SFL`` row, the paper's
 milestones rule; with K_s per round and what each rule read at its decisions where the run logged it. A figure is
@@ -38,9 +40,9 @@ random orders, 30 rounds. Runs made by
         --methods SFLV2 SFLV2+Hydra "SFLV2+Hydra head=fc" --orders {cyclic,random} --out outputs/hydra_gap_r2
 
 Prints the table (accuracy at round 30, mean of the last 5 rounds, PG and BW per code, method and order: median
-[min, max] over the seeds both ran), the differences paired by seed (Hydra minus SFLV2 in each code; raysplit minus
-the authors' code per method) and writes docs/results/peers_hydra.png (global accuracy per round, one panel per
-order).
+[min, max] over the seeds both ran), the differences paired by seed in accuracy, PG and BW (Hydra minus SFLV2 in
+each code; raysplit minus the authors' code per method) and writes docs/results/peers_hydra.png (global accuracy per
+round, one panel per order).
 """
 
 from __future__ import annotations
@@ -62,13 +64,17 @@ HYDRA = ROOT / "benchmarks" / "peers" / "hydra" / ".runs"
 # raysplit's label -> their script and cuts in the run name: heads conv4+fc (62 % of the server), heads fc (1.1 %)
 HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV2+Hydra head=fc": ("hydra", "a1b4")}
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
+E12 = "Capsule E12"  # the authors' code with raysplit's strong view (the runner's optional edit E12)
 MILESTONES, WINDOW = SEMI["milestones"], SEMI["window"]  # the milestones rule of run_semisfl.py's "Semi-SFL" row
 
 
-def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 100, ks: str = "fixed") -> dict | None:
+def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 100, ks: str = "fixed",
+           aug: str = "theirs") -> dict | None:
     """A cached run of the authors' code at ``commit`` (benchmarks/peers/capsule/run.py's ``run_name``); ``ks``
-    fixed or adaptive (each commit's own rule), with K_s and the ratio rule's R per round where it decided."""
-    f = CAPSULE / f"{commit}{'' if arm == 'semi' else '_sup'}_l{labels}_ks{ks}_{views}_k20u10_s{seed}_r60.json"
+    fixed or adaptive (each commit's own rule), with K_s and the ratio rule's R per round where it decided;
+    ``aug`` raysplit: the runs with the runner's edit E12 (raysplit's strong view, ``--strong-aug raysplit``)."""
+    f = CAPSULE / (f"{commit}{'' if arm == 'semi' else '_sup'}_l{labels}_ks{ks}_{views}_k20u10_s{seed}_r60"
+                   f"{'_rsaug' if aug == 'raysplit' else ''}.json")
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
@@ -118,9 +124,12 @@ def main() -> int:
 
 def semisfl(a) -> int:
     kw = {"labels": a.labels, "ks": a.ks, "commit": a.commit}
+    codes = [("Capsule", partial(theirs, **kw)), ("raysplit", partial(ours, **kw))]
+    if a.views == "strong_twice" and a.ks == "fixed" and a.commit == "head":  # their runs with raysplit's strong view
+        codes.append((E12, partial(theirs, **kw, aug="raysplit")))
     runs = {(code, arm): {s: r for s in a.seeds if (r := fn(arm, s, a.views)) is not None}
-            for code, fn in (("Capsule", partial(theirs, **kw)), ("raysplit", partial(ours, **kw)))
-            for arm in ("semi", "supervised")}
+            for code, fn in codes for arm in ("semi", "supervised")}
+    runs = {k: v for k, v in runs.items() if v or k[0] != E12}  # E12 only where it ran
     if a.ks == "adaptive":  # the rule's runs are the semi arm's; supervised-only has no K_s rule to compare
         runs = {k: v for k, v in runs.items() if k[1] == "semi"}
     commits = sorted({r["commit"] for r in runs[("Capsule", "semi")].values()})
@@ -134,7 +143,12 @@ def semisfl(a) -> int:
     pairs = [(("Capsule", "semi"), ("Capsule", "supervised"), "Capsule: Semi-SFL minus supervised-only"),
              (("raysplit", "semi"), ("raysplit", "supervised"), "raysplit: Semi-SFL minus supervised-only"),
              (("raysplit", "semi"), ("Capsule", "semi"), "Semi-SFL: raysplit minus Capsule"),
-             (("raysplit", "supervised"), ("Capsule", "supervised"), "supervised-only: raysplit minus Capsule")]
+             (("raysplit", "supervised"), ("Capsule", "supervised"), "supervised-only: raysplit minus Capsule"),
+             ((E12, "semi"), (E12, "supervised"), f"{E12}: Semi-SFL minus supervised-only"),
+             ((E12, "semi"), ("Capsule", "semi"), f"Semi-SFL: {E12} minus Capsule"),
+             ((E12, "supervised"), ("Capsule", "supervised"), f"supervised-only: {E12} minus Capsule"),
+             (("raysplit", "semi"), (E12, "semi"), f"Semi-SFL: raysplit minus {E12}"),
+             (("raysplit", "supervised"), (E12, "supervised"), f"supervised-only: raysplit minus {E12}")]
     for x, y, label in pairs:
         seeds = sorted(set(runs.get(x, {})) & set(runs.get(y, {})))
         if not seeds:
@@ -194,8 +208,8 @@ def hydra(seeds: list[int], ours_dir: Path, theirs_dir: Path = HYDRA) -> int:
         if by_seed:
             cells = [median_range([100 * r[k] for r in by_seed.values()]) for k in ("final", "last5", "pg", "bw")]
             print(f"| {o} | {m} | {code} | {', '.join(map(str, by_seed))} | {' | '.join(cells)} |")
-    print("\n| order | difference | seeds | accuracy @30 (points), paired by seed | last 5 rounds | PG (pp) |\n"
-          + "|---" * 6 + "|")
+    print("\n| order | difference | seeds | accuracy @30 (points), paired by seed | last 5 rounds | PG (pp) | BW (pp) |\n"
+          + "|---" * 7 + "|")
     for o in ("cyclic", "random"):
         pairs = [((c, m, o), (c, "SFLV2", o), f"{c}: {m} minus SFLV2") for m in list(HYDRA_METHODS)[1:]
                  for c in ("authors", "raysplit")]
@@ -204,7 +218,7 @@ def hydra(seeds: list[int], ours_dir: Path, theirs_dir: Path = HYDRA) -> int:
             common = sorted(set(runs[x]) & set(runs[y]))
             if common:
                 cells = [median_range([100 * (runs[x][s][k] - runs[y][s][k]) for s in common], "+.2f")
-                         for k in ("final", "last5", "pg")]
+                         for k in ("final", "last5", "pg", "bw")]
                 print(f"| {o} | {label} | {', '.join(map(str, common))} | {' | '.join(cells)} |")
     print("\n| order | method | code | BW per seed (pp) | accuracy @30 per seed (%) |\n" + "|---" * 5 + "|")
     for (code, m, o), by_seed in runs.items():
@@ -256,7 +270,8 @@ def figure(runs: dict, views: str, labels: int) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {("Capsule", "semi"): ("C0", "-"), ("raysplit", "semi"): ("C1", "-"),
-              ("Capsule", "supervised"): ("C0", ":"), ("raysplit", "supervised"): ("C1", ":")}
+              ("Capsule", "supervised"): ("C0", ":"), ("raysplit", "supervised"): ("C1", ":"),
+              (E12, "semi"): ("C2", "-"), (E12, "supervised"): ("C2", ":")}
     for key, by_seed in runs.items():
         if not by_seed:
             continue
