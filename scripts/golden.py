@@ -45,6 +45,14 @@ from raysplit.metrics import WALL_CLOCK  # noqa: E402
 # 1e-5). A spread (`*_std`) is compared on the scale of its mean: a std of 4.0e-4 over norms of 2.5e-2 that moves
 # by 2.3e-6 is that same last-bits drift, not a change of method.
 REL_TOL, ABS_TOL = 1e-3, 1e-9
+# an attack's reconstruction scores are the end of an optimisation over the reconstructed inputs (the inversion's 30
+# Adam steps in the golden run), which carries the vector units' last bits through every step: the relative tolerance
+# for them is 1e-2. Measured: privacy_inversion's fingerprint, made on an AVX2 machine, gives privacy/mse 0.0051730
+# at round 2; on an AVX-512 AMD EPYC it gives 0.0051629 (-0.20 %), and 0.0051408-0.0051674 (up to -0.62 %) with
+# oneDNN or ATen held to other instruction sets there (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY); its training
+# metrics stay within 1e-3 on all of them. A changed attack (its prior, steps or step size) moves them by more.
+RECONSTRUCTION = ("privacy/mse", "privacy/psnr", "privacy/ssim")
+RECONSTRUCTION_REL_TOL = 1e-2
 
 BASE: dict = {
     "name": "golden", "seed": 0,
@@ -158,8 +166,9 @@ def differences(expected: dict, got: dict) -> list[str]:
         for k in sorted(set(want) | set(have)):
             a, b = want.get(k), have.get(k)
             scale = abs(want.get(k[:-4] + "_mean") or 0.0) if k.endswith("_std") else 0.0
+            rel = RECONSTRUCTION_REL_TOL if k in RECONSTRUCTION else REL_TOL
             same = (a is not None and b is not None and
-                    (math.isclose(a, b, rel_tol=REL_TOL, abs_tol=max(ABS_TOL, REL_TOL * scale))
+                    (math.isclose(a, b, rel_tol=rel, abs_tol=max(ABS_TOL, rel * scale))
                      or (math.isnan(a) and math.isnan(b))))
             if not same:
                 out.append(f"{name}: {k} at round {want['round']}: expected {a!r}, got {b!r}")

@@ -91,6 +91,22 @@ def test_a_difference_is_named_by_algorithm_metric_and_round():
     assert "2 rounds, expected 3" in golden.differences(rec, other)[0]
 
 
+def test_an_attacks_reconstruction_scores_have_their_own_tolerance():
+    """privacy/mse, psnr and ssim (the end of the attack's optimisation) may move by the 0.2-0.6 % another CPU's
+    vector units give (scripts/golden.py, RECONSTRUCTION); 2 % is a difference, and so is 0.6 % of any other
+    metric, the attack's distance correlation included."""
+    rec = golden.load("privacy_inversion")
+    other = copy.deepcopy(rec)
+    for k in golden.RECONSTRUCTION:
+        other["rounds"][2][k] *= 1.006
+    assert golden.differences(rec, other) == []
+    other["rounds"][2]["privacy/mse"] = rec["rounds"][2]["privacy/mse"] * 1.02
+    other["rounds"][1]["privacy/dcor"] *= 1.006
+    other["rounds"][1]["eval/loss"] *= 1.006
+    assert [d.split(":")[1] for d in golden.differences(rec, other)] == [
+        " eval/loss at round 1", " privacy/dcor at round 1", " privacy/mse at round 2"]
+
+
 def test_fingerprint_is_a_digest_of_the_stored_rounds(tmp_path, monkeypatch):
     (tmp_path / "sflv2.json").write_text(golden.path("sflv2").read_text())
     monkeypatch.setattr(golden, "GOLDEN", tmp_path)
