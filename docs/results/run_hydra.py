@@ -243,6 +243,7 @@ def main():
     todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0]) and (a.methods is None or j[2] in a.methods)
             and (a.orders is None or j[1] in a.orders)
             and (j[0] == 1 or a.seeds_c2 is None or j[4] in a.seeds_c2)]
+    every = len(todo)
     if a.report:
         todo = [j for j in todo if (out_dir / run_file(*j[:4], j[4])).is_file()]
     todo.sort(key=lambda j: (j[4], j[0]))  # every method's first seed first: a partial run is already a table
@@ -302,8 +303,10 @@ def main():
                  for k in ("eval/accuracy", "eval/accuracy_last5", "eval/performance_gap_last5")}
             print(f"| {c} | {lab}{'' if o == '-' else f' ({o})'} | {' '.join(map(str, seeds))} | "
                   f"{d['eval/accuracy']} | {d['eval/accuracy_last5']} | {d['eval/performance_gap_last5']} |")
-    # the page's figure comes from the default runs only
-    if a.out == default_out and (a.report or (a.only_c is None and a.methods is None and a.orders is None)):
+    # the page's figure comes from the default runs only, and only from all of them (a report over a partial cache,
+    # e.g. one method rerun, must not redraw it from what is there)
+    if (a.out == default_out and a.methods is None and a.orders is None and len(todo) == every
+            and (a.report or a.only_c is None)):
         figure(results, ROOT / "docs" / "results" / STUDY["figure"])
 
 
