@@ -171,6 +171,9 @@ def main() -> int:
     print(paired_table(results, PAIRS, parts, args.rounds))
     if variant(args.labels, args.server_views):
         return 0  # a variant: the page's figures and summary stay those of the main setting
+    if not all(len(results.get((m, p), [])) == len(args.seeds) for m, _ in METHODS if m not in EXTRA
+               for p, _ in PARTITIONS):
+        return 0  # a subset (--methods, --partitions, a partial cache) must not redraw the page's figures
     figures(results)
     (OUT / f"summary_r{args.rounds}.json").write_text(json.dumps({f"{k[0]}|{k[1]}": v for k, v in results.items()}))
     return 0
