@@ -208,7 +208,7 @@ class ScaffoldServer(ServerHost):
         self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
         self.server_control: list[torch.Tensor] | None = None
         self.server_own: dict[int, list[torch.Tensor]] = {}
-        self._start: list[torch.Tensor] = []  # the main server block at the round's fork
+        self._at_fork: list[torch.Tensor] = []  # the main server block at the round's fork
         self._steps: dict[int, int] = {}  # steps each copy took this round
         self._server_deltas: list[list[torch.Tensor]] = []
 
@@ -218,7 +218,7 @@ class ScaffoldServer(ServerHost):
     def fork(self, keys: list) -> None:
         super().fork(keys)
         if self.spec.params.server_controls:
-            self._start = [p.detach().clone() for p in self.models["main"].module.parameters()]
+            self._at_fork = [p.detach().clone() for p in self.models["main"].module.parameters()]
             self._steps = {int(k): 0 for k in keys}
 
     def settle_step(self, lv, flops, module, optimizers, *, tag, **kw):
@@ -243,7 +243,7 @@ class ScaffoldServer(ServerHost):
             params = [p.detach() for p in slot.module.parameters()]
             own = self.server_own.get(int(k)) or [torch.zeros_like(p) for p in params]
             glob = self.server_control or [torch.zeros_like(p) for p in params]
-            new = [ci - cg + (x0 - x) / (steps * lr) for ci, cg, x0, x in zip(own, glob, self._start, params)]
+            new = [ci - cg + (x0 - x) / (steps * lr) for ci, cg, x0, x in zip(own, glob, self._at_fork, params)]
             self._server_deltas.append([n - o for n, o in zip(new, own)])
             self.server_own[int(k)] = new
         self._steps = {}
