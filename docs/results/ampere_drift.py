@@ -11,6 +11,16 @@ wrapping the client host's partial sum, which is why it is a script here and not
 under docs/results/.ampere_runs/drift_*.json.
 
     python docs/results/ampere_drift.py --rounds 60 --seeds 0 1 2     # prints ampere.md's drift table
+    python docs/results/ampere_drift.py --correction 5 20 60 --seeds 0 1 2   # what the correction does to a round
+
+``--correction R ...`` asks why less drift buys no accuracy: SplitFed+SCAFFOLD runs to each round R, and round R
+is run twice from the same state (the hosts' and the driver's, restored with the runtime's own ``state_dict``):
+with the correction, and with it switched off (the server's ``c`` emptied for that round, so every client steps
+on its raw gradients: SplitFed's round from SCAFFOLD's point). It prints how far the two rounds' global updates
+(the whole model: the averaged device block and the server block) are apart relative to the update, their cosine,
+and the drift of each round, per seed; the run then goes on from the restored state with the correction. A third
+run of each round with the correction must give the first's model exactly (checked). Cached per seed under
+docs/results/.ampere_runs/correction_*.json.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ def one(name: str, seed: int, rounds: int) -> dict:
     from raysplit.experiment import prepare
     from raysplit.runtime import runtime_for
     from raysplit.runtime.client_host import ClientHost
+    from raysplit.runtime.hosts import owned  # copies: in process a state_dict is the hosts' own tensors
 
     brought: dict[int, dict] = {}
     partial_sum = ClientHost.partial_sum
@@ -65,13 +76,90 @@ def one(name: str, seed: int, rounds: int) -> dict:
     return {"drift": [drift(brought[r]) for r in range(rounds)], "accuracy": acc}
 
 
+def correction_effect(seed: int, at: list[int]) -> list[dict]:
+    """Round ``r`` (0-based: the rounds before it done) of SplitFed+SCAFFOLD, for each ``r`` in ``at``, with and
+    without the correction from the same state: the global update's relative difference and cosine, and the
+    drift of each (module docstring)."""
+    from raysplit.config import load_config
+    from raysplit.experiment import prepare
+    from raysplit.runtime import runtime_for, transport
+    from raysplit.runtime.client_host import ClientHost
+    from raysplit.runtime.hosts import owned  # copies: in process a state_dict is the hosts' own tensors
+
+    brought: dict[int, dict] = {}
+    partial_sum = ClientHost.partial_sum
+
+    def spy(self, weights):
+        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self._state_of(int(c)).items()}
+                                                   for c in weights if int(c) in self.train_idx})
+        return partial_sum(self, weights)
+
+    ClientHost.partial_sum = spy
+    try:
+        cfg = load_config(str(ROOT / "configs/ampere/fmnist.yaml"),
+                          {**OVERRIDES, "algorithm": {"name": "sflv1_scaffold"}, "seed": seed, "train.rounds": max(at) + 1})
+        p = prepare(cfg)
+        rt = runtime_for(cfg.runtime, p.inputs)
+        try:
+            driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
+            server = rt.backend.server
+
+            def model() -> torch.Tensor:  # the global model, flat: device block then server block
+                dev = transport.unpack_state(rt.get(driver.global_handle).state)
+                srv = transport.unpack_state(rt.get(rt.server.get_state()).state)
+                return torch.cat([t.float().flatten() for st in (dev, srv) for t in st.values()])
+
+            def one_round(r: int) -> tuple[torch.Tensor, float]:
+                brought.clear()
+                driver.run(r, r + 1, lambda *a: None)
+                return model(), drift(brought[r])
+
+            out, done = [], 0
+            for r in sorted(at):
+                driver.run(done, r, lambda *a: None)
+                done = r
+                hosts, drv, x = owned(rt.state_dict()), owned(driver.state_dict()), model()
+                with_c, drift_c = one_round(r)
+                rt.load_state_dict(owned(hosts)), driver.load_state_dict(owned(drv))
+                server.control = {}  # this round without the correction: c = 0 reaches the clients
+                without, drift_0 = one_round(r)
+                rt.load_state_dict(owned(hosts)), driver.load_state_dict(owned(drv))
+                again, _ = one_round(r)  # the restored state reruns the round exactly; the run goes on from here
+                assert torch.equal(again, with_c), f"seed {seed} round {r}: the restored round differs"
+                d_c, d_0 = with_c - x, without - x
+                out.append({"round": r + 1, "rel": float((d_c - d_0).norm() / d_0.norm()),
+                            "cos": float(torch.nn.functional.cosine_similarity(d_c, d_0, dim=0)),
+                            "update": float(d_0.norm()), "update_with": float(d_c.norm()),
+                            "drift_with": drift_c, "drift_without": drift_0})
+                done = r + 1
+        finally:
+            rt.shutdown()
+    finally:
+        ClientHost.partial_sum = partial_sum
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--correction", type=int, nargs="*", default=None,
+                    help="rounds (1-based) at which to run SCAFFOLD's round with and without its correction")
     a = ap.parse_args()
     cache = ROOT / "docs/results/.ampere_runs"
     cache.mkdir(parents=True, exist_ok=True)
+    if a.correction:
+        at = sorted(r - 1 for r in a.correction)
+        print("| seed | round | global update with minus without the correction, relative to the update | cosine | "
+              "update norm without | with | drift without | with |\n|---|---|---|---|---|---|---|---|")
+        for s in a.seeds:
+            f = cache / f"correction_s{s}_at{'-'.join(str(r + 1) for r in at)}.json"
+            if not f.is_file():
+                f.write_text(json.dumps(correction_effect(s, at)))
+            for row in json.loads(f.read_text()):
+                print(f"| {s} | {row['round']} | {row['rel']:.4f} | {row['cos']:.4f} | {row['update']:.4f} | "
+                      f"{row['update_with']:.4f} | {row['drift_without']:.4f} | {row['drift_with']:.4f} |")
+        return
     res = {}
     for label, name in ARMS:
         for s in a.seeds:

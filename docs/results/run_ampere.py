@@ -201,7 +201,27 @@ def converged(res: dict, alphas, seeds) -> str:
                 d = [100 * (res[(x, a, s)]["eval/accuracy"] - res[(y, a, s)]["eval/accuracy"]) for s in both]
                 lines.append(f"| {a} | {x} minus {y} | {median_range(d, '+.2f')} | "
                              f"{', '.join(f'{v:+.2f} (seed {s})' for s, v in zip(both, d))} |")
-    return "\n".join(lines)
+    return "\n".join(lines + long_runs(res, alphas, seeds))
+
+
+def long_runs(res: dict, alphas, seeds, early: int = 60, last: int = 10, mark: float = 0.80) -> list[str]:
+    """The arms run past ``early`` rounds (the budget check): per seed, the accuracy at round ``early`` (a
+    constant-rate run's first rounds are the shorter run's), the mean of the ``last`` rounds' accuracies (less noisy
+    than the final one), and the first round at or above ``mark``."""
+    lines = ["", f"| alpha | arm | seed | accuracy at round {early} (%) | mean of the last {last} rounds (%) | "
+             f"first round at {mark:.0%} or more |", "|---" * 6 + "|"]
+    rows = 0
+    for a in alphas:
+        for arm, _, _ in CONVERGED:
+            for s in seeds:
+                curve = [acc for _, _, acc in res.get((arm, a, s), {}).get("curve", [])]
+                if len(curve) <= early:
+                    continue
+                first = next((i + 1 for i, acc in enumerate(curve) if acc >= mark), None)
+                lines.append(f"| {a} | {arm} | {s} | {100 * curve[early - 1]:.2f} | "
+                             f"{100 * sum(curve[-last:]) / last:.2f} | {first or 'never'} |")
+                rows += 1
+    return lines if rows else []
 
 
 def table(results, alphas) -> str:
