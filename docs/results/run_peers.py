@@ -156,6 +156,13 @@ def semisfl(a) -> int:
         d = [100 * (runs[x][s]["final"] - runs[y][s]["final"]) for s in seeds]
         print(f"| {label} | {', '.join(map(str, seeds))} | {median_range(d, '+.2f')} | "
               f"{', '.join(f'{v:+.2f}' for v in d)} |")
+    if a.ks == "fixed":  # where the levels part: each arm's median over the seeds at a few evaluations
+        at = (5, 10, 20, 40, 60)
+        print("\n| code | arm | median accuracy at rounds " + ", ".join(map(str, at)) + " |\n|---|---|---|")
+        for (code, arm), by_seed in runs.items():
+            med = [np.median([100 * dict(r["curve"])[rd] for r in by_seed.values()]) for rd in at
+                   if all(rd in dict(r["curve"]) for r in by_seed.values())]
+            print(f"| {code} | {arm} | {', '.join(f'{m:.2f}' for m in med)} |")
     if a.ks == "adaptive":
         print("\n| code | seed | K_s at rounds 1, 21, 41, 60 | the rule's reading at its decisions (round: value) |\n"
               "|---|---|---|---|")
