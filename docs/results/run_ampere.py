@@ -130,7 +130,15 @@ CONVERGED = [("Ampere, to convergence", None, (("algorithm.consolidate", True),)
              ("SplitFed, plain SGD, cut fc1, lr 0.02, 200 rounds", {"name": "sflv1"},
               SGD + (("model.cut", "fc1"), ("train.optimizer.lr", 0.02), ("train.rounds", 200))),
              ("SplitFed+SCAFFOLD, plain SGD, cut fc1, lr 0.02, 200 rounds", {"name": "sflv1_scaffold"},
-              SGD + (("model.cut", "fc1"), ("train.optimizer.lr", 0.02), ("train.rounds", 200)))]
+              SGD + (("model.cut", "fc1"), ("train.optimizer.lr", 0.02), ("train.rounds", 200))),
+             # ... and the local work: SCAFFOLD's analysis has its gain grow with the local steps a round, so the same
+             # pair with 5 local epochs (about 170 steps a round, not 34), 30 rounds (150 epochs' worth of rounds)
+             ("SplitFed, plain SGD, cut fc1, lr 0.02, 5 local epochs", {"name": "sflv1"},
+              SGD + (("model.cut", "fc1"), ("train.optimizer.lr", 0.02), ("train.local_epochs", 5),
+                     ("train.rounds", 30))),
+             ("SplitFed+SCAFFOLD, plain SGD, cut fc1, lr 0.02, 5 local epochs", {"name": "sflv1_scaffold"},
+              SGD + (("model.cut", "fc1"), ("train.optimizer.lr", 0.02), ("train.local_epochs", 5),
+                     ("train.rounds", 30)))]
 
 
 # the differences converged() prints, paired by seed (x minus y), where both arms ran
@@ -154,7 +162,9 @@ CONVERGED_PAIRS = [("Ampere, to convergence", "Ampere without consolidation, to 
                    ("SplitFed+SCAFFOLD, plain SGD, server controls", "SplitFed, plain SGD"),
                    ("SplitFed+SCAFFOLD, plain SGD, server controls", "SplitFed+SCAFFOLD, plain SGD"),
                    ("SplitFed+SCAFFOLD, plain SGD, cut fc1, lr 0.02, 200 rounds",
-                    "SplitFed, plain SGD, cut fc1, lr 0.02, 200 rounds")]
+                    "SplitFed, plain SGD, cut fc1, lr 0.02, 200 rounds"),
+                   ("SplitFed+SCAFFOLD, plain SGD, cut fc1, lr 0.02, 5 local epochs",
+                    "SplitFed, plain SGD, cut fc1, lr 0.02, 5 local epochs")]
 assert {n for pair in CONVERGED_PAIRS for n in pair} <= {arm for arm, _, _ in CONVERGED}
 
 
