@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -43,12 +44,15 @@ def drift(states: dict) -> float:
     return sum(float(((s - s.mean(0)) ** 2).sum()) for s in stacks) / len(states)
 
 
-def one(name: str, seed: int, rounds: int) -> dict:
+@contextmanager
+def spied_run(name: str, seed: int, rounds: int):
+    """The page's setting for ``name`` in the local backend, with the client host's partial sum wrapped so that
+    ``brought[r][c]`` holds a copy of the device block client ``c`` brings to round ``r``'s aggregation. Yields
+    ``(runtime, driver, brought)``; shuts the runtime down and unwraps the host on leaving."""
     from raysplit.config import load_config
     from raysplit.experiment import prepare
     from raysplit.runtime import runtime_for
     from raysplit.runtime.client_host import ClientHost
-    from raysplit.runtime.hosts import owned  # copies: in process a state_dict is the hosts' own tensors
 
     brought: dict[int, dict] = {}
     partial_sum = ClientHost.partial_sum
@@ -65,14 +69,18 @@ def one(name: str, seed: int, rounds: int) -> dict:
         p = prepare(cfg)
         rt = runtime_for(cfg.runtime, p.inputs)
         try:
-            driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
-            driver.run(0, rounds, lambda r, st: None)
-            y_true, y_pred, _ = rt.evaluate_global(driver.global_handle)
-            acc = float(np.mean(np.asarray(y_true) == np.asarray(y_pred)))
+            yield rt, p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed), brought
         finally:
             rt.shutdown()
     finally:
         ClientHost.partial_sum = partial_sum
+
+
+def one(name: str, seed: int, rounds: int) -> dict:
+    with spied_run(name, seed, rounds) as (rt, driver, brought):
+        driver.run(0, rounds, lambda r, st: None)
+        y_true, y_pred, _ = rt.evaluate_global(driver.global_handle)
+        acc = float(np.mean(np.asarray(y_true) == np.asarray(y_pred)))
     return {"drift": [drift(brought[r]) for r in range(rounds)], "accuracy": acc}
 
 
@@ -80,62 +88,39 @@ def correction_effect(seed: int, at: list[int]) -> list[dict]:
     """Round ``r`` (0-based: the rounds before it done) of SplitFed+SCAFFOLD, for each ``r`` in ``at``, with and
     without the correction from the same state: the global update's relative difference and cosine, and the
     drift of each (module docstring)."""
-    from raysplit.config import load_config
-    from raysplit.experiment import prepare
-    from raysplit.runtime import runtime_for, transport
-    from raysplit.runtime.client_host import ClientHost
+    from raysplit.runtime import transport
     from raysplit.runtime.hosts import owned  # copies: in process a state_dict is the hosts' own tensors
 
-    brought: dict[int, dict] = {}
-    partial_sum = ClientHost.partial_sum
+    out, done = [], 0
+    with spied_run("sflv1_scaffold", seed, max(at) + 1) as (rt, driver, brought):
+        server = rt.backend.server
 
-    def spy(self, weights):
-        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self._state_of(int(c)).items()}
-                                                   for c in weights if int(c) in self.train_idx})
-        return partial_sum(self, weights)
+        def model() -> torch.Tensor:  # the global model, flat: device block then server block
+            dev = transport.unpack_state(rt.get(driver.global_handle).state)
+            srv = transport.unpack_state(rt.get(rt.server.get_state()).state)
+            return torch.cat([t.float().flatten() for st in (dev, srv) for t in st.values()])
 
-    ClientHost.partial_sum = spy
-    try:
-        cfg = load_config(str(ROOT / "configs/ampere/fmnist.yaml"),
-                          {**OVERRIDES, "algorithm": {"name": "sflv1_scaffold"}, "seed": seed, "train.rounds": max(at) + 1})
-        p = prepare(cfg)
-        rt = runtime_for(cfg.runtime, p.inputs)
-        try:
-            driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
-            server = rt.backend.server
+        def one_round(r: int) -> tuple[torch.Tensor, float]:
+            brought.clear()
+            driver.run(r, r + 1, lambda *a: None)
+            return model(), drift(brought[r])
 
-            def model() -> torch.Tensor:  # the global model, flat: device block then server block
-                dev = transport.unpack_state(rt.get(driver.global_handle).state)
-                srv = transport.unpack_state(rt.get(rt.server.get_state()).state)
-                return torch.cat([t.float().flatten() for st in (dev, srv) for t in st.values()])
-
-            def one_round(r: int) -> tuple[torch.Tensor, float]:
-                brought.clear()
-                driver.run(r, r + 1, lambda *a: None)
-                return model(), drift(brought[r])
-
-            out, done = [], 0
-            for r in sorted(at):
-                driver.run(done, r, lambda *a: None)
-                done = r
-                hosts, drv, x = owned(rt.state_dict()), owned(driver.state_dict()), model()
-                with_c, drift_c = one_round(r)
-                rt.load_state_dict(owned(hosts)), driver.load_state_dict(owned(drv))
-                server.control = {}  # this round without the correction: c = 0 reaches the clients
-                without, drift_0 = one_round(r)
-                rt.load_state_dict(owned(hosts)), driver.load_state_dict(owned(drv))
-                again, _ = one_round(r)  # the restored state reruns the round exactly; the run goes on from here
-                assert torch.equal(again, with_c), f"seed {seed} round {r}: the restored round differs"
-                d_c, d_0 = with_c - x, without - x
-                out.append({"round": r + 1, "rel": float((d_c - d_0).norm() / d_0.norm()),
-                            "cos": float(torch.nn.functional.cosine_similarity(d_c, d_0, dim=0)),
-                            "update": float(d_0.norm()), "update_with": float(d_c.norm()),
-                            "drift_with": drift_c, "drift_without": drift_0})
-                done = r + 1
-        finally:
-            rt.shutdown()
-    finally:
-        ClientHost.partial_sum = partial_sum
+        for r in sorted(at):
+            driver.run(done, r, lambda *a: None)
+            hosts, drv, x = owned(rt.state_dict()), owned(driver.state_dict()), model()
+            with_c, drift_c = one_round(r)
+            rt.load_state_dict(owned(hosts)), driver.load_state_dict(owned(drv))
+            server.control = {}  # this round without the correction: c = 0 reaches the clients
+            without, drift_0 = one_round(r)
+            rt.load_state_dict(owned(hosts)), driver.load_state_dict(owned(drv))
+            again, _ = one_round(r)  # the restored state reruns the round exactly; the run goes on from here
+            assert torch.equal(again, with_c), f"seed {seed} round {r}: the restored round differs"
+            d_c, d_0 = with_c - x, without - x
+            out.append({"round": r + 1, "rel": float((d_c - d_0).norm() / d_0.norm()),
+                        "cos": float(torch.nn.functional.cosine_similarity(d_c, d_0, dim=0)),
+                        "update": float(d_0.norm()), "update_with": float(d_c.norm()),
+                        "drift_with": drift_c, "drift_without": drift_0})
+            done = r + 1
     return out
 
 
