@@ -4,10 +4,12 @@
 #                                 backend with its golden fingerprint, one Ray run per loop family and transport)
 #   bash scripts/test.sh --all    the full tier (adds in-process Ray, multi-node clusters, job submission, MLflow
 #                                 servers, fault injection, subprocess kills, heavy models): what CI runs
-# Any other argument goes to pytest (e.g. -k gas, tests/test_golden.py).
+#   bash scripts/test.sh --full-only   only what the full tier adds (CI runs the fast tier, then this, timing each)
+# Any other argument goes to pytest (e.g. -k gas, tests/test_golden.py). RAYSPLIT_SETUP_DONE=1 skips the setup
+# (.ci/run sets it after its own setup phase).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+[ "${RAYSPLIT_SETUP_DONE:-}" = 1 ] || bash scripts/setup.sh
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
        MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false PYTHONDONTWRITEBYTECODE=1
 set +e

@@ -8,7 +8,11 @@ multi-node clusters, real MLflow servers, fault injection, subprocesses and heav
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +27,9 @@ FULL_TIER = ("ray", "cluster", "mlflow_server", "faults", "subprocess", "slow")
 def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", default=False,
                      help=f"run the full tier too (tests marked {', '.join(FULL_TIER)}), not only the fast tier")
+    parser.addoption("--full-only", action="store_true", default=False,
+                     help="only what the full tier adds to the fast tier (CI runs the fast tier, then this, to time "
+                          "each tier on its own)")
     parser.addoption("--matrix", action="store_true", default=False,
                      help="run the whole fault matrix too (tests marked matrix; make fault-matrix), not only the "
                           "cases CI runs")
@@ -32,14 +39,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-    full_tier, matrix = config.getoption("--all"), config.getoption("--matrix")
+    full_only = config.getoption("--full-only")
+    full_tier, matrix = config.getoption("--all") or full_only, config.getoption("--matrix")
     keep, drop = [], []
     for item in items:
+        fast = not any(item.get_closest_marker(m) for m in FULL_TIER) or bool(item.get_closest_marker("smoke"))
         if item.get_closest_marker("matrix"):
             out = not matrix
         else:
-            out = not full_tier and any(item.get_closest_marker(m) for m in FULL_TIER) \
-                and not item.get_closest_marker("smoke")
+            out = (not full_tier and not fast) or (full_only and fast)
         (drop if out else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -47,7 +55,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return ("tier: full (--all)" if config.getoption("--all") else
+    return ("tier: what the full tier adds (--full-only)" if config.getoption("--full-only") else
+            "tier: full (--all)" if config.getoption("--all") else
             f"tier: fast (tests marked {', '.join(FULL_TIER)} deselected unless also smoke; --all runs them)")
 
 
@@ -87,3 +96,21 @@ def fmnist_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("fmnist")
     write_fake_fashion_mnist(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def node_loss(tmp_path_factory):
+    """tests/node_loss_script.py in its own process (its own ray.cluster_utils.Cluster): one reference run (in
+    process), the client actors' node removed gracefully (SIGTERM) and then as a crash (SIGKILL, Ray learns of it
+    from its health checks) with a spare node each time, then removed with no node left that offers their resource;
+    where the actors were placed. One cluster for tests/test_faults.py and tests/test_placement.py."""
+    here = Path(__file__).resolve().parent
+    work = tmp_path_factory.mktemp("node-loss")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(here.parent))
+    proc = subprocess.run([sys.executable, str(here / "node_loss_script.py"), str(work)], capture_output=True,
+                          text=True, timeout=400, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"no result; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert "watchdog" not in out, f"the script ran past its watchdog: {out}\n{proc.stderr[-3000:]}"
+    return out
