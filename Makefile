@@ -6,8 +6,8 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: golden golden-check fault-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-results config-doc check-ui
+.PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
+	bench-placement bench-spill bench-ray-run bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-docs-full check-results config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -60,6 +60,10 @@ bench-placement:
 bench-spill:
 	$(PY) benchmarks/scale2.py spill --clients 1000 100000 --algorithms psl sflv3 --budget-mb 64 --rounds 3 --warmup 1
 
+# Issue 51: where a small Ray run's time goes (actor starts against rounds), what CI's Ray tests pay for.
+bench-ray-run:
+	$(PY) benchmarks/ray_run_cost.py
+
 # A GPU server (needs a machine with a GPU and Ray; none was available where RESULTS.md was written).
 bench-gpu:
 	$(PY) benchmarks/gpu_server.py --workers 7 --rounds 5
@@ -82,7 +86,8 @@ flower-venv: benchmarks/.flower-venv/bin/python
 bench-flower: flower-venv
 	$(PY) benchmarks/flower.py --rounds 8 --reps 3
 
-# Tests (README, "Tests"; docs/testing.md): the fast tier, the full tier, and what CI runs (.ci/run: full tier, then check-docs).
+# Tests (README, "Tests"; docs/testing.md): the fast tier, the full tier, and what CI runs (.ci/run: the fast tier, what
+# the full tier adds, check-results, check-docs; each phase timed).
 test:
 	bash scripts/test.sh
 
@@ -105,13 +110,22 @@ golden-check:
 fault-matrix:
 	$(PY) -m pytest -q -p no:cacheprovider --all --matrix --durations=10 tests/test_fault_matrix.py
 
+# Every round-based algorithm's golden run on every Ray path (chained, actor calls, compiled graphs), each bit for bit
+# against the local backend (tests/test_direct_steps.py; CI runs one path per algorithm, CI_PATH there). Run it after a
+# change to a transport or to how a loop is driven: 72 Ray runs, ~12 min on 2 cores.
+path-matrix:
+	$(PY) -m pytest -q -p no:cacheprovider --all --matrix --durations=10 tests/test_direct_steps.py -k all_four_paths
+
 # Chaos runs (benchmarks/chaos.py): seeded random kills across the matrix's cases, each run compared with its
 # uninterrupted reference; prints a Markdown table and writes benchmarks/out/chaos.json.
 chaos:
 	$(PY) benchmarks/chaos.py --runs 24 --seed 0
 
-# Documented figures (issue 14): docs/quickstart.md's generated block comes from running configs/quickstart.yaml.
-# doc-figures rewrites it; check-docs (in CI, ~3 min on 2 cores) fails naming each figure that differs.
+# Documented figures (issues 14, 51): docs/quickstart.md's generated blocks come from running configs/quickstart.yaml,
+# whole (60 rounds) and cut to its first 10 rounds. doc-figures rewrites both; check-docs (in CI) reruns the first 10
+# rounds and fails naming each figure that differs from their block; check-docs-full does the same for the 60-round
+# block (run it after doc-figures; ~5 min on 2 cores). DOC_FIGURES_TIMES: a file to which check-docs appends the
+# quickstart's seconds a round (.ci/run's phase file).
 # Stamps on result pages (scripts/stamps.py): check-results (in CI, no training) names every stamped page or
 # section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed.
 check-results:
@@ -126,7 +140,10 @@ doc-figures:
 	$(PY) scripts/doc_figures.py
 
 check-docs:
-	$(PY) scripts/doc_figures.py --check
+	$(PY) scripts/doc_figures.py --check $(if $(DOC_FIGURES_TIMES),--times $(DOC_FIGURES_TIMES))
+
+check-docs-full:
+	$(PY) scripts/doc_figures.py --check --full
 
 # A run opened in MLflow's own UI in headless Chromium (scripts/check_ui.py): the run listed with its dataset, the
 # runs page's "Training runs", the metrics tab's count. Installs Debian's chromium only for this target (as root).

@@ -1,16 +1,23 @@
 """The figures docs/quickstart.md shows, produced by running its command, and a check that they are still true.
 
-    python scripts/doc_figures.py           # run the quickstart, rewrite the page's generated block (make doc-figures)
-    python scripts/doc_figures.py --check   # run it, compare with the page; exit 1 naming each figure that differs
-                                            # (make check-docs, run by CI's .ci/run: ~3 minutes on 2 cores)
+    python scripts/doc_figures.py                # run the quickstart and its first 10 rounds, rewrite both of the
+                                                 # page's generated blocks (make doc-figures)
+    python scripts/doc_figures.py --check        # run the first 10 rounds, compare with the page's first-rounds block;
+                                                 # exit 1 naming each figure that differs (make check-docs, in CI)
+    python scripts/doc_figures.py --check --full # run the whole quickstart, compare with the 60-round block
+                                                 # (make check-docs-full: after make doc-figures, not in CI)
 
 It runs ``configs/quickstart.yaml`` as ``raysplit run`` does (the same config, seed and Ray backend; only the MLflow
 store and the output folder go to a temporary directory) and renders the deterministic figures (final accuracy,
 macro-F1, MCC and test loss, the accuracy at every evaluation, the first evaluation at or above 85 %, the simulated
-time) as a table between ``<!-- figures:begin ... -->`` and ``<!-- figures:end -->``. Everything outside the
-markers (the prose, the wall-clock timings, which differ from run to run) is left as it is. A run is reproducible
-(same config and seed, same metrics), so a documented figure is compared with the produced one as written, digit
-for digit, at the precision the page shows.
+time) as a table between ``<!-- figures:begin ... -->`` and ``<!-- figures:end -->``. The same config cut to its
+first ``FIRST_ROUNDS`` rounds (``train.rounds=10``, nothing else changed) fills a second table between
+``<!-- first-rounds:begin ... -->`` and ``<!-- first-rounds:end -->``: CI checks that one, at a sixth of the cost.
+Every computation of a round shows in the first rounds' four-digit macro-F1, MCC and loss, so a changed result
+still fails CI; the 60-round block is checked whenever the page is rewritten. Everything outside the markers (the
+prose, the wall-clock timings, which differ from run to run) is left as it is. A run is reproducible (same config
+and seed, same metrics), so a documented figure is compared with the produced one as written, digit for digit, at
+the precision the page shows.
 """
 
 from __future__ import annotations
@@ -28,9 +35,20 @@ DOC = ROOT / "docs" / "quickstart.md"
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 TARGET = 0.85  # "first evaluation at or above 85 %"
 
-BEGIN = "<!-- figures:begin: written by `make doc-figures` (scripts/doc_figures.py), checked by `make check-docs` -->"
-END = "<!-- figures:end -->"
-_BLOCK = re.compile(r"<!-- figures:begin\b.*?-->\n?(.*?)<!-- figures:end -->", re.S)
+FIRST_ROUNDS = 10  # the rounds CI reruns (make check-docs): two evaluations of the quickstart's every 5
+
+# block name -> its opening marker (the closing one is <!-- NAME:end -->)
+MARKERS = {
+    "figures": "<!-- figures:begin: written by `make doc-figures` (scripts/doc_figures.py), checked by "
+               "`make check-docs-full` -->",
+    "first-rounds": f"<!-- first-rounds:begin: the first {FIRST_ROUNDS} rounds alone (train.rounds={FIRST_ROUNDS}), "
+                    "written by `make doc-figures`, checked by `make check-docs` in CI -->",
+}
+BEGIN, END = MARKERS["figures"], "<!-- figures:end -->"
+
+
+def _block(name: str) -> re.Pattern:
+    return re.compile(rf"<!-- {name}:begin\b.*?-->\n?(.*?)<!-- {name}:end -->", re.S)
 
 # (key, the row's label on the page), in the page's order
 FIGURES: list[tuple[str, str]] = [
@@ -107,18 +125,20 @@ def _close(key: str, documented: str, produced: str) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= TOLERANCE[key] + 1e-9 for x, y in zip(a, b))
 
 
-def render(figs: dict[str, str]) -> str:
-    """The generated block, markers included."""
+def render(figs: dict[str, str], block: str = "figures") -> str:
+    """The generated block ``block``, markers included."""
     rows = [f"| {_LABEL.get(k, k)} | {v} |" for k, v in figs.items()]
-    return "\n".join([BEGIN, "", "| figure (checked) | value |", "|---|---|", *rows, "", END])
+    return "\n".join([MARKERS[block], "", "| figure (checked) | value |", "|---|---|", *rows, "",
+                      f"<!-- {block}:end -->"])
 
 
-def parse(doc: str) -> dict[str, str]:
-    """The figures in ``doc``'s generated block (key -> value as written; a row whose label is no known figure is
-    kept under its label). Raises ValueError when there is not exactly one block."""
-    blocks = _BLOCK.findall(doc)
+def parse(doc: str, block: str = "figures") -> dict[str, str]:
+    """The figures in ``doc``'s generated block ``block`` (key -> value as written; a row whose label is no known
+    figure is kept under its label). Raises ValueError when there is not exactly one such block."""
+    blocks = _block(block).findall(doc)
     if len(blocks) != 1:
-        raise ValueError(f"expected exactly one '<!-- figures:begin ... -->' ... '{END}' block, found {len(blocks)}")
+        raise ValueError(f"expected exactly one '<!-- {block}:begin ... -->' ... '<!-- {block}:end -->' block, "
+                         f"found {len(blocks)}")
     out: dict[str, str] = {}
     for line in blocks[0].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -152,20 +172,21 @@ def differences(documented: dict[str, str], produced: dict[str, str]) -> list[st
     return out
 
 
-def replace_block(doc: str, figs: dict[str, str]) -> str:
-    """``doc`` with its generated block rewritten from ``figs`` (the rest untouched)."""
-    parse(doc)  # exactly one block
-    return _BLOCK.sub(lambda _: render(figs), doc)
+def replace_block(doc: str, figs: dict[str, str], block: str = "figures") -> str:
+    """``doc`` with its generated block ``block`` rewritten from ``figs`` (the rest untouched)."""
+    parse(doc, block)  # exactly one block
+    return _block(block).sub(lambda _: render(figs, block), doc)
 
 
-def produce(config: Path = CONFIG) -> dict[str, str]:
-    """Run the quickstart (config as is, MLflow and outputs in a temporary directory) and return its figures."""
+def produce(config: Path = CONFIG, rounds: int | None = None, speed: dict | None = None) -> dict[str, str]:
+    """Run the quickstart (config as is, or cut to its first ``rounds``; MLflow and outputs in a temporary
+    directory) and return its figures. ``speed``, when given, receives the rounds' wall-clock seconds per round."""
     from raysplit.config import load_config
     from raysplit.experiment import run_experiment
 
     tmp = Path(tempfile.mkdtemp(prefix="doc-figures-"))
     cfg = load_config(str(config), [f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'out'}",
-                                    "tracking.progress=false"])
+                                    "tracking.progress=false", *([f"train.rounds={rounds}"] if rounds else [])])
     evals: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
 
@@ -186,42 +207,69 @@ def produce(config: Path = CONFIG) -> dict[str, str]:
     c = cfg.clock
     clock = (f"{c.client_flops:.0e}".replace("e+", "e") + f" FLOP/s per client, {c.up_bandwidth / 1e6:g} MB/s up and "
              f"{c.down_bandwidth / 1e6:g} MB/s down per client") if c.profile == "homogeneous" else c.profile
+    per_round = final.get("time/wall", float("nan")) / cfg.train.rounds
     print(f"wall clock (not checked, not written to the page): {time.perf_counter() - t0:.0f} s in all, the rounds "
-          f"{final.get('time/wall', float('nan')):.0f} s", flush=True)
+          f"{final.get('time/wall', float('nan')):.0f} s ({per_round:.2f} s a round)", flush=True)
+    if speed is not None:
+        speed["s_per_round"] = per_round
     return figures(cfg.seed, evals, final, clock, threads)
+
+
+def check(doc: Path, config: Path, block: str, times: Path | None = None) -> int:
+    """Run what ``block`` documents and compare; 0 when every figure matches, 1 naming each that does not."""
+    try:
+        documented = parse(doc.read_text(), block)
+    except ValueError as e:
+        print(f"{doc}: {e}", file=sys.stderr)
+        return 2
+    speed: dict = {}
+    produced = produce(config, FIRST_ROUNDS if block == "first-rounds" else None, speed)
+    if times is not None:  # .ci/run's phase file: the quickstart's seconds a round, a speed figure of the machine
+        with open(times, "a") as f:
+            f.write(f"quickstart {speed['s_per_round']:.2f}\n")
+    diff = differences(documented, produced)
+    what = f"{config.name}" + (f" cut to its first {FIRST_ROUNDS} rounds" if block == "first-rounds" else "")
+    if diff:
+        print(f"{doc}: {len(diff)} figure(s) of the {block} block no longer match what {what} produces "
+              f"(run `make doc-figures`):", file=sys.stderr)
+        for line in diff:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    how = ("as written" if documented.get("machine") == produced["machine"] else
+           f"within the tolerances for another machine kind (page: {documented.get('machine')}; here: "
+           f"{produced['machine']})")
+    print(f"{doc}: all {len(produced)} figures of the {block} block match what {what} produces, {how}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="compare with the page instead of rewriting it")
+    ap.add_argument("--full", action="store_true",
+                    help="with --check: the whole quickstart against the 60-round block (default: the first "
+                         f"{FIRST_ROUNDS} rounds against their block)")
+    ap.add_argument("--times", type=Path, help="with --check: append 'quickstart SECONDS_A_ROUND' to this file")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--config", type=Path, default=CONFIG)
     args = ap.parse_args(argv)
-    doc = args.doc.read_text()
-    try:
-        documented = parse(doc)
-    except ValueError as e:
-        print(f"{args.doc}: {e}", file=sys.stderr)
-        return 2
-    produced = produce(args.config)
-    diff = differences(documented, produced)
     if args.check:
-        if diff:
-            print(f"{args.doc}: {len(diff)} figure(s) no longer match what {args.config.name} produces "
-                  f"(run `make doc-figures`):", file=sys.stderr)
-            for line in diff:
-                print(f"  {line}", file=sys.stderr)
-            return 1
-        how = ("as written" if documented.get("machine") == produced["machine"] else
-               f"within the tolerances for another machine kind (page: {documented.get('machine')}; here: "
-               f"{produced['machine']})")
-        print(f"{args.doc}: all {len(produced)} figures match what {args.config.name} produces, {how}")
-        return 0
-    args.doc.write_text(replace_block(doc, produced))
-    print(f"{args.doc}: generated block rewritten" + (f"; {len(diff)} figure(s) changed:" if diff else
-                                                      ", nothing changed"))
-    for line in diff:
-        print(f"  {line}")
+        return check(args.doc, args.config, "figures" if args.full else "first-rounds", args.times)
+    doc = args.doc.read_text()
+    for block in MARKERS:
+        try:
+            parse(doc, block)
+        except ValueError as e:
+            print(f"{args.doc}: {e}", file=sys.stderr)
+            return 2
+    for block, rounds in (("figures", None), ("first-rounds", FIRST_ROUNDS)):
+        produced = produce(args.config, rounds)
+        diff = differences(parse(doc, block), produced)
+        doc = replace_block(doc, produced, block)
+        print(f"{args.doc}: {block} block rewritten" + (f"; {len(diff)} figure(s) changed:" if diff else
+                                                        ", nothing changed"))
+        for line in diff:
+            print(f"  {line}")
+    args.doc.write_text(doc)
     return 0
 
 

@@ -1,6 +1,7 @@
 """scripts/doc_figures.py, the check that docs/quickstart.md's figures are what its command produces: it passes when
-they agree, fails naming the figure that differs, round-trips its block; and the page carries a block that parses.
-The quickstart itself (~3 minutes on 2 cores) is not run here: `make check-docs` runs it, in CI (.ci/run)."""
+they agree, fails naming the figure that differs, round-trips its blocks; and the page carries both blocks (the 60
+rounds, the first 10 alone) and they parse. The quickstart itself is not run here: `make check-docs` runs its first
+10 rounds, in CI (.ci/run), and `make check-docs-full` the 60."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def _produced(final_acc: float = 0.869) -> dict[str, str]:
     return df.figures(0, evals, final, CLOCK)
 
 
-def _doc(figs: dict[str, str]) -> str:
-    return f"# Page\n\nProse before.\n\n{df.render(figs)}\n\nWall clock: 5 min 40 s (measured once).\n"
+def _doc(figs: dict[str, str], first: dict[str, str] | None = None) -> str:
+    first = first or figs
+    return (f"# Page\n\nProse before.\n\n{df.render(figs)}\n\nBetween.\n\n{df.render(first, 'first-rounds')}\n\n"
+            "Wall clock: 5 min 40 s (measured once).\n")
 
 
 def test_figures_are_written_as_the_page_shows_them():
@@ -68,15 +71,32 @@ def test_check_fails_on_a_missing_or_unknown_row():
 
 
 def test_main_check_exits_nonzero_naming_the_figure(tmp_path, monkeypatch, capsys):
+    """--check runs the first rounds alone against their block, --check --full the whole run against the 60-round
+    block: each fails naming the figure of its own block; a rewrite fills both blocks from their own runs."""
     page = tmp_path / "page.md"
-    page.write_text(_doc(_produced(0.8628)))
-    monkeypatch.setattr(df, "produce", lambda config: _produced(0.8690))
-    assert df.main(["--check", "--doc", str(page)]) == 1
+    page.write_text(_doc(_produced(0.8628), _produced(0.7890)))
+    asked = []
+
+    def produce(config, rounds=None, speed=None):
+        asked.append(rounds)
+        if speed is not None:
+            speed["s_per_round"] = 2.5
+        return _produced(0.8690 if rounds is None else 0.7891)
+
+    monkeypatch.setattr(df, "produce", produce)
+    times = tmp_path / "times"
+    assert df.main(["--check", "--doc", str(page), "--times", str(times)]) == 1 and asked == [df.FIRST_ROUNDS]
+    err = capsys.readouterr().err
+    assert "first-rounds block" in err and "documented '78.90 %', produced '78.91 %'" in err, err
+    assert times.read_text() == "quickstart 2.50\n"
+    assert df.main(["--check", "--full", "--doc", str(page)]) == 1 and asked[-1] is None
     assert "test accuracy after the last round: documented '86.28 %', produced '86.90 %'" in capsys.readouterr().err
-    assert df.main(["--doc", str(page)]) == 0  # regenerate: prose and wall clock stay, the block is rewritten
+    assert df.main(["--doc", str(page)]) == 0  # regenerate: prose and wall clock stay, both blocks are rewritten
     text = page.read_text()
-    assert "Prose before." in text and "Wall clock: 5 min 40 s (measured once)." in text
+    assert "Prose before." in text and "Between." in text and "Wall clock: 5 min 40 s (measured once)." in text
+    assert df.parse(text)["accuracy"] == "86.90 %" and df.parse(text, "first-rounds")["accuracy"] == "78.91 %"
     assert df.main(["--check", "--doc", str(page)]) == 0
+    assert df.main(["--check", "--full", "--doc", str(page)]) == 0
 
 
 def test_a_page_without_exactly_one_block_is_refused():
@@ -86,9 +106,13 @@ def test_a_page_without_exactly_one_block_is_refused():
         df.parse(_doc(_produced()) + _doc(_produced()))
 
 
-def test_quickstart_page_carries_the_generated_block():
+def test_quickstart_page_carries_the_generated_blocks():
     doc = (ROOT / "docs" / "quickstart.md").read_text()
     assert doc.count("<!-- figures:begin") == 1 and doc.count(df.END) == 1
+    first = df.parse(doc, "first-rounds")  # what CI checks: the same config's first rounds alone
+    assert list(first) == [k for k, _ in df.FIGURES] and first["rounds"] == str(df.FIRST_ROUNDS), first
+    assert first["eval_rounds"] == " ".join(str(r) for r in range(5, df.FIRST_ROUNDS + 1, 5))
+    assert first["machine"] == df.parse(doc)["machine"]  # both blocks made on one machine kind
     figs = df.parse(doc)
     assert list(figs) == [k for k, _ in df.FIGURES], figs  # every figure, no stray row
     assert figs["seed"] == "0" and figs["rounds"] == "60"
