@@ -55,19 +55,21 @@ def test_each_loop_family_through_ray_reproduces_its_fingerprint(ray_session, fa
 
 def ray_representatives() -> list[str]:
     """What the Ray backend can change is how hosts run in actors and how the runtime's paths are driven, not what an
-    algorithm's driver-side code decides: one algorithm per (client host, server host, driver) triple, plus those of
-    the plain hosts' triple that take another runtime path (copies, local SGD, the model handed on, pooled and
-    shared-gradient steps, merged batches), less the loop families the fast tier already runs through Ray."""
+    algorithm's driver-side code decides: one algorithm per (client host, server host, driver) triple, less what
+    runs through Ray elsewhere: every round-based algorithm (tests/test_direct_steps.py holds each one's golden run
+    on a Ray path to the local backend's, bit for bit) and the loop families the fast tier runs here. What is left
+    are the asynchronous methods' own triples."""
+    from raysplit.algorithms import AsyncAlgorithm
+
     seen, out = set(), []
-    first = [*FAMILIES.values(), "semisfl", "sflv1"]  # a triple's best-known member stands for it
+    first = [*FAMILIES.values()]  # a triple's best-known member stands for it
     for name in first + sorted(set(ALGORITHMS) - set(first)):
         alg = ALGORITHMS[name]
         triple = (alg.client_host, alg.server_host, alg.driver)
         if triple not in seen:
             seen.add(triple)
             out.append(name)
-    out += ["psl", "fedavg", "splitnn", "sglr", "s2fl"]
-    return sorted(set(out) - set(FAMILIES.values()))
+    return sorted(n for n in set(out) - set(FAMILIES.values()) if issubclass(ALGORITHMS[n], AsyncAlgorithm))
 
 
 @pytest.mark.parametrize("name", ray_representatives())
