@@ -3,17 +3,22 @@
 whose node hosting the client actors is removed mid-run.
 
 Nodes: a head with no CPUs (the driver's), a ``server`` node, and client node A (``client`` resource). The client
-actors need ``client``, so they land on A, the only node offering it. Then, in this order:
+actors need ``client``, so they land on A, the only node offering it, and the server actor on the ``server`` node
+(``placement``: where each actor was found in the first run's round 0; tests/test_placement.py reads it). Then, in
+this order:
 
-1. ``reference``: the uninterrupted run.
+1. ``reference``: the uninterrupted run, on the local backend (in process: the Ray backend gives the local one's
+   metrics bit for bit, tests/test_direct_steps.py), so that the cluster hosts only the runs that lose a node.
 2. ``spare_sigterm``: the same config; after round 1 (from ``on_round``) a spare client node B joins, then A is
    shut down gracefully (SIGTERM) -> the run should complete, one restart tagged, with the reference's per-round
    metrics. ``spare_crash``: the same with B replaced by C, B's processes SIGKILLed as in a machine failure (Ray
    learns of the loss from its health checks).
 3. ``noroom``: the same config, its client actors now on C; after round 1 C crashes and no node offers
-   ``client`` -> the run should fail with an ActorFailure naming actor, node and round, its MLflow run FAILED.
+   ``client`` -> the run should fail with an ActorFailure naming actor, node and round, its MLflow run FAILED;
+   ``first_error`` is the actor failure the run's guard was handed first (what the runtime reports of the lost
+   node before any replacement is tried).
 
-One cluster and one reference run serve all three. Usage: node_loss_script.py WORKDIR. Prints one
+One cluster serves all three (and tests/test_placement.py, which used to start a cluster of its own). Usage: node_loss_script.py WORKDIR. Prints one
 ``RESULT {json}`` line."""
 
 import json
@@ -73,8 +78,12 @@ recoveries = []  # when RoundGuard.recover was called (an actor failure seen by 
 _recover = drivers.RoundGuard.recover
 
 
+errors = []  # what RoundGuard.recover was handed
+
+
 def recover(self, error, rnd):
     recoveries.append(time.time())
+    errors.append(f"{type(error).__name__}: {error}")
     return _recover(self, error, rnd)
 
 
@@ -82,8 +91,8 @@ drivers.RoundGuard.recover = recover
 out.update({"node_a": node_a.node_id, "server_node": server_node.node_id})
 
 
-def config(name):
-    return load_config(None, {
+def config(name, **more):
+    return load_config(None, {**{
         "name": name, "seed": 0, "algorithm.name": "sflv2", "data.dataset": "digits", "data.num_clients": 4,
         "data.partition.name": "iid", "model.name": "cnn_small", "model.cut": "conv1", "train.rounds": 4,
         "train.batch_size": 16, "train.local_steps": 2, "eval.every": 1,
@@ -92,7 +101,7 @@ def config(name):
         "runtime.address": cluster.address, "runtime.num_workers": 2,
         "runtime.server": {"num_cpus": 0.5, "resources": {"server": 1}},
         "runtime.client": {"num_cpus": 0.25, "resources": {"client": 1}},
-    })
+    }, **more})
 
 
 def curves(run_id):
@@ -120,9 +129,9 @@ def until_noticed():
         time.sleep(0.2)
 
 
-# 1. reference
+# 1. reference (in process)
 t = time.time()
-ref = experiment.run_experiment(config("reference"))
+ref = experiment.run_experiment(config("reference", **{"runtime.backend": "local"}))
 out["reference"] = {"seconds": time.time() - t, "curves": curves(ref["run_id"])}
 
 # 2. the node hosting the client actors removed while a spare node has room: first gracefully (A -> B), then as a
@@ -131,6 +140,9 @@ def spare_run(name: str, graceful: bool) -> dict:
     spare = {}
 
     def remove(rnd, m):
+        if rnd == 0 and "placement" not in out:  # where the first run's actors were placed
+            nodes = backends[-1].node_ids()
+            out["placement"] = {"server": nodes["server"], "workers": sorted(set(nodes["workers"]))}
         if rnd == 1 and "removed_at" not in spare:
             spare["nodes_before"] = workers_nodes()
             victim = next(n for n in cluster.worker_nodes if n.node_id == spare["nodes_before"][0])
@@ -172,6 +184,7 @@ def remove_last(rnd, m):
         cluster.remove_node(node, allow_graceful=False)
         noroom["removed_at"] = time.time()
         recoveries.clear()
+        errors.clear()
         until_noticed()
 
 
@@ -183,6 +196,7 @@ except Exception as e:  # noqa: BLE001 - report what the user would see
 removed = noroom.pop("removed_at", time.time())
 noroom["seconds_removal_to_error"] = time.time() - removed
 noroom["seconds_removal_to_restarts"] = [r - removed for r in recoveries]
+noroom["first_error"] = errors[0] if errors else None
 client = MlflowClient(uri)
 runs = client.search_runs([client.get_experiment_by_name("node-loss").experiment_id],
                           filter_string="attributes.run_name = 'noroom'")

@@ -4,7 +4,6 @@ the retry budget the run fails naming the actor, its node and the round, and is 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -173,23 +172,6 @@ def test_replacements_no_node_has_room_for_fail_within_the_bound(ray_session, tm
     client = MlflowClient(mlflow_uri)
     run = client.search_runs([client.get_experiment_by_name("faults-no-room").experiment_id])[0]
     assert run.info.status == "FAILED"
-
-
-@pytest.fixture(scope="module")
-def node_loss(tmp_path_factory):
-    """tests/node_loss_script.py in its own process (its own ray.cluster_utils.Cluster): one reference run, the
-    client actors' node removed gracefully (SIGTERM) and then as a crash (SIGKILL, Ray learns of it from its health
-    checks) with a spare node each time, then removed with no node left that offers their resource."""
-    here = Path(__file__).resolve().parent
-    work = tmp_path_factory.mktemp("node-loss")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(here.parent))
-    proc = subprocess.run([sys.executable, str(here / "node_loss_script.py"), str(work)], capture_output=True,
-                          text=True, timeout=400, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"no result; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[-1][len("RESULT "):])
-    assert "watchdog" not in out, f"the script ran past its watchdog: {out}\n{proc.stderr[-3000:]}"
-    return out
 
 
 @pytest.mark.slow
