@@ -33,8 +33,9 @@ def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_pa
     uri = f"sqlite:///{tmp_path / 'sweep.db'}"
     # two trials through Ray actors (each reserves its server and client actors): the second, at lr 1e-5, reaches
     # ASHA's first rung (grace 1 round, reduction 2) worse than the first and is stopped there
+    # (one client actor per trial: the sweep's path, not the actor count, is under test)
     results = run_sweep(str(write_sweep(tmp_path, space={"train.optimizer.lr": {"grid": [0.3, 1e-5]}})),
-                        [f"tracking.uri={uri}", "algorithm.name=sflv1"])
+                        [f"tracking.uri={uri}", "algorithm.name=sflv1", "runtime.num_workers=1"])
     df = results.get_dataframe()
     assert len(df) == 2 and not results.errors
     assert (df["training_iteration"] < 2).any() and (df["training_iteration"] == 2).any()
