@@ -45,6 +45,7 @@ MARKERS = {
                     "written by `make doc-figures`, checked by `make check-docs` in CI -->",
 }
 BEGIN, END = MARKERS["figures"], "<!-- figures:end -->"
+ROUNDS = {"figures": None, "first-rounds": FIRST_ROUNDS}  # block -> the train.rounds its run sets (None: the config's)
 
 
 def _block(name: str) -> re.Pattern:
@@ -223,12 +224,12 @@ def check(doc: Path, config: Path, block: str, times: Path | None = None) -> int
         print(f"{doc}: {e}", file=sys.stderr)
         return 2
     speed: dict = {}
-    produced = produce(config, FIRST_ROUNDS if block == "first-rounds" else None, speed)
+    produced = produce(config, ROUNDS[block], speed)
     if times is not None:  # .ci/run's phase file: the quickstart's seconds a round, a speed figure of the machine
         with open(times, "a") as f:
             f.write(f"quickstart {speed['s_per_round']:.2f}\n")
     diff = differences(documented, produced)
-    what = f"{config.name}" + (f" cut to its first {FIRST_ROUNDS} rounds" if block == "first-rounds" else "")
+    what = f"{config.name}" + (f" cut to its first {ROUNDS[block]} rounds" if ROUNDS[block] else "")
     if diff:
         print(f"{doc}: {len(diff)} figure(s) of the {block} block no longer match what {what} produces "
               f"(run `make doc-figures`):", file=sys.stderr)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"{args.doc}: {e}", file=sys.stderr)
             return 2
-    for block, rounds in (("figures", None), ("first-rounds", FIRST_ROUNDS)):
+    for block, rounds in ROUNDS.items():
         produced = produce(args.config, rounds)
         diff = differences(parse(doc, block), produced)
         doc = replace_block(doc, produced, block)
