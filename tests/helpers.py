@@ -49,6 +49,8 @@ def make_config(tmp_path, mlflow_uri, **overrides):
         "train.optimizer.lr": 0.1,
         "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
         "runtime.transport.kind": "calls",
+        # a test run's actors serve the session's next Ray run (a new host each; no process start nor imports)
+        "runtime.keep_actors_s": 30,
         "tracking.uri": mlflow_uri, "tracking.experiment": "tests", "tracking.progress": False,
         "tracking.output_dir": str(tmp_path / "outputs"),
     }

@@ -153,7 +153,8 @@ def _final_state(name: str, path: str) -> tuple[dict, list[dict]]:
     def keep(rnd, file, run_id):
         walk(torch.load(file, weights_only=False)["runtime"], "runtime")
 
-    extra = {**PATHS[path], "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5}
+    extra = {**PATHS[path], "runtime.num_workers": 2, "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
+             "runtime.keep_actors_s": 30}
     rounds = golden.run(name, on_checkpoint=keep, **extra)["rounds"]
     assert leaves, f"{name} on {path}: no final checkpoint"
     return leaves, rounds

@@ -36,7 +36,8 @@ def test_algorithm_reproduces_its_golden_fingerprint(name):
                       "`make golden`, say why in the commit and rerun its results pages):\n  " + "\n  ".join(diff[:12]))
 
 
-RAY = {"runtime.backend": "ray", "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5}
+RAY = {"runtime.backend": "ray", "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
+       "runtime.keep_actors_s": 30}  # a run's actors serve the next (helpers.make_config)
 # one algorithm per loop family: split steps (server-driven), pooled steps, the event loop
 FAMILIES = {"split": "sflv2", "pooled": "cyclesfl", "events": "gas"}
 

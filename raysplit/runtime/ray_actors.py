@@ -128,9 +128,36 @@ class HostActor:
     class (``ray.remote``) below, after :class:`RdtHostActor` derives from it."""
 
     def __init__(self, host_cls, *args, fault: tuple | None = None):
+        import threadpoolctl
+
+        # what a fresh process has, for reset(): a host may set torch's and the BLAS libraries' threads
+        self._threads = torch.get_num_threads()
+        self._blas = {i["prefix"]: i["num_threads"] for i in threadpoolctl.threadpool_info()
+                      if i["user_api"] == "blas"}
         self.host = host_cls(*args)
         if fault is not None:
             arm_fault(self.host, *fault)
+
+    def reset(self, host_cls, *args, fault: tuple | None = None) -> str:
+        """Host a new run's host in this process, as a fresh actor would (``runtime.keep_actors_s``: a finished
+        run's actor reused by the driver's next run, which saves the process start and its imports of torch, Ray
+        and raysplit, about 5 s of CPU an actor): the old host and any compiled graphs of its run are dropped,
+        torch's and the BLAS libraries' thread counts set back to this process's first ones; the new host seeds
+        torch itself, as every host does. Returns the node's id (the actor's readiness, as ``node_id``)."""
+        import gc
+
+        import threadpoolctl
+
+        self.host = None
+        self._graphs, self._graph_ids = [], None
+        gc.collect()
+        torch.set_num_threads(self._threads)
+        if self._blas:
+            threadpoolctl.threadpool_limits(self._blas)
+        self.host = host_cls(*args)
+        if fault is not None:
+            arm_fault(self.host, *fault)
+        return self.node_id()
 
     def call(self, method: str, *args, **kwargs):
         return invoke(self.host, method, *args, **kwargs)
