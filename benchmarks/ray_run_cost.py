@@ -1,7 +1,8 @@
 """Where a small Ray run's time goes (issue 51: what CI's Ray tests pay for): the golden run of one algorithm
 (scripts/golden.py: digits, 3 rounds) through a local Ray with two client actors over actor calls and over compiled
 graphs, and with one client actor; for each, the seconds until its first round is done (actors started, first round
-computed), its rounds, and what follows the last one. Then, in a fresh interpreter, what one actor's process imports
+computed), its rounds, and what follows the last one; then three runs with ``runtime.keep_actors_s`` (the first
+starts the actors, the next two reuse them). Then, in a fresh interpreter, what one actor's process imports
 before it can train: torch, Ray and raysplit, and torch._dynamo, which torch's optimizers import at their first step.
 
     python benchmarks/ray_run_cost.py [--algorithm sflv2]      (make bench-ray-run)
@@ -51,14 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | seconds in all | until round 1 is done | rounds 2-3 | after the last round |")
     print("|---|---:|---:|---|---:|")
     try:
-        for kind, workers in (("calls", 2), ("compiled", 2), ("calls", 1)):
+        # the last three: runtime.keep_actors_s, the first of them starting the actors the next two reuse
+        for kind, workers, keep in (("calls", 2, 0), ("compiled", 2, 0), ("calls", 1, 0), ("calls", 2, 60),
+                                    ("calls", 2, 60), ("compiled", 2, 60)):
             marks: list[float] = []
             t = time.time()
             golden.run(args.algorithm, on_round=lambda r, m: marks.append(time.time()),
                        **{"runtime.backend": "ray", "runtime.server.num_cpus": 0.5, "runtime.client.num_cpus": 0.5,
-                          "runtime.transport.kind": kind, "runtime.num_workers": workers})
+                          "runtime.transport.kind": kind, "runtime.num_workers": workers,
+                          "runtime.keep_actors_s": keep})
             end = time.time()
-            print(f"| {args.algorithm}, {workers} client actor{'s' if workers > 1 else ''}, {kind} | {end - t:.1f} | "
+            how = f", keep_actors_s {keep}" if keep else ""
+            print(f"| {args.algorithm}, {workers} client actor{'s' if workers > 1 else ''}, {kind}{how} | "
+                  f"{end - t:.1f} | "
                   f"{marks[0] - t:.1f} | {', '.join(f'{b - a:.1f}' for a, b in zip(marks, marks[1:]))} | "
                   f"{end - marks[-1]:.1f} |")
     finally:

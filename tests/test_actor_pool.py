@@ -1,6 +1,6 @@
 """``runtime.keep_actors_s``: a finished run's actors reused by the driver's next run (ray_backend.ActorPool,
-HostActor.reset). A reused actor gives the same metrics as a fresh one; it is handed out only to a run asking for the
-same resources; idle ones are killed when their seconds pass, when a run asks for other resources, and before a
+HostActor.reset). A reused actor gives the same metrics as a fresh one and has a fresh process's thread count; it is
+handed out only to a run asking for the same resources; idle ones are killed when their seconds pass, when a run asks for other resources, and before a
 sweep (release_idle_actors), so they hold nothing another run needs; a failed run's actors are not reused."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import raysplit.experiment as experiment
 from helpers import make_config
@@ -78,3 +79,25 @@ def test_a_failed_runs_actors_are_not_reused(ray_session, tmp_path):
                                                                  "runtime.keep_actors_s": 60,
                                                                  "train.optimizer.lr": 1e30}))
     assert ray_backend.POOL._idle == []
+
+
+def test_a_reused_actor_has_a_fresh_processs_threads(ray_session, tmp_path):
+    """A host given torch threads (``runtime.torch_threads: 2``) sets them in its process; the next run's host in
+    that process, with torch's own default (null), finds the process's first count again (Ray gives an actor of
+    less than one CPU one thread), not the 2 the run before left."""
+    ray = ray_session
+    ray_backend.POOL.drain()
+    over = {"tracking.enabled": False, "runtime.keep_actors_s": 60, "train.rounds": 1}
+
+    def threads():
+        idle = [a for _, a, _ in ray_backend.POOL._idle]
+        return {a._actor_id: ray.get(a.__ray_call__.remote(lambda self: torch.get_num_threads()), timeout=60)
+                for a in idle}
+
+    experiment.run_experiment(make_config(tmp_path, None, **{**over, "runtime.torch_threads": 2}))
+    before = threads()
+    assert len(before) == 3 and set(before.values()) == {2}
+    experiment.run_experiment(make_config(tmp_path, None, **{**over, "runtime.torch_threads": None}))
+    after = threads()
+    assert set(after) == set(before) and set(after.values()) == {1}, after
+    ray_backend.POOL.drain()
