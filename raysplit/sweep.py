@@ -389,7 +389,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial)),
                      include_dashboard=False)
-    from raysplit.runtime.ray_backend import release_idle_actors
+    from raysplit.runtime.ray_pool import release_idle_actors
 
     release_idle_actors()  # actors a finished run of this driver kept (runtime.keep_actors_s) hold CPUs trials need
     max_conc = spec.max_concurrent_trials or max(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import inspect
 import math
 import os
@@ -16,6 +17,7 @@ from collections import deque
 
 import numpy as np
 import ray
+import threadpoolctl
 import torch
 from ray.exceptions import RayActorError, RayChannelError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -128,35 +130,29 @@ class HostActor:
     class (``ray.remote``) below, after :class:`RdtHostActor` derives from it."""
 
     def __init__(self, host_cls, *args, fault: tuple | None = None):
-        import threadpoolctl
-
         # what a fresh process has, for reset(): a host may set torch's and the BLAS libraries' threads
         self._threads = torch.get_num_threads()
         self._blas = {i["prefix"]: i["num_threads"] for i in threadpoolctl.threadpool_info()
                       if i["user_api"] == "blas"}
+        self._build(host_cls, args, fault)
+
+    def _build(self, host_cls, args: tuple, fault: tuple | None) -> None:
         self.host = host_cls(*args)
         if fault is not None:
             arm_fault(self.host, *fault)
 
     def reset(self, host_cls, *args, fault: tuple | None = None) -> str:
-        """Host a new run's host in this process, as a fresh actor would (``runtime.keep_actors_s``: a finished
-        run's actor reused by the driver's next run, which saves the process start and its imports of torch, Ray
-        and raysplit, about 5 s of CPU an actor): the old host and any compiled graphs of its run are dropped,
-        torch's and the BLAS libraries' thread counts set back to this process's first ones; the new host seeds
-        torch itself, as every host does. Returns the node's id (the actor's readiness, as ``node_id``)."""
-        import gc
-
-        import threadpoolctl
-
+        """Host a new run's host in this process, as a fresh actor would (``runtime.keep_actors_s``, ray_pool.py):
+        the old host and any compiled graphs of its run are dropped, torch's and the BLAS libraries' thread counts
+        set back to this process's first ones; the new host seeds torch itself, as every host does. Returns the
+        node's id (the actor's readiness, as ``node_id``)."""
         self.host = None
         self._graphs, self._graph_ids = [], None
         gc.collect()
         torch.set_num_threads(self._threads)
         if self._blas:
             threadpoolctl.threadpool_limits(self._blas)
-        self.host = host_cls(*args)
-        if fault is not None:
-            arm_fault(self.host, *fault)
+        self._build(host_cls, args, fault)
         return self.node_id()
 
     def call(self, method: str, *args, **kwargs):

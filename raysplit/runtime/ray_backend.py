@@ -1,14 +1,14 @@
 """Ray backend: the server host and the client hosts run in Ray actors; handles are ObjectRefs.
 
-This module and ray_actors.py (the actors and the ports) are the only code that imports Ray.
+This module, ray_actors.py (the actors and the ports) and ray_pool.py (actors kept for the next run) are the only
+code that imports Ray.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -16,8 +16,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.api import RuntimeInputs, host_inputs, with_threads
 from raysplit.runtime.ray_actors import HostActor, RayKeeper, RdtHostActor
+from raysplit.runtime.ray_pool import POOL, answering, pool_key
 
-__all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray", "release_idle_actors"]
+__all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
 
 
 def init_ray(rcfg) -> bool:
@@ -150,120 +151,6 @@ def usable_cores(rcfg) -> float:
     return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-class ActorPool:
-    """The actors of this driver's finished runs, kept ``runtime.keep_actors_s`` seconds for its next run
-    (:meth:`HostActor.reset` gives one a new host): a driver that runs many small experiments one after another
-    (a notebook on a running cluster, a test session) saves each actor's process start and imports, about 5 s of
-    CPU. Only a run that ended cleanly gives its actors back (a failed or restarted run's are killed), only to a
-    run asking for the same resources, and only on the same Ray cluster; a run that asks for others first kills
-    the idle ones, so they hold no resources it needs. An idle actor is killed after its seconds, and at
-    :meth:`drain` (a sweep, whose trials need the cluster's CPUs)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._idle: list[tuple[tuple, object, threading.Timer]] = []  # (key, actor, its expiry)
-        self._cluster = None
-
-    @staticmethod
-    def cluster() -> tuple:
-        ctx = ray.get_runtime_context()
-        return ctx.get_node_id(), ctx.get_job_id()
-
-    def take(self, needs: dict[tuple, int]) -> dict[tuple, list]:
-        """Up to ``needs[key]`` idle actors made with each ``key``; every other idle actor is killed, so that the
-        actors still to be made find the resources free."""
-        out: dict[tuple, list] = {k: [] for k in needs}
-        with self._lock:
-            if self._cluster != self.cluster():  # Ray was restarted since: the handles lead nowhere
-                for _, _, timer in self._idle:
-                    timer.cancel()
-                self._idle, self._cluster = [], self.cluster()
-            idle, self._idle = self._idle, []
-        for key, a, timer in idle:
-            timer.cancel()
-            if key in out and len(out[key]) < needs[key]:
-                out[key].append(a)
-            else:
-                _kill(a)
-        # one that died while idle (its node lost, killed from outside) is not handed out
-        taken = [a for v in out.values() for a in v]
-        refs = {a._actor_id: a.node_id.remote() for a in taken}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5) if refs else ([], [])
-        alive = set()
-        for a in taken:
-            try:
-                if refs[a._actor_id] in ready:
-                    ray.get(refs[a._actor_id], timeout=1)
-                    alive.add(a._actor_id)
-            except Exception:  # noqa: BLE001 - dead
-                pass
-        for key, v in out.items():
-            for a in v:
-                if a._actor_id not in alive:
-                    _kill(a)
-            out[key] = [a for a in v if a._actor_id in alive]
-        return out
-
-    def give(self, key: tuple, actors: list, seconds: float) -> None:
-        with self._lock:
-            if self._cluster != self.cluster():  # those kept on an earlier Ray are gone with it
-                for _, _, timer in self._idle:
-                    timer.cancel()
-                self._idle, self._cluster = [], self.cluster()
-            for a in actors:
-                timer = threading.Timer(seconds, self._expire, (a,))
-                timer.daemon = True
-                self._idle.append((key, a, timer))
-                timer.start()
-
-    def drain(self, keep: tuple | None = None) -> None:
-        """Kill the idle actors (but those made with ``keep``)."""
-        with self._lock:
-            self.drain_locked(keep)
-
-    def drain_locked(self, keep: tuple | None = None) -> None:
-        kept = []
-        for key, a, timer in self._idle:
-            if key == keep:
-                kept.append((key, a, timer))
-                continue
-            timer.cancel()
-            _kill(a)
-        self._idle = kept
-
-    def _expire(self, actor) -> None:
-        with self._lock:
-            mine = [e for e in self._idle if e[1] is actor]
-            self._idle = [e for e in self._idle if e[1] is not actor]
-        try:
-            current = ray.is_initialized() and self._cluster == self.cluster()
-        except Exception:  # noqa: BLE001 - Ray is shutting down
-            current = False
-        if mine and current:
-            _kill(actor)
-
-
-def _key(actor_cls, options: dict) -> tuple:
-    return repr(actor_cls), tuple(sorted((k, repr(v)) for k, v in options.items()))
-
-
-def _kill(actor) -> None:
-    try:
-        ray.kill(actor)
-    except Exception:  # noqa: BLE001 - already dead, or Ray is gone
-        pass
-
-
-POOL = ActorPool()
-
-
-def release_idle_actors() -> None:
-    """Kill the actors that finished runs left for reuse (``runtime.keep_actors_s``), so that their resources are
-    free: before a sweep's trials, which need the cluster's CPUs."""
-    if ray.is_initialized():
-        POOL.drain()
-
-
 class RayBackend:
     _group = None  # runtime.transport.kind rdt's gloo group over the run's actors
     transport, transport_reason = "calls", ""  # set per run in __init__ and connect()
@@ -284,7 +171,7 @@ class RayBackend:
         self._last: dict = {}  # client actor id -> ObjectRef of the driver's latest call on it
         self._barrier = None  # ObjectRef of a driven step sequence that later client-actor calls must follow
         self._connected = False
-        self._keys: dict = {}  # actor id -> what it was made with (ActorPool)
+        self._made_with: dict = {}  # role (server, client) -> what its actors were made with (ray_pool.pool_key)
         self._failed = False  # an actor call of this run raised (get): its actors are killed, not kept
         self._refs: dict = {}  # the run's inputs in the object store, put once (they outlive restarted actors)
         self._fault = rcfg.faults.inject_fault  # armed in the run's first actors only, not in their replacements
@@ -348,30 +235,27 @@ class RayBackend:
             opts["scheduling_strategy"] = "SPREAD"
         # actors a finished run of this driver left (runtime.keep_actors_s; not for rdt, whose actors are in a
         # collective group); every other idle one is killed first, so that the new ones find room
-        skey, ckey = _key(actor_cls, server_opts), _key(actor_cls, opts)
-        needs = {skey: 1} if skey == ckey else {skey: 1, ckey: r.num_workers}
-        if skey == ckey:
-            needs[skey] += r.num_workers
-        pooled = POOL.take(needs if actor_cls is HostActor else {})
-        ready: dict = {}  # actor -> the ObjectRef that is ready when its host is built
+        self._made_with = {"server": pool_key(actor_cls, server_opts), "client": pool_key(actor_cls, opts)}
+        needs = Counter({self._made_with["server"]: 1})
+        needs[self._made_with["client"]] += r.num_workers
+        pooled = POOL.take(needs if actor_cls is HostActor else Counter())
+        built: dict = {}  # actor id -> the ObjectRef that is ready when its host is built
 
-        def make(key, options, args, fault):
-            if pooled.get(key):
-                a = pooled[key].pop()
-                ready[a._actor_id] = a.reset.remote(*args, fault=fault)
+        def make(role, options, args, fault):
+            if pooled.get(self._made_with[role]):
+                a = pooled[self._made_with[role]].pop()
+                built[a._actor_id] = a.reset.remote(*args, fault=fault)
             else:
                 a = actor_cls.options(**options).remote(*args, fault=fault)
-                ready[a._actor_id] = a.node_id.remote()
-            self._keys[a._actor_id] = key
+                built[a._actor_id] = a.node_id.remote()
             return a
 
-        self._keys = {}
-        self.server = make(skey, {**server_opts, "name": None},
+        self.server = make("server", {**server_opts, "name": None},
                            (inputs.server_host, self._spec(inputs, "server"), inputs.server_init, client_init,
                             test_ref, self._refs["labeled"]), fault.get("server"))
         self.workers = [
-            make(ckey, opts, (inputs.client_host, self._spec(inputs, "client"), w, train_ref, tr, te, pr,
-                              client_init), fault.get(f"client{w}"))
+            make("client", opts, (inputs.client_host, self._spec(inputs, "client"), w, train_ref, tr, te, pr,
+                                  client_init), fault.get(f"client{w}"))
             for w, (tr, te, pr) in enumerate(host_inputs(inputs, r.num_workers))
         ]
         self._worker_ids = {w._actor_id for w in self.workers}
@@ -381,7 +265,7 @@ class RayBackend:
                            for i, w in enumerate(self.workers)})
         # Constructors raise here (bad data, model errors) rather than at the first round.
         actors = [self.server, *self.workers]
-        refs = [ready[a._actor_id] for a in actors]
+        refs = [built[a._actor_id] for a in actors]
         if ready_timeout is not None:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ready_timeout, fetch_local=False)
             pending = [a for a, r in zip(actors, refs) if r not in set(ready)]
@@ -551,16 +435,10 @@ class RayBackend:
         actors = [a for a in [self.server, *self.workers] if a is not None]
         if not (clean and seconds > 0 and actors and not self._failed and not self.rdt and not self.started_ray):
             return
-        refs = [a.node_id.remote() for a in actors]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-        try:
-            ray.get(done, timeout=5)
-        except Exception:  # noqa: BLE001 - one of them is dead
+        if len(answering(actors)) < len(actors):
             return
-        if len(done) < len(refs):
-            return
-        for a in actors:
-            POOL.give(self._keys[a._actor_id], [a], seconds)
+        POOL.give([(self._made_with["server"], self.server), *((self._made_with["client"], w) for w in self.workers)],
+                  seconds)
         self.workers, self.server = [], None
 
     def _kill_actors(self) -> None:
