@@ -359,7 +359,7 @@ def contract_violations(source: str, private: set[str]) -> list[str]:
     """Where an algorithm module steps outside the public runtime contract: it names the wire format (the
     ``transport`` module), builds a message from a raw payload (``Activation(...)``, ``Gradient(...)``,
     ``StateMsg(...)``: the runtime makes them; ``StateMsg.packed(tensors)`` and ``answer`` are the ways in), reads or
-    writes a host's clock field (``self.clock``: the cost meter's ``now``, ``wait_until``, ``charge_*`` and
+    writes a host's clock field (``self.clock``, ``self.meter.clock``: the cost meter's ``now``, ``wait_until``, ``charge_*`` and
     ``answer`` stamp time), or uses or overrides a private runtime name."""
     import ast
 
@@ -373,8 +373,10 @@ def contract_violations(source: str, private: set[str]) -> list[str]:
             out.append(f"line {n.lineno}: builds a {n.func.id} from a raw payload")
         elif isinstance(n, ast.Name) and n.id == "transport":
             out.append(f"line {n.lineno}: names transport")
-        elif isinstance(n, ast.Attribute) and n.attr == "clock" and isinstance(n.value, ast.Name) and n.value.id == "self":
-            out.append(f"line {n.lineno}: self.clock")
+        elif isinstance(n, ast.Attribute) and n.attr == "clock" and (
+                isinstance(n.value, ast.Name) and n.value.id == "self" or
+                isinstance(n.value, ast.Attribute) and n.value.attr == "meter"):
+            out.append(f"line {n.lineno}: {ast.unparse(n)}")
         elif isinstance(n, ast.Attribute) and n.attr in private:
             out.append(f"line {n.lineno}: private runtime name .{n.attr}")
         elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in private:

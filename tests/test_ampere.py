@@ -268,18 +268,18 @@ def test_scaffold_control_variates_follow_option_ii(tmp_path, mlflow_uri, monkey
     gradients the client computed this round; and the server's c stays the mean of the c_i (every client in
     every round). A correction applied with the wrong sign, to the wrong step, or from a stale start point breaks
     the first; a wrong server update breaks the second."""
-    from raysplit.algorithms.sflvariants import ScaffoldClient
+    from raysplit.algorithms.sflvariants import ScaffoldRule
     from raysplit.experiment import prepare
     from raysplit.runtime import runtime_for
 
     raw: dict[int, list] = {}
-    correct = ScaffoldClient.before_step
+    correct = ScaffoldRule.before_step
 
     def spy(self, cid, slot):  # the raw gradients, before SCAFFOLD's correction
         raw.setdefault(cid, []).append([p.grad.detach().clone() for p in slot.module.parameters()])
         correct(self, cid, slot)
 
-    monkeypatch.setattr(ScaffoldClient, "before_step", spy)
+    monkeypatch.setattr(ScaffoldRule, "before_step", spy)
     cfg = _scaffold_digits(tmp_path, mlflow_uri, "sflv1_scaffold", **{"train.local_steps": 5, "train.rounds": 3})
     p = prepare(cfg)
     rt = runtime_for(cfg.runtime, p.inputs)
@@ -289,7 +289,7 @@ def test_scaffold_control_variates_follow_option_ii(tmp_path, mlflow_uri, monkey
         for r in range(3):
             raw.clear()
             driver.run(r, r + 1, lambda *a: None)
-            own = {c: ci for host in rt.backend.workers for c, ci in host.c_own.items()}
+            own = {c: ci for host in rt.backend.workers for c, ci in host.rule.c_own.items()}
             assert sorted(own) == sorted(raw) == [0, 1, 2, 3]
             for c, grads in raw.items():
                 assert len(grads) == 5
@@ -300,8 +300,8 @@ def test_scaffold_control_variates_follow_option_ii(tmp_path, mlflow_uri, monkey
                 torch.testing.assert_close(control[str(i)], torch.stack(cis).mean(0), rtol=1e-5, atol=1e-8)
             if r:
                 corrected = max(corrected, max(float((c_ - ci).abs().max()) for host in rt.backend.workers
-                                               for cid in host.c_own for c_, ci in
-                                               zip(host.c_global, own[cid])))
+                                               for cid in host.rule.c_own for c_, ci in
+                                               zip(host.rule.c_global, own[cid])))
         assert corrected > 1e-3  # from round 2 on the correction c - c_i is not zero
     finally:
         rt.shutdown()
@@ -317,8 +317,8 @@ def test_scaffold_lowers_the_client_drift(tmp_path, mlflow_uri, monkeypatch):
     partial_sum = ClientHost.partial_sum
 
     def spy(self, weights):
-        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self._state_of(int(c)).items()}
-                                                   for c in weights if int(c) in self.train_idx})
+        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self.states.state_of(int(c)).items()}
+                                                   for c in weights if int(c) in self.data})
         return partial_sum(self, weights)
 
     monkeypatch.setattr(ClientHost, "partial_sum", spy)

@@ -241,10 +241,37 @@ def test_algorithms_keep_to_the_public_runtime_contract():
     contract; checked on attribute access and calls, not only on imports)."""
     root = Path(__file__).resolve().parent.parent / "raysplit"
     private = runtime_private_names(root / "runtime")
-    assert {"_pool", "_dirty", "_new_module"} <= private  # what the runtime keeps to itself is seen
+    assert {"_pool", "_perm", "_leaks", "_replay"} <= private  # what the runtime keeps to itself is seen
     found = {p.name: v for p in sorted((root / "algorithms").glob("*.py"))
              if (v := contract_violations(p.read_text(), private))}
     assert not found, found
+
+
+def host_subclasses(source: str, hosts=("ClientHost",)) -> list[str]:
+    """The classes of an algorithm module that derive from a host class named in ``hosts`` (by name, or as an
+    attribute: ``runtime.ClientHost``)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            names = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                     for b in node.bases]
+            out += [f"{node.name}({n}) at line {node.lineno}" for n in names if n in hosts]
+    return out
+
+
+def test_no_algorithm_subclasses_the_client_host():
+    """Methods change their clients through a client rule (runtime/rules.py), whose hooks the host calls in its own
+    order, never by subclassing ``ClientHost`` (issue 52)."""
+    root = Path(__file__).resolve().parent.parent / "raysplit"
+    found = {p.name: v for p in sorted((root / "algorithms").glob("*.py")) if (v := host_subclasses(p.read_text()))}
+    assert not found, found
+    # the check sees one where there is one
+    assert host_subclasses("from ..runtime import ClientHost\nclass C(ClientHost):\n    pass\n") == [
+        "C(ClientHost) at line 2"]
+    assert host_subclasses("import raysplit.runtime as r\nclass C(r.ClientHost, object):\n    pass\n") != []
+    assert host_subclasses("class C(ClientRule):\n    pass\n") == []
 
 
 def test_the_contract_check_finds_each_kind_of_breach():
@@ -256,12 +283,14 @@ class S(ServerHost):
         return None
     def step(self, a):
         self.clock = max(self.clock, a.t_sent)
+        self.meter.clock[0] = 1.0
         self._charge_upload(0, 1, "x")
         self.kept = StateMsg(a.state, a.t_sent)
         return Gradient(a.tag, transport.pack(a), 0.0)
 """
     got = contract_violations(src, {"_new_module", "_charge_upload"})
     assert [g.split(": ", 1)[1] for g in got].count("self.clock") == 2
+    assert [g.split(": ", 1)[1] for g in got].count("self.meter.clock") == 1
     for what in ("imports the transport module", "names transport", "private runtime name ._charge_upload",
                  "overrides private runtime name _new_module", "builds a StateMsg", "builds a Gradient"):
         assert any(what in g for g in got), (what, got)
@@ -297,3 +326,33 @@ def test_transport_unpack_copies_read_only_arrays_only():
     assert t2.data_ptr() != ro.__array_interface__["data"][0]  # read-only (as from ray.get): copied
     t2 += 1  # and safe to write
     assert torch.equal(t2, torch.arange(1, 5, dtype=torch.float32)) and ro[0] == 0
+
+
+# runtime classes and files still over issue 52's sizes, with their size when this list was written: the list only
+# shrinks (an entry under the limit fails too, so it is removed when its class or file is split)
+OVER_CLASS = {"ClientHost": 267, "ServerHost": 288, "RayBackend": 319, "Runtime": 232}
+OVER_FILE = {"api.py": 410, "events.py": 412, "ray_backend.py": 472}
+
+
+def test_runtime_classes_and_files_stay_small(capsys):
+    """No runtime class over about 200 lines and no runtime file over about 400 (issue 52), except those listed in
+    ``OVER_CLASS`` / ``OVER_FILE``, which may not grow; every size is printed (``pytest -s``)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "raysplit" / "runtime"
+    classes, files = {}, {}
+    for path in sorted(root.glob("*.py")):
+        source = path.read_text()
+        files[path.name] = len(source.splitlines())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = node.end_lineno - node.lineno + 1
+    with capsys.disabled():
+        print("\nruntime files (lines):", ", ".join(f"{k} {v}" for k, v in sorted(files.items(), key=lambda x: -x[1])))
+        print("runtime classes over 100 lines:",
+              ", ".join(f"{k} {v}" for k, v in sorted(classes.items(), key=lambda x: -x[1]) if v > 100))
+    for sizes, over, limit in ((classes, OVER_CLASS, 200), (files, OVER_FILE, 400)):
+        big = {k: v for k, v in sizes.items() if v > limit}
+        assert set(big) <= set(over), f"over {limit} lines: {sorted(set(big) - set(over))}"
+        assert all(big[k] <= over[k] for k in big), {k: (big[k], over[k]) for k in big if big[k] > over[k]}
+        assert set(over) <= set(big), f"now under {limit} lines, remove from the list: {sorted(set(over) - set(big))}"

@@ -56,7 +56,7 @@ def test_each_loop_family_through_ray_reproduces_its_fingerprint(ray_session, fa
 
 def ray_representatives() -> list[str]:
     """What the Ray backend can change is how hosts run in actors and how the runtime's paths are driven, not what an
-    algorithm's driver-side code decides: one algorithm per (client host, server host, driver) triple, less what
+    algorithm's driver-side code decides: one algorithm per (client rule, server host, driver) triple, less what
     runs through Ray elsewhere: every round-based algorithm (tests/test_direct_steps.py holds each one's golden run
     on a Ray path to the local backend's, bit for bit) and the loop families the fast tier runs here. What is left
     are the asynchronous methods' own triples."""
@@ -66,7 +66,7 @@ def ray_representatives() -> list[str]:
     first = [*FAMILIES.values()]  # a triple's best-known member stands for it
     for name in first + sorted(set(ALGORITHMS) - set(first)):
         alg = ALGORITHMS[name]
-        triple = (alg.client_host, alg.server_host, alg.driver)
+        triple = (alg.client_rule, alg.server_host, alg.driver)
         if triple not in seen:
             seen.add(triple)
             out.append(name)

@@ -207,7 +207,7 @@ def test_local_epochs_run_one_full_pass_per_client(tmp_path, mlflow_uri):
 def test_drop_last_skips_each_passes_short_batch():
     """train.drop_last (Hydra's code: DataLoader drop_last=True): a pass over 10 samples at batch 4 is [0, 4),
     [4, 8), then the next pass; 3 samples still give one short batch a pass."""
-    from raysplit.runtime.hostspec import advance_cursor
+    from raysplit.runtime.client_data import advance_cursor
 
     def batches(n, drop_last, k=4):
         cur, out = (0, 0), []

@@ -83,8 +83,8 @@ def _params():
     from raysplit.algorithms import ALGORITHMS
 
     seen = set()
-    for name in [n for n in golden.algorithms() if n not in golden.PLUGINS]:  # host pairs: the methods
-        pair = (ALGORITHMS[name].client_host, ALGORITHMS[name].server_host)
+    for name in [n for n in golden.algorithms() if n not in golden.PLUGINS]:  # (client rule, server host): the methods
+        pair = (ALGORITHMS[name].client_rule, ALGORITHMS[name].server_host)
         yield pytest.param(name, marks=[pytest.mark.slow] if pair in seen else [])
         seen.add(pair)
 

@@ -165,7 +165,7 @@ def test_spilled_client_state_changes_nothing_but_memory(tmp_path, mlflow_uri):
             "train.participation": {"fraction": 0.6}, "train.optimizer.momentum": 0.9, "runtime.backend": "local"}
     ref = run_rounds(make_config(tmp_path, mlflow_uri, **over))
     stores = []
-    from raysplit.runtime import client_host as hosts  # where ClientHost makes its stores
+    from raysplit.runtime import client_states as hosts  # where the client host makes its stores
 
     orig = hosts.SpillStore
 

@@ -169,7 +169,7 @@ def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_u
         p.algorithm.run_round(rt, r, clients, np.random.default_rng(r))
         host = rt.backend.workers[clients[0] % 2]
         # the client's restored optimizer state (momentum) must not bring back an old learning rate
-        assert host.slots[clients[0]].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
+        assert host.states.slots[clients[0]].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
         assert rt.backend.server.models["main"].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** r)
         rt.end_round()
 

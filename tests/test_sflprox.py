@@ -49,8 +49,8 @@ def test_a_step_adds_mu_times_the_distance_to_the_rounds_start(tmp_path, mlflow_
             q.add_(torch.full_like(q, 0.1))  # the client has moved by 0.1 in every weight
     for q in params:
         q.grad = torch.ones_like(q)
-    host.before_step(0, slot)
+    host.rule.before_step(0, slot)
     for q, s in zip(params, start):
         torch.testing.assert_close(q.grad, torch.ones_like(q) + 0.5 * (q.detach() - s))
     host.release(0)
-    assert 0 not in host.anchor
+    assert 0 not in host.rule.anchor

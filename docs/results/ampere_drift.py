@@ -58,8 +58,8 @@ def spied_run(name: str, seed: int, rounds: int):
     partial_sum = ClientHost.partial_sum
 
     def spy(self, weights):
-        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self._state_of(int(c)).items()}
-                                                   for c in weights if int(c) in self.train_idx})
+        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self.states.state_of(int(c)).items()}
+                                                   for c in weights if int(c) in self.data})
         return partial_sum(self, weights)
 
     ClientHost.partial_sum = spy

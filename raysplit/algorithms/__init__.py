@@ -1,10 +1,15 @@
-"""Algorithm registry. Importing this package registers every algorithm."""
-# Relative imports: algorithm modules import nothing outside raysplit (and never Ray).
+"""Algorithm registry. Importing this package imports every module in it, so each algorithm class that carries
+``@register`` is found: a new method is a new module, with no import list to edit.
+Relative imports: algorithm modules import nothing outside raysplit (and never Ray)."""
+
+import importlib
+import pkgutil
 
 from .base import (ALGORITHMS, Algorithm, AlgorithmParams, AsyncAlgorithm, SetupInfo, algorithm_params,
                    get_algorithm, register)
-from . import (ampere, asyncfl, baselines, cyclesl, gas, hydra, mergesfl, minibatch, semisfl, sflprox,  # noqa: F401
-               sflvariants)
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmParams", "AsyncAlgorithm", "SetupInfo", "algorithm_params", "get_algorithm",
            "register"]

@@ -45,7 +45,7 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..data.store import ActivationStore, ShuffledLoader, check_space
 from ..errors import ConfigError
 from ..models.auxiliary import UnsupportedLayer, auxiliary_net
-from ..runtime import ClientHost, ServerHost
+from ..runtime import ClientRule, ServerHost
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import StateMsg, Tag
 from ..runtime.optim import make_optimizer
@@ -73,11 +73,11 @@ def aux_parts(spec) -> tuple[torch.nn.Sequential, torch.nn.Module]:
     return with_auxiliary(model, device, server, spec.cut, spec.params.ratio), server
 
 
-class AuxClient(ClientHost):
+class AuxRule(ClientRule):
     """A client whose model is (device block, auxiliary net); the device block alone encodes its activations."""
 
     def build_module(self) -> torch.nn.Module:
-        return aux_parts(self.spec)[0]
+        return aux_parts(self.host.spec)[0]
 
     def encoder(self, tag: Tag, slot):
         return slot.module[0]
@@ -95,22 +95,25 @@ class AuxServer(ServerHost):
         return self.eval_client[0]  # evaluation: the device block with the server block, the auxiliary net unused
 
 
-class AmpereClient(AuxClient):
+class AmpereRule(AuxRule):
     """A device: trains (device block, auxiliary net) locally; exports its activations once."""
 
-    _export_model = None
+    _export_model = None  # the global (device block, auxiliary net) of the transfer
+    _export_of = None  # the global state it was loaded from
 
     @torch.no_grad()
     def validate(self) -> tuple[np.ndarray, np.ndarray, float]:
         """The global (device block, auxiliary net) on the validation splits of every device this worker hosts."""
-        model = aux_parts(self.spec)[0]
-        model.load_state_dict(self.global_state)
+        host = self.host
+        model = aux_parts(host.spec)[0]
+        model.load_state_dict(host.states.global_state)
         model.eval()
         tally = EvalTally()
-        for c in sorted(self.test_idx):
-            idx = self.test_idx[c]
+        for c in sorted(host.data.test_idx):
+            idx = host.data.test_idx[c]
             if len(idx):
-                predict_batches(self.x[idx], self.y[idx], self.spec.data_spec, self.spec.eval_batch_size, model, tally)
+                predict_batches(host.data.x[idx], host.data.y[idx], host.spec.data_spec, host.spec.eval_batch_size,
+                                model, tally)
         return tally.result()
 
     @torch.no_grad()
@@ -118,28 +121,27 @@ class AmpereClient(AuxClient):
         """Chunk ``chunk`` (``rows`` rows) of the device block's activations of the device's ``split`` (train or
         validation), computed with the global device block, charged (FLOPs, activation bytes) from ``t_start`` on:
         ``(features, labels, device, split, time it reached the server)``."""
+        host = self.host
         if chunk == 0:
-            self.wait_until(cid, t_start)
-        if self._export_model is None:  # the global device block, once per transfer
-            self._export_model = aux_parts(self.spec)[0]
-            self._export_model.load_state_dict(self.global_state)
+            host.meter.wait_until(cid, t_start)
+        if self._export_of is not host.states.global_state:  # the global device block, once per transfer
+            self._export_model = aux_parts(host.spec)[0]
+            self._export_model.load_state_dict(host.states.global_state)
             self._export_model.eval()
+            self._export_of = host.states.global_state
         device = self._export_model[0]
-        idx = (self.train_idx if split == "train" else self.test_idx)[cid][chunk * rows:(chunk + 1) * rows]
-        x, y = self.batch(idx)
-        out, fl = self.flops.run(("export", tuple(x.shape)), lambda: device(x))
-        self.charge_compute(cid, fl)
+        idx = (host.data.train_idx if split == "train" else host.data.test_idx)[cid][chunk * rows:(chunk + 1) * rows]
+        x, y = host.data.batch(idx)
+        out, fl = host.executor.run(("export", tuple(x.shape)), lambda: device(x))
+        host.meter.charge_compute(cid, fl)
         nbytes = None
-        if self.defence is not None:  # privacy.defence on the one-shot transfer (each sample released once)
-            out, nbytes = self.defend(Tag(cid, self.round, chunk, f"export_{split}"), x, out,
+        if host.cut.defence is not None:  # privacy.defence on the one-shot transfer (each sample released once)
+            out, nbytes = host.defend(Tag(cid, host.round, chunk, f"export_{split}"), x, out,
                                       count=split == "train" and chunk == 0, rate=1.0)
         feats = out.cpu().contiguous().numpy()  # to the server's activation store
-        t = self.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + y.numpy().nbytes, "activations")
+        t = host.meter.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + y.numpy().nbytes,
+                                     "activations")
         return feats, y.numpy(), cid, split, t
-
-    def set_global(self, msg: StateMsg, receivers=None, only=None) -> None:
-        super().set_global(msg, receivers, only)
-        self._export_model = None
 
 
 class AmpereServer(AuxServer):
@@ -286,7 +288,7 @@ class Ampere(Algorithm):
     name = "ampere"
     description = "Ampere: device block + auxiliary net to convergence, one-shot activations, server block after"
     Params = AmpereParams
-    client_host = AmpereClient
+    client_rule = AmpereRule
     server_host = AmpereServer
     checkpointed = ("phase", "round_phase", "best", "bad", "done", "device_rounds", "server_epochs", "store_path")
 

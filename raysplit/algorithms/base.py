@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
 from ..errors import ConfigError
-from ..runtime import Checkpointed, ClientHost, ServerHost
+from ..runtime import Checkpointed, ClientRule, ServerHost
 from ..runtime.drivers import RoundDriver
 from ..runtime.events import AsyncServer, EventDriver, EventSetup
 
@@ -64,7 +64,7 @@ class Algorithm(Checkpointed):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
-    client_host: ClassVar[type] = ClientHost
+    client_rule: ClassVar[type] = ClientRule  # what its clients change around a step (runtime/rules.py)
     server_host: ClassVar[type] = ServerHost
     driver: ClassVar[type] = RoundDriver
 

@@ -41,7 +41,7 @@ from .base import AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
-from ..runtime import Batch, ClientHost, ModelSlot, ServerHost, batch_step
+from ..runtime import Batch, ClientRule, ModelSlot, ServerHost, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import Gradient, StateMsg
@@ -67,21 +67,21 @@ def greedy_groups(counts: np.ndarray, label_groups: list[list[int]]) -> list[int
     return [int(g) for g in group]
 
 
-class LabelClient(ClientHost):
-    """Client host that can report its clients' label counts and hand out their own models for evaluation."""
+class LabelRule(ClientRule):
+    """Clients that can report their label counts and hand out their own models for evaluation."""
 
     def label_counts(self, num_classes: int, charge: bool) -> dict[int, np.ndarray]:
         out = {}
-        for c, idx in self.train_idx.items():
-            v = np.bincount(np.asarray(self.y[idx], dtype=np.int64), minlength=num_classes)
+        for c, idx in self.host.data.train_idx.items():
+            v = np.bincount(np.asarray(self.host.data.y[idx], dtype=np.int64), minlength=num_classes)
             if charge:
-                self.charge_upload(c, v.nbytes, "labels")
+                self.host.meter.charge_upload(c, v.nbytes, "labels")
             out[c] = v
         return out
 
     def own_states(self) -> dict[int, StateMsg]:
         """The own model of every hosted client that has one (evaluation only: not charged)."""
-        return {c: StateMsg.packed(st) for c, st in self.own.items()}
+        return {c: StateMsg.packed(st) for c, st in self.host.states.own.items()}
 
 
 class ConfidentServer(ServerHost):
@@ -214,7 +214,7 @@ class Hydra(SFLV2):
     name = "hydra"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
-    client_host = LabelClient
+    client_rule = LabelRule
     server_host = HydraServer
     checkpointed = ("groups",)  # a round 0 redone after a failure groups (and charges the labels) again
 
@@ -281,7 +281,7 @@ class SplitFedV3(PSL):
 
     name = "sflv3"
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
-    client_host = LabelClient
+    client_rule = LabelRule
     server_host = ConfidentServer
 
     def eval_modes(self) -> tuple[str, ...]:

@@ -61,7 +61,7 @@ from ..data.augment import Augmenter
 from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
 from ..models.core import ProjectionHead
-from ..runtime import Batch, ClientHost, ServerHost, batch_step
+from ..runtime import Batch, ClientRule, ServerHost, batch_step
 from ..runtime.hosts import build_parts
 from ..runtime.messages import Gradient, StateMsg, Tag
 from ..runtime.optim import make_optimizer, round_lr
@@ -178,14 +178,14 @@ def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, a: float) -> 
 
 
 # ---- hosts ----------------------------------------------------------------------------------------------------------
-class SemiClient(ClientHost):
+class SemiRule(ClientRule):
     """A client with unlabelled data: the student stream encodes a strong view of its next batch, the teacher
     stream a weak view of the same batch with the teacher encoder (no graph); no labels leave the client."""
 
-    def __init__(self, spec, *args):
-        super().__init__(spec, *args)
-        self.augment = Augmenter(spec.data_spec)
-        self.teacher, _ = build_parts(spec)
+    def __init__(self, host):
+        super().__init__(host)
+        self.augment = Augmenter(host.spec.data_spec)
+        self.teacher, _ = build_parts(host.spec)
         self._batch_of: dict[tuple, np.ndarray] = {}
 
     def set_teacher(self, msg: StateMsg, receivers: list[int]) -> None:
@@ -193,19 +193,19 @@ class SemiClient(ClientHost):
         self.teacher.load_state_dict(msg.tensors())
         self.teacher.train()
         for c in receivers:
-            if int(c) in self.train_idx:
-                self.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
+            if int(c) in self.host.data:
+                self.host.meter.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
 
     def batch_indices(self, tag: Tag, batch_size):
         key = (tag.client, tag.round, tag.step)
         if tag.stream == "teacher":
             return self._batch_of.pop(key)
-        self._batch_of[key] = idx = self.draw(tag.client, batch_size)
+        self._batch_of[key] = idx = self.host.data.draw(tag.client, batch_size)
         return idx
 
     def inputs(self, tag: Tag, idx):
         view = "weak" if tag.stream == "teacher" else "strong"
-        return self.augment(self.x[idx], view), np.zeros(0, np.int64)  # the labels stay on the client
+        return self.augment(self.host.data.x[idx], view), np.zeros(0, np.int64)  # the labels stay on the client
 
     def encoder(self, tag: Tag, slot):
         if tag.stream != "teacher":
@@ -217,9 +217,8 @@ class SemiClient(ClientHost):
 
         return teacher
 
-    def release(self, cid: int, keep_weights: bool | None = None) -> None:
-        super().release(cid, keep_weights)
-        self.opt_state.pop(cid, None)  # a fresh optimiser every round (the code)
+    def on_release(self, cid: int) -> None:
+        self.host.states.opt_state.pop(cid, None)  # a fresh optimiser every round (the code)
 
 
 class _Heads(torch.nn.Module):
@@ -453,7 +452,7 @@ class SemiSFL(Algorithm):
     name = "semisfl"
     description = "Semi-SFL: labelled server, unlabelled clients, teacher pseudo-labels, clustering regularisation"
     Params = SemiSFLParams
-    client_host = SemiClient
+    client_rule = SemiRule
     server_host = SemiServer
 
     @classmethod
@@ -519,19 +518,20 @@ class SupervisedOnly(SemiSFL):
 
 
 # ---- SemiFL ---------------------------------------------------------------------------------------------------------
-class SemiFLClient(SemiClient):
+class SemiFLRule(SemiRule):
     """SemiFL's client: the whole model; pseudo-labels from the round's global model on a weak view, training on a
     strong view with the masked CE plus mixup of the confident samples."""
 
     def semi_local(self, cid: int, steps: int, tau: float, mixup_alpha: float) -> float:
-        slot = self.activate(cid)
+        host = self.host
+        slot = host.activate(cid)
         teacher = copy.deepcopy(slot.module).eval()  # the global model of the round, frozen
         losses = []
         for step in range(steps):
-            idx = self.draw(cid)
-            with self.seeded(cid, 2, self.round, step):
-                xw, xs = self.augment(self.x[idx], "weak"), self.augment(self.x[idx], "strong")
-                lam = float(np.random.default_rng([self.spec.seed, cid, self.round, step]).beta(mixup_alpha,
+            idx = host.data.draw(cid)
+            with host.seeded(cid, 2, host.round, step):
+                xw, xs = self.augment(host.data.x[idx], "weak"), self.augment(host.data.x[idx], "strong")
+                lam = float(np.random.default_rng([host.spec.seed, cid, host.round, step]).beta(mixup_alpha,
                                                                                                  mixup_alpha))
                 perm = torch.randperm(len(idx))
 
@@ -549,11 +549,11 @@ class SemiFLClient(SemiClient):
                     loss.backward()
                     return loss
 
-                loss, fl = self.flops.run(("semifl", len(idx)), fwd_bwd)
-            self.clip_grads(slot.module)
+                loss, fl = host.executor.run(("semifl", len(idx)), fwd_bwd)
+            host.clip_grads(slot.module)
             slot.optimizer.step()
-            self.charge_compute(cid, fl)
-            self.round_stats[cid].add(steps=1, loss_sum=loss.item(), loss_n=1)
+            host.meter.charge_compute(cid, fl)
+            host.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
             losses.append(loss.item())
         return float(np.mean(losses))
 
@@ -610,7 +610,7 @@ class SemiFL(Algorithm):
     name = "semifl"
     description = "SemiFL: FL with the global model's pseudo-labels and mixup, labelled fine-tuning on the server"
     Params = SemiFLParams
-    client_host = SemiFLClient
+    client_rule = SemiFLRule
     server_host = SemiFLServer
 
     @classmethod

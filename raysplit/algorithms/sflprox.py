@@ -4,7 +4,7 @@ FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, "Federated Optimization in
 2020) lets every client minimise its local loss plus ``mu / 2 * ||w - w_t||^2``, where ``w_t`` is the global model
 the client started the round from, so that local updates on non-IID data drift less from the global model. Here the
 term is applied where SplitFed has client-side weights: the client part. Its gradient ``mu * (w - w_t)`` is added to
-the gradient the server sent back before each client step (``ClientHost.before_step``); the server copies, the
+the gradient the server sent back before each client step (the client rule's ``before_step``); the server copies, the
 FedAvg of the client parts and everything else are SplitFed V1's. ``mu = 0`` is SplitFed V1 exactly
 (tests/test_sflprox.py). The term's FLOPs (one multiply-add per weight) are not charged to the clock.
 """
@@ -16,7 +16,7 @@ from pydantic import Field
 
 from .base import CopiesParams, register
 from .baselines import SFLV1
-from ..runtime import ClientHost
+from ..runtime import ClientRule
 
 
 class ProxParams(CopiesParams):
@@ -25,30 +25,24 @@ class ProxParams(CopiesParams):
                       "0: SplitFed V1)")
 
 
-class ProxClient(ClientHost):
-    """A client host that remembers each client's starting weights of the round and pulls its steps towards them."""
+class ProxRule(ClientRule):
+    """Remembers each client's starting weights of the round and pulls its steps towards them."""
 
-    def __init__(self, spec, *args):
-        super().__init__(spec, *args)
+    def __init__(self, host):
+        super().__init__(host)
         self.anchor: dict[int, list[torch.Tensor]] = {}
 
-    def activate(self, cid: int, state=None, rnd=None):
-        fresh = cid not in self.slots
-        slot = super().activate(cid, state, rnd)
-        if fresh:  # the round's first use of this client: its weights now are w_t
-            self.anchor[cid] = [p.detach().clone() for p in slot.module.parameters()]
-        return slot
+    def on_activate(self, cid: int, slot) -> None:  # the round's first use of this client: its weights now are w_t
+        self.anchor[cid] = [p.detach().clone() for p in slot.module.parameters()]
 
-    def before_step(self, cid: int, slot) -> None:
-        mu = self.params.mu
+    def before_step(self, cid: int, slot) -> None:  # the host clips after: clipping sees the whole gradient
+        mu = self.host.params.mu
         for p, w_t in zip(slot.module.parameters(), self.anchor[cid]):
             if p.grad is not None and mu:
                 p.grad.add_(p.detach() - w_t, alpha=mu)
-        super().before_step(cid, slot)  # clipping (train.clip_grad_norm) sees the whole gradient
 
-    def release(self, cid: int, keep_weights=None) -> None:
+    def on_release(self, cid: int) -> None:
         self.anchor.pop(cid, None)
-        super().release(cid, keep_weights)
 
 
 @register
@@ -58,4 +52,4 @@ class SplitFedProx(SFLV1):
     name = "sflv1_prox"
     description = "SplitFed V1 + FedProx: a proximal term mu/2 ||w - w_t||^2 pulls each client part to the global"
     Params = ProxParams
-    client_host = ProxClient
+    client_rule = ProxRule

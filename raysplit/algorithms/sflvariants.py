@@ -36,39 +36,33 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from .ampere import AuxClient, AuxServer, with_auxiliary
+from .ampere import AuxRule, AuxServer, with_auxiliary
 from .base import AlgorithmParams, CopiesParams, register
 from .baselines import SFLV1
-from ..runtime import ClientHost, ServerHost
+from ..runtime import ClientRule, ServerHost
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
 
 
 # ---- PiPar ----------------------------------------------------------------------------------------------------------
-class PiParClient(ClientHost):
+class PiParRule(ClientRule):
     """SplitFed's computation with a pipelined clock (module docstring)."""
 
-    def __init__(self, spec, *args):
-        super().__init__(spec, *args)
+    def __init__(self, host):
+        super().__init__(host)
         self._stages: dict[Tag, tuple] = {}  # per step: start, forward time, upload time, arrival at the server
 
-    def forward(self, tag: Tag, batch_size=None) -> Activation:
-        cid = tag.client
-        t0 = self.now(cid)
-        msg = super().forward(tag, batch_size)
-        upload = msg.nbytes / self.profiles[cid].up
-        self._stages[tag] = (t0, msg.t_sent - t0 - upload, upload, msg.t_sent)
-        return msg
+    def after_forward(self, tag: Tag, t_start: float, msg: Activation) -> None:
+        upload = self.host.meter.upload_seconds(tag.client, msg.nbytes)
+        self._stages[tag] = (t_start, msg.t_sent - t_start - upload, upload, msg.t_sent)
 
-    def backward(self, grad: Gradient) -> float:
-        tag, cid = grad.tag, grad.tag.client
-        t0, f, u, arrival = self._stages.pop(tag)
-        d = grad.nbytes / self.profiles[cid].down if self.spec.charge_server else 0.0
+    def after_backward(self, grad: Gradient, t_start: float, t_end: float) -> float:
+        t0, f, u, arrival = self._stages.pop(grad.tag)
+        d = self.host.meter.download_seconds(grad.tag.client, grad.nbytes)
         s = max(grad.t_sent - arrival, 0.0)
-        t_back = max(self.now(cid), grad.t_sent) + d
-        end = super().backward(grad)
-        b = end - t_back
-        m = self.spec.params.micro_batches
-        return self.set_clock(cid, t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m)
+        t_back = max(t_start, grad.t_sent) + d
+        b = t_end - t_back
+        m = self.host.params.micro_batches
+        return t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m
 
 
 class PiParParams(CopiesParams):
@@ -82,32 +76,32 @@ class PiPar(SFLV1):
     name = "pipar"
     description = "PiPar: SplitFed with micro-batch pipelining (same updates, pipelined simulated time)"
     Params = PiParParams
-    client_host = PiParClient
+    client_rule = PiParRule
 
 
 # ---- SplitGP --------------------------------------------------------------------------------------------------------
-class SplitGPClient(AuxClient):
+class SplitGPRule(AuxRule):
     """The device block gets the server's gradient scaled by 1 - lambda plus lambda times the local head's."""
 
-    def __init__(self, spec, *args):
-        super().__init__(spec, *args)
+    def __init__(self, host):
+        super().__init__(host)
         self._labels: dict[Tag, torch.Tensor] = {}  # the batch of each activation awaiting its gradient
 
     def inputs(self, tag: Tag, idx):
-        x, y = super().inputs(tag, idx)
-        self._labels[tag] = torch.as_tensor(y)
-        return x, y
+        x, y = self.host.data.batch(idx)
+        self._labels[tag] = y
+        return x, y.numpy()
 
     def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
-        lam = self.spec.params.lambda_local
-        head = self.slots[tag.client].module[1]
+        lam = self.host.params.lambda_local
+        head = self.host.states.slots[tag.client].module[1]
         y = self._labels.pop(tag)
 
         def surrogate():
             local = F.cross_entropy(head(out), y)
             ((1 - lam) * (out * g).sum() + lam * local).backward()
 
-        return self.flops.run(("bwd_gp", tuple(out.shape)), surrogate)[1]
+        return self.host.executor.run(("bwd_gp", tuple(out.shape)), surrogate)[1]
 
 
 class SplitGPParams(CopiesParams):
@@ -123,7 +117,7 @@ class SplitGP(SFLV1):
     name = "splitgp"
     description = "SplitGP: SplitFed with a local head and lambda * local + (1 - lambda) * global device loss"
     Params = SplitGPParams
-    client_host = SplitGPClient
+    client_rule = SplitGPRule
     server_host = AuxServer
 
     def split_model(self, model, cut):
@@ -132,24 +126,20 @@ class SplitGP(SFLV1):
 
 
 # ---- SplitFed + SCAFFOLD ---------------------------------------------------------------------------------------------
-class ScaffoldClient(ClientHost):
+class ScaffoldRule(ClientRule):
     """Control variates of the device block: the global ``c`` and every client's own ``c_i``."""
 
-    client_fields = ClientHost.client_fields + ("c_own",)  # a client's c_i moves with it
+    client_fields = ("c_own",)  # a client's c_i moves with it
     checkpointed = ("c_global",)
 
-    def __init__(self, spec, *args):
-        super().__init__(spec, *args)
+    def __init__(self, host):
+        super().__init__(host)
         self.c_global: list[torch.Tensor] | None = None
         self.c_own: dict[int, list[torch.Tensor]] = {}
         self.x_start: dict[int, list[torch.Tensor]] = {}
 
-    def activate(self, cid: int, state=None, rnd=None):
-        known = cid in self.slots
-        slot = super().activate(cid, state, rnd)
-        if not known:
-            self.x_start[cid] = [p.detach().clone() for p in slot.module.parameters()]
-        return slot
+    def on_activate(self, cid: int, slot) -> None:
+        self.x_start[cid] = [p.detach().clone() for p in slot.module.parameters()]
 
     def before_step(self, cid: int, slot) -> None:
         params = list(slot.module.parameters())
@@ -158,32 +148,32 @@ class ScaffoldClient(ClientHost):
             for p, c, ci in zip(params, self.c_global, own):
                 if p.grad is not None:
                     p.grad.add_(c - ci)
-        super().before_step(cid, slot)
 
     def set_control(self, msg: StateMsg, receivers: list[int]) -> None:
         """The server's control variate for the round (download charged to the round's clients)."""
         state = msg.tensors()
         self.c_global = [state[str(i)] for i in range(len(state))] if state else None
         for c in receivers:
-            if int(c) in self.train_idx:
-                self.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
+            if int(c) in self.host.data:
+                self.host.meter.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
 
     def control_deltas(self, clients: list[int]) -> StateMsg | None:
         """Option II update of each hosted round client's ``c_i``; the sum of the changes goes to the server."""
         total, t = None, 0.0
+        slots, meter = self.host.states.slots, self.host.meter
         for c in (int(c) for c in clients):
-            if c not in self.slots:
+            if c not in slots:
                 continue
-            slot = self.slots[c]
+            slot = slots[c]
             params = [p.detach() for p in slot.module.parameters()]
-            steps = max(self.round_stats[c].v.get("steps", 0), 1)
+            steps = max(meter.counted(c, "steps"), 1)
             lr = slot.optimizer.param_groups[0]["lr"]
             own = self.c_own.get(c) or [torch.zeros_like(p) for p in params]
             glob = self.c_global or [torch.zeros_like(p) for p in params]
             new = [ci - cg + (x0 - x) / (steps * lr) for ci, cg, x0, x in zip(own, glob, self.x_start[c], params)]
             delta = {str(i): (n - o) for i, (n, o) in enumerate(zip(new, own))}
             self.c_own[c] = new
-            t = max(t, self.charge_upload(c, sum(v.nbytes for v in delta.values()), "model"))
+            t = max(t, meter.charge_upload(c, sum(v.nbytes for v in delta.values()), "model"))
             total = delta if total is None else {k: total[k] + delta[k] for k in total}
         if total is None:
             return None
@@ -267,7 +257,7 @@ class SplitFedScaffold(SFLV1):
     name = "sflv1_scaffold"
     description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
     Params = ScaffoldParams  # its own loop, one client after another: no batched copies
-    client_host = ScaffoldClient
+    client_rule = ScaffoldRule
     server_host = ScaffoldServer
 
     def run_round(self, rt, rnd, clients, rng):

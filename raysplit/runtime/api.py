@@ -75,18 +75,20 @@ class HostCalls:
     method is split into (one handle per element, so each client's gradient travels alone)."""
 
     def __init__(self, backend, host_cls: type, role: str, targets, *, bind: tuple = (), fan_out: bool = False,
-                 returning: int | None = None):
+                 returning: int | None = None, rule: type | None = None):
         self._backend, self._cls, self._role, self._targets = backend, host_cls, role, targets
-        self._bind, self._fan_out, self._returning = bind, fan_out, returning
+        self._bind, self._fan_out, self._returning, self._rule = bind, fan_out, returning, rule
 
     def returning(self, n: int) -> "HostCalls":
         """The same calls, for a method that returns a list of ``n`` results: a list of ``n`` handles."""
-        return HostCalls(self._backend, self._cls, self._role, self._targets, bind=self._bind, returning=n)
+        return HostCalls(self._backend, self._cls, self._role, self._targets, bind=self._bind, returning=n,
+                         rule=self._rule)
 
     def __getattr__(self, name: str):
-        fn = getattr(self._cls, name, None) if not name.startswith("_") else None
+        fn = None if name.startswith("_") else getattr(self._cls, name, None) or getattr(self._rule, name, None)
         if not callable(fn):
-            raise AttributeError(f"{self._cls.__name__} (the {self._role} host) has no method {name!r}")
+            raise AttributeError(f"{self._cls.__name__} (the {self._role} host) has no method {name!r}"
+                                 + (f", nor has its rule {self._rule.__name__}" if self._rule else ""))
         b, args0 = self._backend, self._bind
 
         # a server method runs through ServerHost.serve, which screens the activations it is given
@@ -125,12 +127,14 @@ class Runtime:
         # the worker holding each client's state; every client starts at home (placement.home)
         self.holders = np.arange(self.num_clients, dtype=np.int64) % len(backend.workers)
         self.server = HostCalls(backend, inputs.server_host, "server", lambda: backend.server)
-        self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True)
+        self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True,
+                                 rule=inputs.spec.client_rule)
 
     def client(self, cid: int) -> HostCalls:
         """Calls on the worker hosting client ``cid``, with ``cid`` as the method's first argument."""
         cid = int(cid)
-        return HostCalls(self.backend, self.inputs.client_host, "client", lambda: self.worker_of(cid), bind=(cid,))
+        return HostCalls(self.backend, self.inputs.client_host, "client", lambda: self.worker_of(cid), bind=(cid,),
+                         rule=self.inputs.spec.client_rule)
 
     # ---- placement -------------------------------------------------------------------------------------------
     def worker_of(self, cid: int):

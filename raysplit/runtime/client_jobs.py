@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from raysplit.runtime import transport
 from raysplit.runtime.messages import StateMsg
 
 
-
 class ClientJobs:
     """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: what the event driver asks of a client."""
-
 
     def join(self, cid: int, msg: StateMsg, t0: float, rnd: int) -> float:
         """Client ``cid`` takes a free slot at simulated time ``t0`` and starts from the global model ``msg``
         (download charged); ``rnd`` is the global round (learning rate, randomness). Returns its clock."""
-        if cid in self.slots:
+        if cid in self.states.slots:
             raise RuntimeError(f"client {cid} joins while its previous job is still active on worker "
                                f"{self.worker_index}")
         state = transport.unpack_state(msg.state)
-        self.clock[cid] = t0
+        self.meter.start(cid, t0)
         self.job_round[cid] = rnd
-        self._dirty.add(cid)
         self.dropped.pop(cid, None)
         self.activate(cid, state=state, rnd=rnd)
-        return self.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
+        return self.meter.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
 
     def local_job(self, cid: int, steps: int) -> float:
         """``steps`` local SGD batches of the client's whole part (asynchronous FL); returns the mean loss."""
-        slot = self.slots[cid]
+        slot = self.states.slots[cid]
         with self.seeded(cid, 1, self.job_round.get(cid, 0)):
             self.job_loss[cid] = float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
         return self.job_loss[cid]
@@ -41,7 +37,7 @@ class ClientJobs:
         msg.state = {k: np.array(v, copy=True) for k, v in msg.state.items()}  # the slot's module is reused
         msg.loss = self.job_loss.pop(cid, float("nan"))
         msg.rejected = self.dropped.get(cid, "")
-        if self.defence is not None and self.defence.spec.accounted:  # what end_round reports in synchronous rounds
-            msg.epsilon = self.defence.epsilon(self.dp_releases.get(cid, {}))
+        if self.cut.accounted:  # what end_round reports in synchronous rounds
+            msg.epsilon = self.cut.epsilon(cid)
         self.release(cid, keep_weights=False)
         return msg

@@ -7,54 +7,60 @@ import zlib
 
 import torch
 
-from raysplit.runtime.optim import make_optimizer
+from raysplit.runtime.client_states import clone_state
+from raysplit.runtime.meter import Counters
 from raysplit.runtime.spill import StoreView
-
-from raysplit.runtime.hostspec import (ModelSlot, _Counters, _clone_state)
 
 
 class ClientMoves:
     """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: clients moving between hosts (placement),
-    the host's state for a checkpoint or a snapshot, and the per-client totals."""
+    the host's state for a checkpoint or a snapshot, and the per-client totals. A client's state is every
+    per-client mapping its components, its rule and the host name in their ``client_fields``."""
 
+    def _books(self) -> dict[str, object]:
+        """Each per-client mapping's name and the object that holds it."""
+        return {name: owner for owner in (self.data, self.meter, self.states, self.cut, self.rule, self)
+                for name in owner.client_fields}
 
     def _fields_of(self, cid: int, take: bool) -> dict:
-        """Client ``cid``'s entry of every ``client_fields`` mapping that has one (removed from here if ``take``)."""
+        """Client ``cid``'s entry of every per-client mapping that has one (removed from here if ``take``)."""
         out = {}
-        for name in self.client_fields:
-            book = getattr(self, name)
+        for name, owner in self._books().items():
+            book = getattr(owner, name)
             if cid in book:
                 value = book.pop(cid) if take else book.peek(cid) if isinstance(book, StoreView) else book[cid]
-                out[name] = dict(value.v) if isinstance(value, _Counters) else value
+                out[name] = dict(value.v) if isinstance(value, Counters) else value
         if take:
-            self._perm.pop(cid, None)
-            self._dirty.discard(cid)
+            self.data.forget(cid)
+            self.changed.discard(cid)
         return out
 
     def export_clients(self, cids: list[int]) -> dict[int, dict]:
         """Hand clients ``cids`` over to another host (the runtime placed them there): their state leaves this
         host. Only between rounds: a client with a slot (trained now) cannot move."""
-        busy = [int(c) for c in cids if int(c) in self.slots]
+        busy = [int(c) for c in cids if int(c) in self.states.slots]
         if busy:
             raise RuntimeError(f"worker {self.worker_index}: clients {busy[:5]} are being trained; they cannot move")
-        return {int(c): self._fields_of(int(c), take=True) for c in cids if int(c) in self.train_idx}
+        return {int(c): self._fields_of(int(c), take=True) for c in cids if int(c) in self.data}
 
     def import_clients(self, *bundles: dict[int, dict]) -> None:
         """Take clients over from other hosts (``export_clients``' results)."""
+        books = self._books()
         for bundle in bundles:
             for c, fields in bundle.items():
                 for name, value in fields.items():
                     if name == "totals":
-                        self.totals[c] = _Counters()
-                        self.totals[c].add(**value)
+                        self.meter.totals[c] = Counters()
+                        self.meter.totals[c].add(**value)
                     else:
-                        getattr(self, name)[c] = value
-                self._dirty.add(int(c))
+                        getattr(books[name], name)[c] = value
+                self.changed.add(int(c))
 
     def changed_clients(self) -> list[int]:
         """Clients whose state may have changed since the last call (they took part in a round or job, received a
         model, or arrived here); the incremental snapshots of ``RoundGuard`` copy only these."""
-        out, self._dirty = sorted(self._dirty), set()
+        out = sorted(self.changed)
+        self.changed.clear()
         return out
 
     # ---- checkpoint ---------------------------------------------------------------------------------------
@@ -67,48 +73,44 @@ class ClientMoves:
         if self.pending and set(self.pending) != set(self._replay):
             raise RuntimeError(f"worker {self.worker_index}: checkpoint with activations awaiting a gradient "
                                f"({sorted(self.pending)[:5]}) outside the event driver")
-        slots = {c: (_clone_state(sl.module), copy.deepcopy(sl.optimizer.state_dict())) for c, sl in self.slots.items()}
-        held = sorted(self.train_idx)
-        which = held if clients is None else [int(c) for c in clients if int(c) in self.train_idx]
-        return {"global": self.global_state, "held": held,
+        slots = {c: (clone_state(sl.module), copy.deepcopy(sl.optimizer.state_dict()))
+                 for c, sl in self.states.slots.items()}
+        held = sorted(self.data.train_idx)
+        which = held if clients is None else [int(c) for c in clients if int(c) in self.data]
+        return {"global": self.states.global_state, "held": held,
                 "clients": {c: self._fields_of(c, take=False) for c in which},
                 "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(self._replay),
-                "dropped": dict(self.dropped), "own": self.own_state()}
+                "dropped": dict(self.dropped), "own": self.rule.own_state()}
 
     def load_state_dict(self, st: dict) -> None:
         """Restore :meth:`state_dict`'s result (with every held client's state)."""
         if set(st["clients"]) != set(st["held"]):
             raise ValueError(f"worker {self.worker_index}: state of clients {sorted(st['clients'])[:5]}... does "
                              f"not match the held clients {st['held'][:5]}...")
-        self.global_state = st["global"]
-        for name in self.client_fields:
-            getattr(self, name).clear()
-        self._perm.clear()
+        self.states.global_state = st["global"]
+        for name, owner in self._books().items():
+            getattr(owner, name).clear()
+        self.data.forget()
         self.import_clients(st["clients"])
         self.dropped = dict(st.get("dropped", {}))
-        self.load_own_state(st.get("own", {}))
+        self.rule.load_own_state(st.get("own", {}))
         for c, (weights, opt) in st.get("slots", {}).items():
-            module = self._new_module()
-            module.load_state_dict(weights)
-            module.train()
-            optimizer = make_optimizer(module.parameters(), self.spec.client_optimizer)
-            optimizer.load_state_dict(opt)
-            self.slots[c] = ModelSlot(module, optimizer)
+            self.states.restore_slot(c, weights, opt)
         for tag, (idx, buffers) in sorted(st.get("replay", {}).items()):  # rebuild the graphs, charging nothing
-            module = self.slots[tag.client].module
+            module = self.states.slots[tag.client].module
             after = {k: b.detach().clone() for k, b in module.named_buffers()}
             module.load_state_dict(buffers, strict=False)
-            x, _ = self.batch(idx)
+            x, _ = self.data.batch(idx)
             with self.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
                 self.pending[tag] = module(x)
-            if self.defence is not None:  # the same release (its noise stream is seeded per step), not counted again
+            if self.cut.defence is not None:  # the same release (its noise stream is seeded per step), not counted
                 self.pending[tag] = self.defend(tag, x, self.pending[tag], count=False)[0]
             module.load_state_dict(after, strict=False)
             self._replay[tag] = (idx, buffers)
         torch.set_rng_state(st["torch_rng"])
-        self._dirty = set()
+        self.changed.clear()
 
     def client_totals(self) -> dict[int, dict]:
         """Per hosted client: counters summed over the rounds, and ``t_last``, its clock at the end of the last
         round it took part in (its participation time: every client starts at 0)."""
-        return {c: dict(v.v, t_last=self.last_active.get(c, 0.0)) for c, v in self.totals.items()}
+        return self.meter.client_totals()

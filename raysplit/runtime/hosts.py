@@ -1,8 +1,10 @@
 """What runs inside the actors: a client host (many virtual clients) and a server host. No Ray here.
 
 The rooms: ``hostspec`` (spec, model slot, shared helpers), ``screening`` (bad input), ``evaluation`` (the one
-evaluation loop), ``client_host`` (with ``client_jobs``: the event driver's jobs, and ``client_moves``: placement
-moves and checkpoints) and ``server_host`` (with ``server_copies``: the per-client copies of the server model);
+evaluation loop), ``client_host`` (assembled from its components: ``client_data``, the clients' samples and data
+cursors; ``meter``, the cost meter; ``client_states``, the client-state store; ``cut``, the privacy plug-ins at the
+cut; ``executor``, which runs the clients' computations; with ``client_jobs``: the event driver's jobs, and
+``client_moves``: placement moves and checkpoints) and ``server_host`` (with ``server_copies``: the per-client copies of the server model);
 this module gathers them.
 
 The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms that need other
@@ -29,10 +31,11 @@ copies run as one batched computation (:mod:`raysplit.runtime.batched`), and eac
 by the same code (:meth:`ServerHost.settle_step`).
 """
 
+from raysplit.runtime.client_data import advance_cursor
 from raysplit.runtime.client_host import ClientHost
 from raysplit.runtime.evaluation import EvalTally, predict_batches
 from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteInput, NonFiniteLossError,
-                                       advance_cursor, build_parts, check_finite, invoke, limit_threads, owned)
+                                       build_parts, check_finite, invoke, limit_threads, owned)
 from raysplit.runtime.screening import activation_fault, gradient_fault, screens_nonfinite, where_of
 from raysplit.runtime.server_host import ServerHost
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +62,7 @@ class HostSpec:
     spill_dir: str | None = None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
     batched_copies: bool = False  # algorithm.batched_copies: per-client server copies step in one batched computation
     privacy: Any = None  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
+    client_rule: Any = None  # the method's raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
 
 
 @dataclass
@@ -81,18 +81,6 @@ def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
     if spec.cut is None:
         return model, torch.nn.Identity()
     return model.split(spec.cut)
-
-
-def advance_cursor(n: int, batch_size: int, cursor: tuple[int, int],
-                   drop_last: bool = False) -> tuple[int, int, int]:
-    """A client's next batch from its data cursor ``(epoch, position)``: ``(epoch, start, stop)`` in the epoch's
-    permutation. A new epoch starts once the last (possibly short) batch is drawn; with ``drop_last``
-    (``train.drop_last``) once fewer than ``batch_size`` samples are left, unless the whole pass is one short
-    batch (``n < batch_size``)."""
-    epoch, pos = cursor
-    if pos >= n or (drop_last and pos > 0 and pos + batch_size > n):
-        epoch, pos = epoch + 1, 0
-    return epoch, pos, min(pos + batch_size, n)
 
 
 def check_finite(loss: float, stop: bool, where: str) -> bool:
@@ -149,11 +137,13 @@ def owned(value: Any) -> Any:
 
 
 def invoke(host: Any, method: str, *args, **kwargs) -> Any:
-    """Every backend's way into a host method: ``host.method(*args, **kwargs)``, with the arguments of a restoring
+    """Every backend's way into a host method: ``host.method(*args, **kwargs)`` (a method the host does not have is
+    its client rule's: ``rt.workers.<name>`` of a method's own client calls), with the arguments of a restoring
     method (:data:`RESTORES`, also when it is reached through :meth:`ServerHost.serve`) made :func:`owned` first."""
     if method in RESTORES or (method == "serve" and args and args[0] in RESTORES):
         args, kwargs = owned(args), owned(kwargs)
-    return getattr(host, method)(*args, **kwargs)
+    target = host if hasattr(type(host), method) or not hasattr(host, "rule") else host.rule
+    return getattr(target, method)(*args, **kwargs)
 
 
 def machine_cores() -> int:
@@ -172,16 +162,3 @@ def limit_threads(n: int | str) -> None:
     pool also reached torch's OpenMP pool and could take torch back to one thread, whatever it was given."""
     torch.set_num_threads(machine_cores() if n == "auto" else n)
     threadpoolctl.threadpool_limits(1, user_api="blas")
-
-
-def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-class _Counters:
-    def __init__(self):
-        self.v = defaultdict(float)
-
-    def add(self, **kw):
-        for k, x in kw.items():
-            self.v[k] += x

@@ -44,20 +44,22 @@ def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
             if entered[0] >= call:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    for name in dir(type(host)):
-        fn = getattr(type(host), name, None)
-        if name.startswith("_") or not inspect.isfunction(fn):
-            continue
+    targets = [host] + ([host.rule] if hasattr(host, "rule") else [])  # a client rule's methods are entries too
+    for target in targets:
+        for name in dir(type(target)):
+            fn = getattr(type(target), name, None)
+            if name.startswith("_") or not inspect.isfunction(fn):
+                continue
 
-        def fuse(bound, name=name):
-            @functools.wraps(bound)  # inspect.signature still sees the method's own (ServerHost.serve asks)
-            def fused(*args, **kwargs):
-                tick(name)
-                return bound(*args, **kwargs)
-            return fused
+            def fuse(bound, name=name):
+                @functools.wraps(bound)  # inspect.signature still sees the method's own (ServerHost.serve asks)
+                def fused(*args, **kwargs):
+                    tick(name)
+                    return bound(*args, **kwargs)
+                return fused
 
-        setattr(host, name, fuse(getattr(host, name)))
-    if method is not None and not inspect.isfunction(getattr(type(host), method, None)):
+            setattr(target, name, fuse(getattr(target, name)))
+    if method is not None and not any(inspect.isfunction(getattr(type(t), method, None)) for t in targets):
         raise ValueError(f"runtime.faults.inject_fault.method={method!r}: {type(host).__name__} has no such method")
 
 

@@ -1,0 +1,56 @@
+"""A client host's executor: it runs the clients' computations (forward passes of the client part, backward passes
+of the server's gradients, local training steps) and counts their FLOPs once per key
+(``torch.utils.flop_counter`` through :class:`~raysplit.clock.FlopCache`), which the cost meter then charges.
+
+It takes the work of several clients at once (:meth:`Executor.forward` and :meth:`Executor.backward` take lists),
+so that an executor on an accelerator can pack many clients into one kernel; this one runs them one at a time, in
+order, on the CPU, which is what every result of raysplit so far was computed with. Randomness is the caller's:
+a client's computation runs inside its own random stream (``ClientHost.seeded``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from raysplit.clock import FlopCache
+
+
+@dataclass
+class Forward:
+    """One client's forward: ``encode(x)``; its FLOPs counted under ``key``."""
+
+    key: tuple
+    encode: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor
+
+
+@dataclass
+class Backward:
+    """One client's backward: ``out.backward(g)``; its FLOPs counted under ``key``."""
+
+    key: tuple
+    out: torch.Tensor
+    g: torch.Tensor
+
+
+class Executor:
+    """Runs client computations on ``device`` (the CPU) one client at a time and counts their FLOPs."""
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self.flops = FlopCache()
+
+    def forward(self, work: list[Forward]) -> list[tuple[torch.Tensor, int]]:
+        """Each client's activation and the FLOPs of computing it, in the order of ``work``."""
+        return [self.flops.run(w.key, lambda w=w: w.encode(w.x)) for w in work]
+
+    def backward(self, work: list[Backward]) -> list[int]:
+        """Back-propagate each client's gradient into its graph; the FLOPs of each."""
+        return [self.flops.run(w.key, lambda w=w: w.out.backward(w.g))[1] for w in work]
+
+    def run(self, key: tuple, fn: Callable[[], Any], batch: int | None = None) -> tuple[Any, int]:
+        """A computation of its own (a local training step, SplitGP's surrogate backward): ``fn()`` and its FLOPs
+        (:meth:`FlopCache.run`)."""
+        return self.flops.run(key, fn, batch)
