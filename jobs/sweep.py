@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raysplit.sweep import main  # noqa: E402
+from raysplit.tuning import main  # noqa: E402
 
 if __name__ == "__main__":
     args = sys.argv[1:]

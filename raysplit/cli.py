@@ -71,7 +71,7 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from raysplit.compare import compare_runs
+    from raysplit.comparison import compare_runs
 
     print(compare_runs(args.experiment, uri=args.tracking_uri, metric=args.metric, plot=args.plot,
                        against=args.against))
@@ -79,7 +79,7 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from raysplit.sweep import run_sweep
+    from raysplit.tuning import run_sweep
 
     run_sweep(args.sweep, args.overrides)
     return 0
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("algorithm", nargs="?", help="show one algorithm's parameters, defaults and descriptions; "
                     "'config': every config key with its type, default and description (docs/config.md)")
     ls.set_defaults(fn=_cmd_list)
-    sw = sub.add_parser("sweep", help="Ray Tune sweep from a sweep YAML (see raysplit/sweep.py)")
+    sw = sub.add_parser("sweep", help="Ray Tune sweep from a sweep YAML (see raysplit/tuning.py)")
     sw.add_argument("sweep")
     sw.add_argument("overrides", nargs="*", help="dotted overrides applied to the base config")
     sw.set_defaults(fn=_cmd_sweep)

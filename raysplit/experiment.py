@@ -281,17 +281,22 @@ def load_checkpoint_file(path: Path) -> dict:
         raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]})") from None
 
 
-def run_experiment(cfg: ExperimentConfig, resume_run_id: str | None = None,
+def run_experiment(cfg: "ExperimentConfig | str | Path", resume_run_id: str | None = None,
                    on_round: Callable[[int, dict], None] | None = None, checkpoint_file: str | Path | None = None,
                    on_checkpoint: Callable[[int, Path, str], None] | None = None) -> dict:
     """Run (or resume) one experiment tracked in MLflow. Returns the final metrics (plus ``run_id``).
 
     ``checkpoint_file``: resume from this checkpoint file (a Tune trial's checkpoint) with ``cfg`` as given, instead
     of the file the run ``resume_run_id`` names; with ``resume_run_id`` that MLflow run is continued.
-    ``on_checkpoint(round, path, run_id)`` is called after each checkpoint is written (after ``on_round``)."""
+    ``on_checkpoint(round, path, run_id)`` is called after each checkpoint is written (after ``on_round``).
+    ``cfg`` may also be a config file's path (``raysplit.run`` takes overrides too)."""
     from raysplit.reporting import Reporter
     from raysplit.tracking import Tracker, code_version
 
+    if isinstance(cfg, (str, Path)):
+        from raysplit.config import load_config
+
+        cfg = load_config(cfg)
     ckpt = None
     if checkpoint_file is not None:
         ckpt = load_checkpoint_file(Path(checkpoint_file))

@@ -112,7 +112,7 @@ class Reporter:
         """The rounds start now (the runtime is up): wall time counts from here, the progress bar appears."""
         self._wall0 = time.perf_counter() - self.hist.wall
         if self.cfg.tracking.progress:
-            from tqdm import tqdm
+            from tqdm.auto import tqdm  # a notebook's progress bar where one runs (raysplit.run), else the terminal's
 
             self.progress = tqdm(total=self.cfg.train.rounds, initial=len(self.hist.curves.get("train_loss", [])),
                                  desc=self.cfg.algorithm_name, unit="round", dynamic_ncols=True)

@@ -239,7 +239,7 @@ def test_attack_and_nopeek_end_to_end_in_mlflow(tmp_path, mlflow_uri):
     hist = client.get_metric_history(plain["run_id"], "privacy/ssim")
     assert [m.step for m in hist] == [0, 1, 2]
     assert "reconstructions.png" in {a.path for a in client.list_artifacts(plain["run_id"])}
-    from raysplit.compare import compare_runs
+    from raysplit.comparison import compare_runs
 
     png = tmp_path / "frontier.png"
     text = compare_runs("privacy-e2e", uri=mlflow_uri, plot=str(png), against="privacy/dcor")

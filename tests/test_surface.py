@@ -65,7 +65,7 @@ def test_compare_unknown_experiment_is_one_line_naming_the_ones_there(tmp_path, 
 def test_compare_labels_a_sweeps_runs_by_what_was_swept(tmp_path, capsys):
     """Runs that differ in the learning rate (and, as every sweep's trials do, in where they wrote): the table gets
     a column for the learning rate and none for the output paths, and the plot's legend names the swept value."""
-    from raysplit.compare import differing, runs_table
+    from raysplit.comparison import differing, runs_table
 
     uri = f"sqlite:///{tmp_path / 's.db'}"
     mlflow.set_tracking_uri(uri)
@@ -84,7 +84,7 @@ def test_compare_labels_a_sweeps_runs_by_what_was_swept(tmp_path, capsys):
     assert sorted(line.split()[-1] for line in out[1:3]) == ["0.01", "0.1"]
     import matplotlib.pyplot as plt
 
-    from raysplit import compare
+    from raysplit import comparison as compare
 
     seen = {}
     real = plt.Axes.legend

@@ -28,7 +28,7 @@ def write_sweep(tmp_path, **extra):
 
 @pytest.mark.slow
 def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_path):
-    from raysplit.sweep import run_sweep
+    from raysplit.tuning import run_sweep
 
     uri = f"sqlite:///{tmp_path / 'sweep.db'}"
     # two trials through Ray actors (each reserves its server and client actors): the second, at lr 1e-5, reaches
@@ -55,7 +55,7 @@ def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_pa
 
 
 def test_presets_expand_and_bad_trials_fail_before_any_trial(tmp_path):
-    from raysplit.sweep import load_sweep, space_spec, validate_trials
+    from raysplit.tuning import load_sweep, space_spec, validate_trials
 
     spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={}, presets=["cut_points"])))
     space = space_spec(spec, cfg0)
@@ -75,7 +75,7 @@ def test_presets_expand_and_bad_trials_fail_before_any_trial(tmp_path):
 
 
 def test_shipped_sweep_examples_validate():
-    from raysplit.sweep import load_sweep, space_spec, validate_trials
+    from raysplit.tuning import load_sweep, space_spec, validate_trials
 
     files = sorted((ROOT / "tune" / "examples").glob("*.yaml"))
     assert files
@@ -85,7 +85,7 @@ def test_shipped_sweep_examples_validate():
 
 
 def test_buffer_sizes_preset_sweeps_both_gas_buffers_and_fedbuffs_k(tmp_path):
-    from raysplit.sweep import load_sweep, space_spec, validate_trials
+    from raysplit.tuning import load_sweep, space_spec, validate_trials
 
     base = {"algorithm": {"name": "gas"}, "train.participation": {"count": 5}, "train.local_steps": 4}
     spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={}, presets=[{"buffer_sizes": [2, 5]}],
@@ -106,7 +106,7 @@ def test_buffer_sizes_preset_sweeps_both_gas_buffers_and_fedbuffs_k(tmp_path):
 
 
 def test_ks_schedules_preset_sweeps_the_semisfl_rules(tmp_path):
-    from raysplit.sweep import load_sweep, space_spec, validate_trials
+    from raysplit.tuning import load_sweep, space_spec, validate_trials
 
     spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, base=str(ROOT / "configs/semisfl/fmnist.yaml"), space={},
                                                  presets=["ks_schedules"], overrides={"train.rounds": 2})))
@@ -117,7 +117,7 @@ def test_ks_schedules_preset_sweeps_the_semisfl_rules(tmp_path):
 
 def test_local_backend_trials_reserve_one_bundle_so_two_fit_two_cpus(tmp_path):
     from raysplit.config import load_config
-    from raysplit.sweep import trial_bundles
+    from raysplit.tuning import trial_bundles
 
     local = load_config(None, {"runtime.backend": "local", "runtime.server.num_cpus": 1})
     assert trial_bundles(local) == [{"CPU": 1.0}]
@@ -136,7 +136,7 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
     and the results equal an uninterrupted run's."""
     from raysplit.config import load_config
     from raysplit.experiment import run_experiment
-    from raysplit.sweep import FAULT_ENV, run_sweep
+    from raysplit.tuning import FAULT_ENV, run_sweep
 
     over = {"train.rounds": 4, "eval.every": 1, "runtime.backend": "local"}
     d = tmp_path / "hit"
@@ -175,7 +175,7 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
 def test_a_sweep_logs_under_its_own_name_unless_it_names_an_experiment():
     """The base config's tracking.experiment (digits.yaml: digits) does not decide where a sweep's trials go; the
     sweep's overrides or its command line may."""
-    from raysplit.sweep import sets_experiment
+    from raysplit.tuning import sets_experiment
 
     assert not sets_experiment({"train.rounds": 2}, None)
     assert sets_experiment({"tracking.experiment": "mine"}, None)
