@@ -679,6 +679,19 @@ def validate(raw: dict) -> ExperimentConfig:
     return cfg
 
 
+def yaml_error(path: Path, e: Exception) -> str:
+    """A YAML syntax error as one message naming the file, the line and the column (counted from 1) and what is
+    wrong there (PyYAML's own text points at ``"<unicode string>"``)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return f"config file {path} is not valid YAML: {e}"
+    what = getattr(e, "problem", None) or "syntax error"
+    context = getattr(e, "context", None)
+    line = mark.buffer.splitlines()[mark.line] if mark.buffer and mark.line < len(mark.buffer.splitlines()) else ""
+    return (f"config file {path}, line {mark.line + 1}, column {mark.column + 1}: {what}"
+            + (f" ({context})" if context else "") + (f": {line.strip()!r}" if line.strip() else ""))
+
+
 def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> ExperimentConfig:
     raw: dict = {}
     if path is not None:
@@ -688,7 +701,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(yaml_error(p, e)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
     if overrides:

@@ -235,3 +235,20 @@ def test_the_readme_config_is_the_shipped_one_and_valid():
     assert shipped.split("\n", 1)[1] == block  # after its one comment line
     cfg = load_config(root / "configs" / "first.yaml")
     assert cfg.algorithm_name == "sflv1" and cfg.data.dataset == "digits"
+
+
+def test_a_yaml_syntax_error_names_the_files_line_and_column(tmp_path):
+    """Issue 57: PyYAML's message pointed at ``in "<unicode string>"``; the error names the file, the line and the
+    column counted from 1, and the line's text."""
+    from raysplit.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrain:\n  rounds: 1\n   batch_size: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    msg = str(e.value)
+    assert msg.startswith(f"config file {bad}, line 4, column 14: mapping values are not allowed here"), msg
+    assert "'batch_size: 2'" in msg and "unicode string" not in msg
+    bad.write_text("a: [1, 2\n")
+    assert "line 2, column 1:" in str(pytest.raises(ConfigError, load_config, bad).value)
+    assert main(["run", str(bad)]) == 2

@@ -143,3 +143,21 @@ print("OK")
                          cwd=str(tmp_path))
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
     assert not (tmp_path / "unused.db").exists()
+
+
+@pytest.mark.subprocess
+def test_gpus_this_machine_lacks_are_refused_before_ray_starts(tmp_path):
+    """Issue 57: ``runtime.server.num_gpus=1`` without a GPU was refused only after Ray had started (19 s), with exit
+    code 1; for a private local Ray it is a configuration error (exit 2) before Ray starts, naming the keys."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "raysplit.cli", "run", "configs/digits.yaml", "runtime.server.num_gpus=64",
+                        f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", f"tracking.output_dir={tmp_path}"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-2000:]
+    assert "runtime.server.num_gpus=64" in out and "GPU(s); this machine has" in out, out[-2000:]
+    assert "Started a local Ray instance" not in out and not (tmp_path / "m.db").exists()
