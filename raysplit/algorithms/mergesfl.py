@@ -170,8 +170,8 @@ class MergeSFL(Algorithm):
                                   counts.sum(axis=0) / counts.sum())
         self.flops_per_sample, self.bytes_per_sample = self.client_cost(info)
         down = self.bytes_per_sample if self.cfg.clock.charge_server else 0.0
-        self.seconds_per_sample = np.array([self.flops_per_sample / p.flops + (self.bytes_per_sample + LABEL_BYTES)
-                                            / p.up + down / p.down for p in info.profiles])
+        self.seconds_per_sample = np.array([p.seconds(self.flops_per_sample, self.bytes_per_sample + LABEL_BYTES, down)
+                                            for p in info.profiles])
         self.default_total = self.cfg.train.batch_size * info.clients_per_round
 
     @staticmethod
