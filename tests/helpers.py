@@ -119,12 +119,13 @@ def assert_identical_runs(x, y) -> None:
 
 
 class MlflowServer:
-    """``mlflow server`` on a free port over one sqlite file in ``tmp``; start() and stop() as often as needed.
+    """``mlflow server`` on a free port over one sqlite file in ``tmp`` (or ``backend_store_uri``: a PostgreSQL
+    database, :class:`Postgres`); start() and stop() as often as needed.
     ``admin_password``: run MLflow's basic-auth app (``--app-name basic-auth``, needs ``mlflow[auth]``) with its
     user database in ``tmp`` and an admin user ``admin`` created with that password at first start."""
 
-    def __init__(self, tmp, admin_password: str | None = None):
-        self.db = f"sqlite:///{tmp / 'server.db'}"
+    def __init__(self, tmp, admin_password: str | None = None, backend_store_uri: str | None = None):
+        self.db = backend_store_uri or f"sqlite:///{tmp / 'server.db'}"
         self.art = tmp / "artifacts"
         self.env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.args = []
@@ -168,6 +169,61 @@ class MlflowServer:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, as a crash would
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+class Postgres:
+    """A PostgreSQL server of its own in ``tmp`` on a free port (Debian's ``postgresql`` package, installed with apt
+    when it is missing, as ``make check-ui`` installs Chromium), run as the ``postgres`` user when this process is
+    root (PostgreSQL refuses to run as root); ``uri(db)`` is a SQLAlchemy URI for a database it created."""
+
+    def __init__(self, tmp):
+        from pathlib import Path
+
+        self.data, self.sockets = Path(tmp) / "pgdata", Path(tmp) / "pgsock"
+        self.port = free_port()
+        self.bin = None
+
+    def _run(self, *argv, check=True):
+        import subprocess
+
+        prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        return subprocess.run([*prefix, *argv], capture_output=True, text=True, timeout=120, check=check)
+
+    def start(self) -> None:
+        import glob
+        import shutil
+        import subprocess
+
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found:
+            subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+                           "--no-install-recommends postgresql", shell=True, check=True, timeout=900,
+                           capture_output=True)
+            found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        self.bin = os.path.dirname(found[-1])
+        for d in (self.data, self.sockets):
+            d.mkdir(parents=True, exist_ok=True)
+            if os.geteuid() == 0:
+                shutil.chown(d, "postgres", "postgres")
+        if os.geteuid() == 0:  # the postgres user must reach the directories under pytest's temporary root
+            p = self.data.parent
+            while str(p) not in ("/", "/tmp"):
+                os.chmod(p, os.stat(p).st_mode | 0o011)
+                p = p.parent
+        self._run(f"{self.bin}/initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres")
+        self._run(f"{self.bin}/pg_ctl", "-D", str(self.data), "-w", "-l", str(self.data / "server.log"), "-o",
+                  f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c max_connections=200", "start")
+
+    def create(self, db: str) -> str:
+        self._run(f"{self.bin}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", db)
+        return self.uri(db)
+
+    def uri(self, db: str) -> str:
+        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{db}"  # SQLAlchemy 2.1 defaults to psycopg 3
+
+    def stop(self) -> None:
+        if self.bin is not None:
+            self._run(f"{self.bin}/pg_ctl", "-D", str(self.data), "-m", "immediate", "stop", check=False)
 
 
 def write_fake_fashion_mnist(root, n_train: int = 600, n_test: int = 100, seed: int = 0) -> None:
