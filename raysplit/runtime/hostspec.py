@@ -12,7 +12,7 @@ from typing import Any
 import threadpoolctl
 import torch
 
-from raysplit.errors import BadClientInput
+from raysplit.errors import BadClientInput, ConfigError
 from raysplit.data import DataSpec
 
 
@@ -149,6 +149,18 @@ def invoke(host: Any, method: str, *args, **kwargs) -> Any:
 def machine_cores() -> int:
     """The CPU cores this process may run on (its affinity; all of the machine's where that is not known)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_local_gpus(rcfg) -> None:
+    """A ConfigError naming the keys unless this machine has the GPUs the run's actors ask for
+    (``runtime.server.num_gpus`` + ``num_workers`` x ``runtime.client.num_gpus``): for a private local Ray, checked
+    before it starts."""
+    need = rcfg.server.num_gpus + rcfg.num_workers * rcfg.client.num_gpus
+    if need and need > (have := torch.cuda.device_count()) + 1e-9:  # CUDA is not asked when no GPU is
+        raise ConfigError(f"runtime.server.num_gpus={rcfg.server.num_gpus:g} and runtime.client.num_gpus="
+                          f"{rcfg.client.num_gpus:g} (x {rcfg.num_workers} client actors) ask for {need:g} GPU(s); this "
+                          f"machine has {have}. Set them to 0 here, or give runtime.address to join a Ray cluster with "
+                          "GPUs")
 
 
 def limit_threads(n: int | str) -> None:

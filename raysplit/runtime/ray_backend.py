@@ -13,8 +13,9 @@ from collections import Counter, defaultdict
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from raysplit.errors import ActorFailure, ConfigError, ResourceError
+from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.api import RuntimeInputs, host_inputs, with_threads
+from raysplit.runtime.hostspec import check_local_gpus, machine_cores
 from raysplit.runtime.ray_actors import HostActor, RayKeeper, RdtHostActor
 from raysplit.runtime.ray_pool import POOL, answering, pool_key
 
@@ -31,9 +32,7 @@ def init_ray(rcfg) -> bool:
     if rcfg.address:
         ray.init(address=rcfg.address, log_to_driver=True)
         return True
-    missing = local_gpu_shortfall(rcfg)
-    if missing:  # a private Ray offers this machine's GPUs only: say so before spending Ray's start-up on it
-        raise ConfigError(missing)
+    check_local_gpus(rcfg)  # a private Ray has this machine's GPUs only: what it lacks is refused before it starts
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-user Ray on this machine (stack.md §6)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     need = rcfg.server.num_cpus + rcfg.num_workers * rcfg.client.num_cpus
@@ -41,22 +40,6 @@ def init_ray(rcfg) -> bool:
     ray.init(address="local", num_cpus=num_cpus, object_store_memory=rcfg.object_store_memory,
              include_dashboard=False, log_to_driver=True)
     return True
-
-
-def local_gpu_shortfall(rcfg) -> str:
-    """'' when this machine has the GPUs the run's actors ask for (``runtime.server.num_gpus`` + ``num_workers`` x
-    ``runtime.client.num_gpus``); else why not, naming the keys: for a private local Ray, checked before it starts."""
-    need = rcfg.server.num_gpus + rcfg.num_workers * rcfg.client.num_gpus
-    if not need:
-        return ""
-    import torch
-
-    have = torch.cuda.device_count()
-    if need <= have + 1e-9:
-        return ""
-    return (f"runtime.server.num_gpus={rcfg.server.num_gpus:g} and runtime.client.num_gpus={rcfg.client.num_gpus:g} "
-            f"(x {rcfg.num_workers} client actors) ask for {need:g} GPU(s); this machine has {have}. Set them to 0 "
-            "here, or give runtime.address to join a Ray cluster with GPUs")
 
 
 def _bundle(res) -> dict[str, float]:
@@ -165,9 +148,7 @@ def auto_threads(rcfg, cores: float, polling: bool, concurrent: bool = False) ->
 def usable_cores(rcfg) -> float:
     """CPU cores behind the actors: this machine's (those the process may run on) for a private local Ray, whose
     logical CPUs may be raised above them to fit the actors; the cluster's CPUs when joining one."""
-    if rcfg.address:
-        return float(ray.cluster_resources().get("CPU", 0.0))
-    return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return float(ray.cluster_resources().get("CPU", 0.0) if rcfg.address else machine_cores())
 
 
 class RayBackend:
