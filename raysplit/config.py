@@ -15,7 +15,7 @@ import math
 import typing
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model,
@@ -23,6 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
 
 from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.algorithms.base import config_error
+from raysplit.data.partition import DirichletPartition, PartitionConfig
 from raysplit.errors import ConfigError
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -69,54 +70,6 @@ def _checked_options(data: Any, section: str, registry: dict, builder_of) -> Any
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class _Partitioner(_Strict):
-    """A partitioner's parameters: one model per partitioner, picked by ``name`` (a key another partitioner takes
-    is an error naming it)."""
-
-    KIND: typing.ClassVar[str] = "partitioner"  # what an error calls the member that ``name`` picked
-
-    def params(self) -> dict[str, Any]:
-        """The keyword arguments of the partitioner (everything but ``name``)."""
-        return self.model_dump(exclude={"name"})
-
-
-class IidPartition(_Partitioner):
-    name: Literal["iid"] = Field(description="iid: each client an equal random share")
-
-
-class DirichletPartition(_Partitioner):
-    name: Literal["dirichlet"] = Field(default="dirichlet", description="dirichlet: per label, client shares drawn "
-                                       "from Dirichlet(alpha)")
-    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration: smaller is more skewed")
-    min_size: int = Field(default=10, ge=1, description="redraw until every client has this many samples")
-
-
-class ShardsPartition(_Partitioner):
-    name: Literal["shards"] = Field(description="shards: the label-sorted set cut into shards, per_client each")
-    per_client: int = Field(default=2, ge=1, description="label shards per client")
-
-
-class DominantLabelPartition(_Partitioner):
-    name: Literal["dominant_label"] = Field(description="dominant_label: each client's samples mostly of one label "
-                                            "(Hydra's setting)")
-    ratio: float = Field(default=0.8, gt=0, le=1, description="share of a client's samples from its dominant label")
-
-
-class DeviceDirichletPartition(_Partitioner):
-    name: Literal["device_dirichlet"] = Field(description="device_dirichlet: Ampere's scheme, per device label "
-                                              "proportions drawn from Dirichlet(alpha)")
-    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration: smaller is more skewed")
-
-
-class NaturalPartition(_Partitioner):
-    name: Literal["natural"] = Field(description="natural: the dataset's own users (LEAF), one per client")
-
-
-PARTITION_MODELS: tuple[type[_Partitioner], ...] = (IidPartition, DirichletPartition, ShardsPartition,
-                                                    DominantLabelPartition, DeviceDirichletPartition, NaturalPartition)
-PartitionConfig = Annotated[Union[PARTITION_MODELS], Field(discriminator="name")]  # noqa: UP007
 
 
 class DataConfig(_Strict):

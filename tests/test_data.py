@@ -88,8 +88,8 @@ def test_partition_unknown_name_and_param():
         partition("nope", y, 2, np.random.default_rng(0))
     with pytest.raises(ValueError, match="beta"):
         partition("dirichlet", y, 2, np.random.default_rng(0), alpha=1.0, beta=2)
-    with pytest.raises(ValueError, match="alpha"):
-        partition("dirichlet", y, 2, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="alpha must be a positive number"):
+        partition("dirichlet", y, 2, np.random.default_rng(0), alpha=-1.0)
     with pytest.raises(ValueError, match="natural_partition"):
         partition("natural", y, 2, np.random.default_rng(0))
 
@@ -590,3 +590,28 @@ def test_a_bad_shakespeare_sample_names_the_file_user_and_sample(tmp_path):
     with pytest.raises(ValueError, match="user 'ROMEO', sample 1: x must be a string") as e:
         load_dataset("shakespeare", root=str(tmp_path))
     assert "all_data_0_niid_train.json" in str(e.value)
+
+
+def test_a_partitioners_defaults_are_its_config_models():
+    """Issue 52: a parameter not given takes the default of the config's ``data.partition`` model, the one place
+    defaults are written (the functions have none)."""
+    import importlib
+    import inspect
+
+    from raysplit.config import DataConfig
+
+    module = importlib.import_module("raysplit.data.partition")
+    y = _labels(200, 10)
+    for name, model in module.PARTITION_PARAMS.items():
+        if name == "natural":
+            continue
+        fn = module.PARTITIONERS[name]
+        tunable = [k for k, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        assert all(inspect.signature(fn).parameters[k].default is inspect.Parameter.empty
+                   for k in model.model_fields if k != "name"), name
+        defaults = model(name=name).params()
+        assert set(defaults) <= set(tunable), name
+        got = partition(name, y, 4, np.random.default_rng(3))
+        want = partition(name, y, 4, np.random.default_rng(3), **defaults)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), name
+    assert DataConfig().partition.params() == {"alpha": 0.5, "min_size": 10}

@@ -47,12 +47,16 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Callable
+import typing
+from typing import Annotated, Any, Callable, Literal, Union
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PARTITIONERS",
+    "PARTITION_MODELS",
+    "PartitionConfig",
     "partition",
     "iid_partition",
     "dirichlet_partition",
@@ -65,6 +69,61 @@ __all__ = [
     "partition_summary",
     "plot_partition",
 ]
+
+
+# --------------------------------------------------------------------------- parameters (the config's
+# ``data.partition`` section: each partitioner's parameters and their defaults, written only here)
+
+
+class PartitionParams(BaseModel):
+    """A partitioner's parameters: one model per partitioner, picked by ``name`` (a key another partitioner takes
+    is an error naming it)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    KIND: typing.ClassVar[str] = "partitioner"  # what an error calls the member that ``name`` picked
+
+    def params(self) -> dict[str, Any]:
+        """The keyword arguments of the partitioner (everything but ``name``)."""
+        return self.model_dump(exclude={"name"})
+
+
+class IidPartition(PartitionParams):
+    name: Literal["iid"] = Field(description="iid: each client an equal random share")
+
+
+class DirichletPartition(PartitionParams):
+    name: Literal["dirichlet"] = Field(default="dirichlet", description="dirichlet: per label, client shares drawn "
+                                       "from Dirichlet(alpha)")
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration: smaller is more skewed")
+    min_size: int = Field(default=10, ge=1, description="redraw until every client has this many samples")
+
+
+class ShardsPartition(PartitionParams):
+    name: Literal["shards"] = Field(description="shards: the label-sorted set cut into shards, per_client each")
+    per_client: int = Field(default=2, ge=1, description="label shards per client")
+
+
+class DominantLabelPartition(PartitionParams):
+    name: Literal["dominant_label"] = Field(description="dominant_label: each client's samples mostly of one label "
+                                            "(Hydra's setting)")
+    ratio: float = Field(default=0.8, gt=0, le=1, description="share of a client's samples from its dominant label")
+
+
+class DeviceDirichletPartition(PartitionParams):
+    name: Literal["device_dirichlet"] = Field(description="device_dirichlet: Ampere's scheme, per device label "
+                                              "proportions drawn from Dirichlet(alpha)")
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration: smaller is more skewed")
+
+
+class NaturalPartition(PartitionParams):
+    name: Literal["natural"] = Field(description="natural: the dataset's own users (LEAF), one per client")
+
+
+PARTITION_MODELS: tuple[type[PartitionParams], ...] = (IidPartition, DirichletPartition, ShardsPartition,
+                                                    DominantLabelPartition, DeviceDirichletPartition, NaturalPartition)
+PartitionConfig = Annotated[Union[PARTITION_MODELS], Field(discriminator="name")]  # noqa: UP007
+PARTITION_PARAMS: dict[str, type[PartitionParams]] = {m.model_fields["name"].annotation.__args__[0]: m
+                                                      for m in PARTITION_MODELS}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -110,7 +169,7 @@ def dirichlet_partition(
     rng: np.random.Generator,
     *,
     alpha: float,
-    min_size: int = 10,
+    min_size: int,
     max_tries: int = 1000,
 ) -> list[np.ndarray]:
     y = _check_labels(labels)
@@ -158,7 +217,7 @@ def dirichlet_partition(
 
 
 def shards_partition(
-    labels, num_clients: int, rng: np.random.Generator, *, per_client: int = 2
+    labels, num_clients: int, rng: np.random.Generator, *, per_client: int
 ) -> list[np.ndarray]:
     y = _check_labels(labels)
     num_clients = _check_clients(num_clients, len(y))
@@ -179,7 +238,7 @@ def shards_partition(
 
 
 def dominant_label_partition(
-    labels, num_clients: int, rng: np.random.Generator, *, ratio: float = 0.8
+    labels, num_clients: int, rng: np.random.Generator, *, ratio: float
 ) -> list[np.ndarray]:
     y = _check_labels(labels)
     num_clients = _check_clients(num_clients, len(y))
@@ -245,7 +304,8 @@ PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {
 def partition(
     name: str, labels, num_clients: int, rng: np.random.Generator, **params
 ) -> list[np.ndarray]:
-    """Split sample indices over ``num_clients`` with the named partitioner.
+    """Split sample indices over ``num_clients`` with the named partitioner; a parameter not given takes its
+    default from the partitioner's parameters model (:data:`PARTITION_MODELS`, the config's ``data.partition``).
 
     Unknown partitioner names, unknown parameters and missing required parameters raise
     ``ValueError`` naming them.
@@ -257,6 +317,7 @@ def partition(
     if name not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {name!r}; known: {', '.join(sorted(PARTITIONERS))} (+ natural)")
     fn = PARTITIONERS[name]
+    params = {**PARTITION_PARAMS[name](name=name).params(), **params}  # the config's defaults (one place)
     sig = inspect.signature(fn).parameters
     allowed = [k for k, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     bad = sorted(set(params) - set(allowed))
