@@ -8,9 +8,10 @@ cut; ``executor``, which runs the clients' computations; with ``client_jobs``: t
 this module gathers them.
 
 The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms that need other
-server or client behaviour subclass them (``Algorithm.server_host`` / ``client_host``) and add methods, which the
-runtime reaches through ``rt.server.<method>(...)``, ``rt.client(cid).<method>(...)`` and
-``rt.workers.<method>(...)`` (names checked against the host class on the driver, at the call).
+client behaviour give a client rule (``Algorithm.client_rule``, :mod:`raysplit.runtime.rules`) whose hooks the client
+host calls; other server behaviour still subclasses the server host (``Algorithm.server_host``). Their own methods
+are reached through ``rt.server.<method>(...)``, ``rt.client(cid).<method>(...)`` and ``rt.workers.<method>(...)``
+(names checked on the driver, at the call, against the host class and the client rule).
 
 Client host state, per virtual client it holds: its own model weights when the algorithm keeps un-aggregated client
 models (``persist_client_models``), its optimizer state (persists across rounds, as in CycleSL's code), its data
