@@ -41,7 +41,7 @@ class ClientProfile:
     def seconds(self, flops: float = 0.0, up_bytes: float = 0.0, down_bytes: float = 0.0) -> float:
         """How long ``flops`` of work, sending ``up_bytes`` and receiving ``down_bytes`` take one after another
         (a method's own timing model: MergeSFL's per-sample time)."""
-        return flops / self.flops + up_bytes / self.up + down_bytes / self.down
+        return self.after_download(self.after_upload(self.after_compute(0.0, flops), up_bytes), 0.0, down_bytes)
 
     def after_download(self, t: float, t_sent: float, nbytes: float, charged: bool = True) -> float:
         """The clock once a message of ``nbytes`` sent at ``t_sent`` has arrived at a client whose clock is ``t``

@@ -69,11 +69,17 @@ def compare_runs(experiment: str, uri: str | None = None, metric: str = "eval/ac
                  plot: str | None = None, against: str | None = None) -> str:
     """The runs' table; ``plot``: a PNG of ``metric`` per round (or, with ``against``, of each run's final
     ``metric`` against its final ``against``: accuracy against leakage, ``--against privacy/ssim``)."""
+    return comparison(experiment, uri, metric, plot, against)[0]
+
+
+def comparison(experiment: str, uri: str | None = None, metric: str = "eval/accuracy", plot: str | None = None,
+               against: str | None = None) -> tuple[str, list[dict]]:
+    """:func:`compare_runs`' table and the rows it was made from (with a column for each parameter that varies)."""
     metric = grouped_name(metric)
     against = grouped_name(against) if against else None
     rows = runs_table(experiment, uri, metric, against)
     if not rows:
-        return f"experiment {experiment!r} has no runs"
+        return f"experiment {experiment!r} has no runs", rows
     varied = differing(rows) if len(rows) > 1 else []
     shown = {key.split(".", 1)[1] for _, key in COLUMNS}
     for r in rows:  # a varied param gets a column of its own unless a fixed column shows it already
@@ -107,4 +113,4 @@ def compare_runs(experiment: str, uri: str | None = None, metric: str = "eval/ac
         fig.savefig(plot, dpi=110)
         plt.close(fig)
         lines.append(f"plot written to {plot}")
-    return "\n".join(lines)
+    return "\n".join(lines), rows

@@ -82,12 +82,10 @@ class Comparison:
 def compare(experiment: str, tracking_uri: str | None = None, metric: str = "eval/accuracy",
             plot: str | None = None, against: str | None = None) -> Comparison:
     """The runs of an MLflow experiment (``raysplit compare``; ``plot``: a PNG of ``metric`` per round)."""
-    from raysplit.comparison import compare_runs, runs_table
+    from raysplit.comparison import comparison
 
-    table = compare_runs(experiment, uri=tracking_uri, metric=metric, plot=plot, against=against)
-    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs_table(experiment, tracking_uri,
-                                                                                         metric, against)]
-    return Comparison(table, pd.DataFrame(rows))
+    table, rows = comparison(experiment, tracking_uri, metric, plot, against)  # one read of the store
+    return Comparison(table, pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]))
 
 
 def sweep(path: str | Path, overrides: dict | None = None, **keywords) -> pd.DataFrame:

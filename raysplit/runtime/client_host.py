@@ -143,10 +143,9 @@ class ClientHost(ClientJobs, ClientMoves):
         A noised release is counted against the client's budget at rate batch / its samples (``count``: not when
         a checkpoint rebuilds it; ``rate``: another sampling rate, 1 for a transfer of every sample once)."""
         cid = tag.client
-        if count:
-            rate = rate if rate is not None else round(len(x) / self.data.size(cid), 12)
+        rate = None if not count else rate if rate is not None else round(len(x) / self.data.size(cid), 12)
         with self.seeded(cid, 2, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
-            return self.cut.release(tag, x, out, rate if count else None)
+            return self.cut.release(tag, x, out, rate)
 
     def forward_many(self, tags: list[Tag], batch_size: int | None = None) -> list[Activation]:
         """Several forwards in one call, in order (one per stream of a client step)."""

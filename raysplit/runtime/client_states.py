@@ -59,23 +59,20 @@ class ClientStates:
         with the client's saved state restored and learning rate ``lr``."""
         if cid in self.slots:
             return self.slots[cid]
-        module = self.module()
-        module.load_state_dict(state if state is not None else self.own.get(cid, self.global_state))
-        module.train()
-        opt = make_optimizer(module.parameters(), self.optimizer)
-        if cid in self.opt_state:
-            opt.load_state_dict(self.opt_state[cid])
-        set_lr(opt, lr)
-        self.slots[cid] = ModelSlot(module, opt)
-        return self.slots[cid]
+        slot = self.restore_slot(cid, state if state is not None else self.own.get(cid, self.global_state),
+                                 self.opt_state.get(cid))
+        set_lr(slot.optimizer, lr)
+        return slot
 
-    def restore_slot(self, cid: int, weights: dict, optimizer_state: dict) -> ModelSlot:
-        """A slot rebuilt from a checkpoint (an active asynchronous job)."""
+    def restore_slot(self, cid: int, weights: dict, optimizer_state: dict | None) -> ModelSlot:
+        """Client ``cid``'s slot with these weights (in training mode) and optimizer state (None: a fresh
+        optimizer); a checkpoint's active asynchronous jobs are restored so."""
         module = self.module()
         module.load_state_dict(weights)
         module.train()
         opt = make_optimizer(module.parameters(), self.optimizer)
-        opt.load_state_dict(optimizer_state)
+        if optimizer_state is not None:
+            opt.load_state_dict(optimizer_state)
         self.slots[cid] = ModelSlot(module, opt)
         return self.slots[cid]
 
