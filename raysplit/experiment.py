@@ -158,10 +158,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                             if cfg.runtime.placement.client_state_mb else None),
         spill_dir=cfg.runtime.placement.spill_dir,
         privacy=privacy_spec(cfg, alg, cut, tuple(spec_d.input_shape), x_te, num_clients),
-        client_rule=alg.client_rule,
+        client_rule=alg.client_rule, server_rule=alg.server_rule,
     )
     inputs = RuntimeInputs(
-        spec=spec, server_host=alg.server_host,
+        spec=spec, server_host=alg.driver.server_host,
         train_data={"x": np.ascontiguousarray(x_tr), "y": np.asarray(y_tr, dtype=np.int64)},
         test_data={"x": np.ascontiguousarray(x_te), "y": np.asarray(y_te, dtype=np.int64)}, labeled_data=labeled_data,
         train_idx=train_idx, test_idx=test_idx,

@@ -295,7 +295,7 @@ def test_scaffold_control_variates_follow_option_ii(tmp_path, mlflow_uri, monkey
                 assert len(grads) == 5
                 for ci, g in zip(own[c], zip(*grads)):
                     torch.testing.assert_close(ci, torch.stack(g).mean(0), rtol=1e-4, atol=1e-6)
-            control = rt.backend.server.control
+            control = rt.backend.server.rule.control
             for i, cis in enumerate(zip(*own.values())):
                 torch.testing.assert_close(control[str(i)], torch.stack(cis).mean(0), rtol=1e-5, atol=1e-8)
             if r:
@@ -348,21 +348,21 @@ def test_scaffold_server_controls_follow_option_ii_on_the_server_copies(tmp_path
     from raysplit.runtime import runtime_for
 
     raw: dict[int, list] = {}
-    settle = ScaffoldServer.settle_step
+    before_step = ScaffoldServer.before_step
 
-    def spy(self, lv, flops, module, optimizers, *, tag, **kw):  # the raw gradients, before the correction
-        if tag.client in self.models and module is self.models[tag.client].module:
+    def spy(self, module, optimizers, tag):  # the raw gradients, before the correction
+        if tag.client in self.host.models and module is self.host.models[tag.client].module:
             raw.setdefault(tag.client, []).append([p.grad.detach().clone() for p in module.parameters()])
-        return settle(self, lv, flops, module, optimizers, tag=tag, **kw)
+        return before_step(self, module, optimizers, tag)
 
-    monkeypatch.setattr(ScaffoldServer, "settle_step", spy)
+    monkeypatch.setattr(ScaffoldServer, "before_step", spy)
     cfg = _scaffold_digits(tmp_path, mlflow_uri, "sflv1_scaffold", **{
         "algorithm.server_controls": True, "model.cut": "conv1", "train.local_steps": 5, "train.rounds": 3})
     p = prepare(cfg)
     rt = runtime_for(cfg.runtime, p.inputs)
     try:
         driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
-        server = rt.backend.server
+        server = rt.backend.server.rule
         for r in range(3):
             raw.clear()
             before = [t.clone() for t in server.server_control] if server.server_control else None
@@ -388,14 +388,14 @@ def test_scaffold_server_controls_lower_the_server_copies_drift(tmp_path, mlflow
     from raysplit.algorithms.sflvariants import ScaffoldServer
 
     brought: dict[int, list] = {}
-    merge = ScaffoldServer.merge
+    before_merge = ScaffoldServer.before_merge
 
     def spy(self, weights):
-        brought[len(brought)] = [{k: v.clone() for k, v in self.models[c].module.state_dict().items()}
+        brought[len(brought)] = [{k: v.clone() for k, v in self.host.models[c].module.state_dict().items()}
                                  for c in weights]
-        return merge(self, weights)
+        return before_merge(self, weights)
 
-    monkeypatch.setattr(ScaffoldServer, "merge", spy)
+    monkeypatch.setattr(ScaffoldServer, "before_merge", spy)
 
     def drift(states):
         return sum(float(((s - s.mean(0)) ** 2).sum()) for s in

@@ -109,7 +109,7 @@ def test_resampled_loss_is_weighted_by_client_size(tmp_path, mlflow_uri):
     w = torch.cat([torch.full((len(a.y),), float(sizes[a.tag.client])) for a in acts])
     loss = (w * F.cross_entropy(model(x), y, reduction="none")).sum() / w.sum()
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    server.cycle_step(*acts)  # one resampled batch holds every row: one step on the weighted loss
+    server.rule.cycle_step(*acts)  # one resampled batch holds every row: one step on the weighted loss
     lr = cfg.train.optimizer.lr
     for prm, g, new in zip(model.parameters(), grads, server.models["main"].module.parameters()):
         torch.testing.assert_close(new.detach(), (prm - lr * g).detach(), rtol=1e-5, atol=1e-6)
@@ -132,7 +132,7 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
     rt.begin_round(0, [0, 1, 2], 0.0)
     acts = [host.forward(Tag(c, 0, 0)) for c in range(3)]
     server.fork([0, 1, 2])
-    g = server.sglr_step(*acts)
+    g = server.rule.sglr_step(*acts)
     own0 = g[0].g
     assert np.allclose(own0, own0[0])  # one per-sample gradient repeated over the batch
     lr0 = server.models[0].optimizer.param_groups[0]["lr"]
@@ -142,7 +142,7 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
                                       **{"train.rounds": 10})
     rt.begin_round(0, [0, 1, 2], 0.0)
     acts = [host.forward(Tag(c, 0, 0)) for c in range(3)]
-    g = server.sglr_step(*acts)
+    g = server.rule.sglr_step(*acts)
     assert server.models["main"].optimizer.param_groups[0]["lr"] == pytest.approx(3 * cfg.train.optimizer.lr)
     n = min(len(x.g) for x in g)
     assert all(np.allclose(x.g[:n], g[0].g[:n]) for x in g)  # shared while round < 0.6 * rounds
@@ -150,7 +150,7 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
     for c in range(3):
         host.pending.clear(), host.begin_round(7, [c], 0.0)
     acts = [host.forward(Tag(c, 7, 0)) for c in range(3)]
-    g = server.sglr_step(*acts)
+    g = server.rule.sglr_step(*acts)
     assert not np.allclose(g[0].g[:n], g[1].g[:n])
 
 

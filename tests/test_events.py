@@ -14,10 +14,10 @@ from helpers import crashed_run, make_config
 from raysplit.algorithms import ALGORITHMS, AsyncAlgorithm
 from raysplit.experiment import prepare, run_experiment
 from raysplit.models import build_model
-from raysplit.runtime.events import AsyncServer
+from raysplit.runtime import AsyncRule
 
 
-class RecordingServer(AsyncServer):
+class RecordingServer(AsyncRule):
     """The default asynchronous server (a step per arrival, models averaged per M uploads) that records what it
     serves: (client, job round, step) per arrival, (client, version the job started from) per upload."""
 
@@ -28,7 +28,7 @@ class RecordingServer(AsyncServer):
         return super().on_arrival(act)
 
     def on_model_upload(self, cid, msg, job):
-        RecordingServer.log.append(("upload", cid, job.version, self.version, msg.t_sent))
+        RecordingServer.log.append(("upload", cid, job.version, self.host.version, msg.t_sent))
         return super().on_model_upload(cid, msg, job)
 
 
@@ -37,7 +37,7 @@ class AsyncSL(AsyncAlgorithm):
 
     name = "test_async_sl"
     description = "test: asynchronous split learning"
-    server_host = RecordingServer
+    server_rule = RecordingServer
 
 
 class AsyncFL(AsyncAlgorithm):
@@ -45,7 +45,7 @@ class AsyncFL(AsyncAlgorithm):
 
     name = "test_async_fl"
     description = "test: asynchronous FL"
-    server_host = RecordingServer
+    server_rule = RecordingServer
     split = False
 
 

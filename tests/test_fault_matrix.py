@@ -91,7 +91,7 @@ def _reference(tmp_path_factory, monkeypatch, case: str) -> list[dict]:
         def on_round(rnd, m):
             rounds.append((rnd, m))
             if rnd == kill_round - 1 and case.startswith("gas"):
-                folded.append(any(s.factor is not None for s in made[-1].backend.server.stats))
+                folded.append(any(s.factor is not None for s in made[-1].backend.server.rule.stats))
 
         experiment.run_experiment(_config(tmp_path_factory.mktemp(case), case, **{"runtime.backend": "local"}),
                                   on_round=on_round)

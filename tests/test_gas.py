@@ -68,7 +68,7 @@ def _gas_server(tmp_path, mlflow_uri, **over):
 
 
 def _activation(server, client, labels, rng):
-    x = rng.normal(size=(len(labels), *server.act_shape)).astype(np.float32)
+    x = rng.normal(size=(len(labels), *server.rule.act_shape)).astype(np.float32)
     return Activation(Tag(client, 0, 0), x, np.asarray(labels, dtype=np.int64), 0.0)
 
 
@@ -92,17 +92,17 @@ def test_generation_tops_every_label_up_exactly(tmp_path, mlflow_uri):
         server.on_arrival(_activation(server, 0, labels, rng))
     assert server.should_flush()
     server.flush()
-    assert all(st.merges for st in server.stats)
+    assert all(st.merges for st in server.rule.stats)
     assert np.bincount(seen[-1].numpy(), minlength=10).tolist() == [5] * 10  # 2 real + 3 generated per label
     seen.clear()
-    before = server.generated
+    before = server.rule.generated
     # now a skewed buffer: label 0 x7, label 1 x3, nothing else
     server.on_arrival(_activation(server, 1, [0] * 7, rng))
     server.on_arrival(_activation(server, 2, [1] * 3, rng))
     server.flush()
     counts = np.bincount(seen[-1].numpy(), minlength=10)
     assert counts.tolist() == [7, 5] + [5] * 8  # label 0 keeps its 7 real ones, every other label is topped to 5
-    assert server.generated - before == 2 + 8 * 5
+    assert server.rule.generated - before == 2 + 8 * 5
     rt.shutdown()
 
 
@@ -127,9 +127,9 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
     with torch.no_grad():
         x = client.eval()(to_tensor(np.asarray(server.test_x), server.spec.data_spec))
     y = torch.as_tensor(np.asarray(server.test_y), dtype=torch.long)
-    assert server.gradient_dissimilarity(x, y) < 1e-10
+    assert server.rule.gradient_dissimilarity(x, y) < 1e-10
     shuffled = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))]
-    assert server.gradient_dissimilarity(x, shuffled) > 1e-6
+    assert server.rule.gradient_dissimilarity(x, shuffled) > 1e-6
     rt.shutdown()
     final = run_experiment(gas_cfg(tmp_path, mlflow_uri, **{
         "algorithm": {"name": "gas", "dissimilarity_batches": 2}, "tracking.experiment": "gas-v"}))
@@ -140,11 +140,11 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
 def test_logit_adjustment_is_the_clients_label_frequencies(tmp_path, mlflow_uri):
     cfg, p, rt, server = _gas_server(tmp_path, mlflow_uri, **{"algorithm": {"name": "gas", "tau": 1.0}})
     pi = p.partition_counts / p.partition_counts.sum(axis=1, keepdims=True)
-    np.testing.assert_allclose(np.exp(server.adjustment.numpy()), pi + 1e-12, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.exp(server.rule.adjustment.numpy()), pi + 1e-12, rtol=1e-5, atol=1e-7)
     assert (pi == 0).any()  # shards: absent labels get log(1e-12), a strong push away from them
     rt.shutdown()
     cfg, p, rt, server = _gas_server(tmp_path, mlflow_uri, **{"algorithm": {"name": "gas", "tau": 0.5}})
-    np.testing.assert_allclose(server.adjustment.numpy(), np.log(pi ** 0.5 + 1e-12), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(server.rule.adjustment.numpy(), np.log(pi ** 0.5 + 1e-12), rtol=1e-5, atol=1e-6)
     rt.shutdown()
 
 

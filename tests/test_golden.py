@@ -66,7 +66,7 @@ def ray_representatives() -> list[str]:
     first = [*FAMILIES.values()]  # a triple's best-known member stands for it
     for name in first + sorted(set(ALGORITHMS) - set(first)):
         alg = ALGORITHMS[name]
-        triple = (alg.client_rule, alg.server_host, alg.driver)
+        triple = (alg.client_rule, alg.server_rule, alg.driver)
         if triple not in seen:
             seen.add(triple)
             out.append(name)

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from helpers import make_config, run_rounds, write_fake_cifar10
 from raysplit import metrics as M
 from raysplit.algorithms import orders
-from raysplit.algorithms.hydra import ConfidentServer, greedy_groups
+from raysplit.algorithms.hydra import ConfidentServer, HydraServer, greedy_groups
 from raysplit.config import ConfigError
 from raysplit.data import DataSpec
 from raysplit.experiment import prepare, run_experiment
@@ -100,9 +100,9 @@ def test_pg_bw_and_per_position_on_a_hand_made_history():
 def test_most_confident_model_decides_each_sample():
     x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=np.float32)
     y = np.array([0, 1, 1])
-    fake = SimpleNamespace(test_x=x, test_y=y, device=torch.device("cpu"),
-                           spec=SimpleNamespace(eval_batch_size=2,
-                                                data_spec=DataSpec("toy", "float", (2,), 2)))
+    fake = SimpleNamespace(host=SimpleNamespace(test_x=x, test_y=y, device=torch.device("cpu"),
+                                                spec=SimpleNamespace(eval_batch_size=2,
+                                                                     data_spec=DataSpec("toy", "float", (2,), 2))))
     a, b = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         a.weight.copy_(torch.tensor([[3.0, 0.0], [0.0, 0.0]]))  # confident "0" on feature 0
@@ -171,8 +171,8 @@ def test_hydra_heads_average_into_one_weighted_by_samples(tmp_path, mlflow_uri):
     np.testing.assert_array_equal(np.stack([got[c] for c in clients]), p.partition_counts)
     alg.groups = greedy_groups(p.partition_counts, alg.label_groups)
     assert sorted(alg.groups) == list(range(10))  # 10 dominant-label clients -> one per head
-    rt.split_steps(alg.order_sequence(rt, clients, rng), keys=dict(enumerate(alg.groups)), method="hydra_step")
-    server = rt.backend.server
+    rt.split_steps(alg.order_sequence(rt, clients, rng), keys=dict(enumerate(alg.groups)), method=HydraServer.hydra_step)
+    server = rt.backend.server.rule
     heads = [{k: v.clone() for k, v in h.module.state_dict().items()} for h in server.heads]
     w = server.head_samples.copy()
     assert w.sum() == sum(len(ix) for ix in p.inputs.train_idx)

@@ -95,7 +95,7 @@ def test_merged_step_dispatches_slices_of_one_concatenated_forward(tmp_path, mlf
     y = torch.cat([torch.from_numpy(np.array(a.y)) for a in acts])
     loss = F.cross_entropy(model(x), y)
     grads = torch.autograd.grad(loss, [x] + list(model.parameters()))
-    out = server.merge_step(*acts)
+    out = server.rule.merge_step(*acts)
     lo = 0
     for a, g in zip(acts, out):
         d = len(a.y)
@@ -106,7 +106,7 @@ def test_merged_step_dispatches_slices_of_one_concatenated_forward(tmp_path, mlf
     lr = cfg.train.optimizer.lr
     for new, old, gr in zip(model.parameters(), before, grads[1:]):  # one SGD step on the merged batch
         torch.testing.assert_close(new.detach(), old - lr * gr, rtol=1e-5, atol=1e-6)
-    assert server.label_kls and server.label_kls[0] >= 0
+    assert server.rule.label_kls and server.rule.label_kls[0] >= 0
 
 
 def whole_model_sgd_step(cfg, p, sizes: dict[int, int]):

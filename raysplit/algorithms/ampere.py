@@ -45,7 +45,7 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..data.store import ActivationStore, ShuffledLoader, check_space
 from ..errors import ConfigError
 from ..models.auxiliary import UnsupportedLayer, auxiliary_net
-from ..runtime import ClientRule, ServerHost
+from ..runtime import ClientRule, ServerRule
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import StateMsg, Tag
 from ..runtime.optim import make_optimizer
@@ -83,16 +83,16 @@ class AuxRule(ClientRule):
         return slot.module[0]
 
 
-class AuxServer(ServerHost):
+class AuxServer(ServerRule):
     """A server whose client models are (device block, auxiliary net): aggregation and evaluation know it."""
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
-        self.eval_client = aux_parts(spec)[0].to(self.device)
-        self.eval_client.load_state_dict(self.client_init.tensors())
+    def __init__(self, host):
+        super().__init__(host)
+        self.host.eval_client = aux_parts(host.spec)[0].to(host.device)
+        self.host.eval_client.load_state_dict(self.host.client_init.tensors())
 
     def client_encoder(self) -> torch.nn.Module:
-        return self.eval_client[0]  # evaluation: the device block with the server block, the auxiliary net unused
+        return self.host.eval_client[0]  # evaluation: the device block with the server block, the auxiliary net unused
 
 
 class AmpereRule(AuxRule):
@@ -149,9 +149,9 @@ class AmpereServer(AuxServer):
 
     checkpointed = ("epochs_done", "arrivals", "server_init", "store_path", "best_val", "best_state", "last_val")
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
-        self.server_init = copy.deepcopy(self.models["main"].module.state_dict())
+    def __init__(self, host):
+        super().__init__(host)
+        self.server_init = copy.deepcopy(self.host.models["main"].module.state_dict())
         self.best_val, self.best_state, self.last_val = -1.0, None, float("nan")
         self.stores: dict[str, ActivationStore] = {}
         self.arrivals: list[float] = []
@@ -186,34 +186,34 @@ class AmpereServer(AuxServer):
     # ---- server phase ---------------------------------------------------------------------------------------------
     def server_epoch(self) -> None:
         """One epoch of the server block on the consolidated activations (or per-device blocks, averaged)."""
-        p, slot = self.params, self.models["main"]
+        p, slot = self.host.params, self.host.models["main"]
         if self.epochs_done == 0:  # the server block starts from scratch (its initial weights)
             slot.module.load_state_dict(self.server_init)
-            slot.optimizer = make_optimizer(slot.module.parameters(), self.spec.server_optimizer)
-            self.wait_until(min(self.arrivals))
+            slot.optimizer = make_optimizer(slot.module.parameters(), self.host.spec.server_optimizer)
+            self.host.wait_until(min(self.arrivals))
         store = self._store("train")
         if p.consolidate:
             self._train(slot, store.shards, "main")
         else:
             sources = sorted({s["source"] for s in store.shards})
-            self.fork(sources)
+            self.host.fork(sources)
             for d in sources:
-                self._train(self.models[d], [s for s in store.shards if s["source"] == d], d)
+                self._train(self.host.models[d], [s for s in store.shards if s["source"] == d], d)
             rows = {d: sum(s["rows"] for s in store.shards if s["source"] == d) for d in sources}
-            self.merge({d: float(rows[d]) for d in sources})
+            self.host.merge({d: float(rows[d]) for d in sources})
         if self.epochs_done == 0:  # the first epoch cannot end before the last activations have arrived
-            self.wait_until(max(self.arrivals))
+            self.host.wait_until(max(self.arrivals))
         self.epochs_done += 1
 
     def _train(self, slot, shards: list[dict], key) -> None:
-        p = self.params
+        p = self.host.params
         loader = ShuffledLoader(self._store("train"), p.server_batch_size, int(p.cache_mb * 2**20),
-                                self.spec.seed * 1000 + (0 if key == "main" else int(key) + 1), shards)
+                                self.host.spec.seed * 1000 + (0 if key == "main" else int(key) + 1), shards)
         for step, (x, y) in enumerate(loader.epoch(self.epochs_done)):
-            xt = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-            self.step_through(xt, torch.from_numpy(y).to(self.device), slot.module, [slot.optimizer],
-                              tag=Tag(-1, self.round, step, "server"), flop_key=("server_epoch",),
-                              varying_batch=True, where=f"the server phase, epoch {self.epochs_done}, step {step}")
+            xt = torch.from_numpy(np.ascontiguousarray(x)).to(self.host.device)
+            self.host.step_through(xt, torch.from_numpy(y).to(self.host.device), slot.module, [slot.optimizer],
+                                   tag=Tag(-1, self.host.round, step, "server"), flop_key=("server_epoch",),
+                                   varying_batch=True, where=f"the server phase, epoch {self.epochs_done}, step {step}")
         self.peak_cache = max(getattr(self, "peak_cache", 0), loader.peak_bytes)
 
     def _store(self, split: str) -> ActivationStore:
@@ -224,11 +224,11 @@ class AmpereServer(AuxServer):
     @torch.no_grad()
     def validate_server(self) -> float:
         """Accuracy of the server block on the validation activations."""
-        store, module = self._store("validation"), self.models["main"].module
+        store, module = self._store("validation"), self.host.models["main"].module
         module.eval()
         correct = total = 0
-        for x, y in ShuffledLoader(store, 4096, int(self.params.cache_mb * 2**20), 0).epoch(0):
-            pred = module(torch.from_numpy(np.ascontiguousarray(x)).to(self.device)).argmax(1).cpu().numpy()
+        for x, y in ShuffledLoader(store, 4096, int(self.host.params.cache_mb * 2**20), 0).epoch(0):
+            pred = module(torch.from_numpy(np.ascontiguousarray(x)).to(self.host.device)).argmax(1).cpu().numpy()
             correct += int((pred == y).sum())
             total += len(y)
         module.train()
@@ -239,17 +239,17 @@ class AmpereServer(AuxServer):
 
     def restore_best(self) -> None:
         if self.best_state is not None:
-            self.models["main"].module.load_state_dict(self.best_state)
+            self.host.models["main"].module.load_state_dict(self.best_state)
 
     @torch.no_grad()
     def evaluate_phase(self, client_state: StateMsg, phase: str) -> tuple[np.ndarray, np.ndarray, float]:
         """Device block + auxiliary net (device phase) or device block + server block (server phase)."""
         if phase != "device":
-            return self.evaluate(client_state)
-        model = self.eval_client
+            return self.host.evaluate(client_state)
+        model = self.host.eval_client
         model.load_state_dict(client_state.tensors())
         model.eval()
-        return self.predict(model)
+        return self.host.predict(model)
 
     def round_metrics(self) -> dict:
         out = {"server_epochs": self.epochs_done, "cache_peak_mb": getattr(self, "peak_cache", 0) / 2**20}
@@ -257,8 +257,8 @@ class AmpereServer(AuxServer):
             out["server_val_accuracy"] = self.last_val  # the epoch's validation accuracy (restore_best picks on it)
         return out
 
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
+    def restore(self, st: dict) -> None:
+        super().restore(st)
         self.stores = {}  # reopened from the restored store_path when first read
 
 
@@ -289,7 +289,7 @@ class Ampere(Algorithm):
     description = "Ampere: device block + auxiliary net to convergence, one-shot activations, server block after"
     Params = AmpereParams
     client_rule = AmpereRule
-    server_host = AmpereServer
+    server_rule = AmpereServer
     checkpointed = ("phase", "round_phase", "best", "bad", "done", "device_rounds", "server_epochs", "store_path")
 
     @classmethod

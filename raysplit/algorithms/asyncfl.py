@@ -26,7 +26,8 @@ import torch
 from pydantic import Field
 
 from .base import AlgorithmParams, AsyncAlgorithm, register
-from ..runtime.events import AsyncServer, Job
+from ..runtime import AsyncRule
+from ..runtime.events import Job
 from ..runtime.messages import StateMsg
 
 
@@ -34,19 +35,19 @@ def _to_float(msg: StateMsg) -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in msg.tensors().items()}
 
 
-class UpdateServer(AsyncServer):
+class UpdateServer(AsyncRule):
     """Asynchronous FL server: remembers the global model each job started from, turns uploads into updates."""
 
     checkpointed = ("start_of", "pending")
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
+    def __init__(self, host):
+        super().__init__(host)
         self.start_of: dict[int, StateMsg] = {}
         self.pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # (client, update) in the buffer
-        self.buffer_size = getattr(self.params, "buffer_size", None) or self.setup.active
+        self.buffer_size = getattr(self.host.params, "buffer_size", None) or self.host.setup.active
 
     def on_job_start(self, cid: int, job: Job) -> None:
-        self.start_of[cid] = self.global_model()
+        self.start_of[cid] = self.host.global_model()
 
     def update_of(self, cid: int, msg: StateMsg) -> dict[str, torch.Tensor]:
         start = _to_float(self.start_of.pop(cid))
@@ -54,12 +55,12 @@ class UpdateServer(AsyncServer):
 
     def move_global(self, step: dict[str, torch.Tensor], scale: float = 1.0) -> None:
         """x <- x + scale * step (integer buffers rounded back)."""
-        current = self.global_model().tensors()
+        current = self.host.global_model().tensors()
         new = {}
         for k, v in current.items():
             moved = v.double() + scale * step[k]
             new[k] = (moved if v.is_floating_point() else moved.round()).to(v.dtype)
-        self.set_global(StateMsg.packed(new, weight=1.0))
+        self.host.set_global(StateMsg.packed(new, weight=1.0))
 
 
 class FedBuffParams(AlgorithmParams):
@@ -72,7 +73,7 @@ class FedBuffParams(AlgorithmParams):
 
 class FedBuffServer(UpdateServer):
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        p = self.params
+        p = self.host.params
         if p.aggregate == "models":
             self.start_of.pop(cid, None)
             self.pending.append((cid, _to_float(msg)))
@@ -83,9 +84,9 @@ class FedBuffServer(UpdateServer):
         mean = {k: sum(u[k] for _, u in self.pending) / len(self.pending) for k in self.pending[0][1]}
         self.pending = []
         if p.aggregate == "models":
-            ref = self.global_model().tensors()
+            ref = self.host.global_model().tensors()
             state = {k: (v if ref[k].is_floating_point() else v.round()).to(ref[k].dtype) for k, v in mean.items()}
-            self.set_global(StateMsg.packed(state, weight=1.0))
+            self.host.set_global(StateMsg.packed(state, weight=1.0))
         else:
             self.move_global(mean, p.server_lr)
         return True
@@ -98,7 +99,7 @@ class FedBuff(AsyncAlgorithm):
     name = "fedbuff"
     description = "FedBuff: async FL, K buffered client updates per server step"
     Params = FedBuffParams
-    server_host = FedBuffServer
+    server_rule = FedBuffServer
     split = False
 
 
@@ -111,18 +112,18 @@ class CA2FLParams(FedBuffParams):
 class CA2FLServer(UpdateServer):
     checkpointed = ("cache",)
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
+    def __init__(self, host):
+        super().__init__(host)
         self.cache: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
         self.pending.append((cid, self.update_of(cid, msg)))
         if len(self.pending) < self.buffer_size:
             return False
-        n = len(self.setup.client_sizes)
+        n = len(self.host.setup.client_sizes)
         keys = list(self.pending[0][1])
         zero = {k: torch.zeros_like(v) for k, v in self.pending[0][1].items()}
-        if self.params.calibration == "paper":
+        if self.host.params.calibration == "paper":
             mean_cache = {k: sum(h[k] for h in self.cache.values()) / n if self.cache else zero[k] for k in keys}
             calib = {k: sum(u[k] - self.cache.get(c, zero)[k] for c, u in self.pending) / len(self.pending)
                      for k in keys}
@@ -132,11 +133,11 @@ class CA2FLServer(UpdateServer):
         else:
             for c, u in self.pending:
                 self.cache[c] = u
-            sizes = self.setup.client_sizes
+            sizes = self.host.setup.client_sizes
             total = float(sum(sizes))
             step = {k: sum(h[k] * (sizes[c] / total) for c, h in self.cache.items()) for k in keys}
         self.pending = []
-        self.move_global(step, self.params.server_lr)
+        self.move_global(step, self.host.params.server_lr)
         return True
 
 
@@ -147,7 +148,7 @@ class CA2FL(AsyncAlgorithm):
     name = "ca2fl"
     description = "CA2FL: FedBuff + calibration by every client's cached latest update"
     Params = CA2FLParams
-    server_host = CA2FLServer
+    server_rule = CA2FLServer
     split = False
 
 
@@ -161,9 +162,9 @@ class FedAsyncServer(UpdateServer):
         pass
 
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        p = self.params
-        mix = p.alpha * (self.version - job.version + 1) ** (-p.staleness_power)
-        current = _to_float(self.global_model())
+        p = self.host.params
+        mix = p.alpha * (self.host.version - job.version + 1) ** (-p.staleness_power)
+        current = _to_float(self.host.global_model())
         step = {k: v - current[k] for k, v in _to_float(msg).items()}
         self.move_global(step, mix)
         return True
@@ -176,5 +177,5 @@ class FedAsync(AsyncAlgorithm):
     name = "fedasync"
     description = "FedAsync: each upload mixed in with weight alpha * (staleness+1)^-a"
     Params = FedAsyncParams
-    server_host = FedAsyncServer
+    server_rule = FedAsyncServer
     split = False

@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
 from ..errors import ConfigError
-from ..runtime import Checkpointed, ClientRule, ServerHost
+from ..runtime import AsyncRule, Checkpointed, ClientRule, ServerRule
 from ..runtime.drivers import RoundDriver
-from ..runtime.events import AsyncServer, EventDriver, EventSetup
+from ..runtime.events import EventDriver, EventSetup
 
 
 class AlgorithmParams(BaseModel):
@@ -65,7 +65,7 @@ class Algorithm(Checkpointed):
     description: ClassVar[str] = ""
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     client_rule: ClassVar[type] = ClientRule  # what its clients change around a step (runtime/rules.py)
-    server_host: ClassVar[type] = ServerHost
+    server_rule: ClassVar[type] = ServerRule  # what its server keeps and does beyond plain steps (runtime/rules.py)
     driver: ClassVar[type] = RoundDriver
 
     def __init__(self, params: AlgorithmParams, cfg):
@@ -188,13 +188,13 @@ class AsyncAlgorithm(Algorithm):
     global model before it uploads and a newly sampled client takes its slot; a global round (the MLflow step) ends
     when a new global model exists.
 
-    What happens on the server lives in its host, a subclass of
-    :class:`~raysplit.runtime.events.AsyncServer` (``server_host``), whose hooks the event loop calls in
-    simulated-time order: ``on_arrival`` (an activation arrived; return the client's gradient), ``should_flush`` /
-    ``flush`` (after each arrival) and ``on_model_upload`` (a model arrived; True when a new global model exists).
-    ``split`` says whether the clients' iterations are split steps (arrival events) or local SGD steps."""
+    What happens on the server is its server rule, an :class:`~raysplit.runtime.rules.AsyncRule` (``server_rule``),
+    whose hooks the event loop calls in simulated-time order: ``on_arrival`` (an activation arrived; return the
+    client's gradient), ``should_flush`` / ``flush`` (after each arrival) and ``on_model_upload`` (a model arrived;
+    True when a new global model exists). ``split`` says whether the clients' iterations are split steps (arrival
+    events) or local SGD steps."""
 
-    server_host = AsyncServer
+    server_rule = AsyncRule
     driver = EventDriver
     split: ClassVar[bool] = True
 

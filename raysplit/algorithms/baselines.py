@@ -15,6 +15,7 @@ from pydantic import Field
 
 from . import orders
 from .base import Algorithm, AlgorithmParams, CopiesParams, SetupInfo, register
+from ..runtime import ServerHost
 
 
 class SequentialParams(AlgorithmParams):
@@ -83,7 +84,7 @@ class PSL(Algorithm):
         end earlier; it is the clock the per-copy steps give in that order (the server charges each copy's
         FLOPs, one after another, from its activation's arrival on)."""
         if self.params.batched_copies:
-            rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, "train_copies")
+            rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, ServerHost.train_copies)
         else:
             self.each_client_in_turn(rt, clients, own_server_copy=True)
 

@@ -35,7 +35,7 @@ from pydantic import Field
 
 from .base import Algorithm, AlgorithmParams, CopiesParams, register
 from ..errors import ConfigError
-from ..runtime import ServerHost
+from ..runtime import ServerRule
 from ..runtime import Batch, batch_step
 from ..runtime.messages import Gradient
 from ..runtime.optim import round_lr, set_lr
@@ -59,23 +59,23 @@ def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
     return np.nanmean(stack, axis=0).astype(grads[0].dtype)
 
 
-class CycleServer(ServerHost):
-    """Server host with the CycleSL step and SGLR's server-side rules (``self.params``: the algorithm's Params)."""
+class CycleServer(ServerRule):
+    """Server rule with the CycleSL step and SGLR's server-side rules (``self.host.params``: the algorithm's Params)."""
 
     @batch_step
     def cycle_step(self, *acts: Batch) -> list[Gradient]:
         """Algorithm 1: pool the round's features, train the server for E epochs on resampled batches with
         client-size-weighted loss, freeze it, return each client's gradient on its original features."""
-        p = self.params
-        slot = self.models["main"]
+        p = self.host.params
+        slot = self.host.models["main"]
         model, opt = slot.module, slot.optimizer
         x_all, y_all = torch.cat([a.x for a in acts]), torch.cat([a.y for a in acts])
-        w_all = torch.cat([torch.full((len(a.y),), float(a.weight), device=self.device) for a in acts])
-        g = torch.Generator().manual_seed(self.spec.seed * 100003 + self.round)
-        bs = p.server_batch_size or self.spec.batch_size
+        w_all = torch.cat([torch.full((len(a.y),), float(a.weight), device=self.host.device) for a in acts])
+        g = torch.Generator().manual_seed(self.host.spec.seed * 100003 + self.host.round)
+        bs = p.server_batch_size or self.host.spec.batch_size
         n = len(y_all)
         for _ in range(p.server_epochs):
-            perm = torch.randperm(n, generator=g).to(self.device)
+            perm = torch.randperm(n, generator=g).to(self.host.device)
             starts = range(0, n, bs) if p.server_steps == "epoch" else [0]
             for i in starts:
                 idx = perm[i:i + bs]
@@ -83,18 +83,19 @@ class CycleServer(ServerHost):
                 def weighted_ce(out, y, w=w_all[idx]):
                     return (w * F.cross_entropy(out, y, reduction="none")).sum() / w.sum()
 
-                self.step_through(x_all[idx], y_all[idx], model, [opt], tag=acts[0].tag, flop_key=("cycle", len(idx)),
-                                  loss_fn=weighted_ce)
+                self.host.step_through(x_all[idx], y_all[idx], model, [opt], tag=acts[0].tag,
+                                       flop_key=("cycle", len(idx)), loss_fn=weighted_ce)
         return self._frozen_gradients(model, acts)
 
     def _frozen_gradients(self, model, acts: tuple[Batch, ...]) -> list[Gradient]:
         """Each client's gradient on its original features through ``model`` with its parameters frozen."""
         out = []
-        with self.frozen(model):
+        with self.host.frozen(model):
             for a in acts:
                 x = a.x.detach().clone().requires_grad_(True)
-                lv = self.step_through(x, a.y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)), record=False)
-                out.append(self.answer(a, x.grad, lv))
+                lv = self.host.step_through(x, a.y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)),
+                                            record=False)
+                out.append(self.host.answer(a, x.grad, lv))
         return out
 
     def share_gradients(self, grads: list[Gradient], weights: list[float], active: int) -> list[Gradient]:
@@ -102,35 +103,37 @@ class CycleServer(ServerHost):
         if active < 1:
             return grads
         shared = sglr_shared_gradient([g.g for g in grads[:active]], weights[:active])
-        return self.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
+        return self.host.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
 
     @batch_step
     def cycle_sglr_step(self, *acts: Batch) -> list[Gradient]:
         grads = self.cycle_step(*acts)
-        active = int(self.params.active_fraction * len(acts))
+        active = int(self.host.params.active_fraction * len(acts))
         return self.share_gradients(grads, [a.weight for a in acts], active)
 
     @batch_step(stamp=False)
     def sglr_step(self, *acts: Batch) -> list[Gradient]:
         """SGLR, ``variant`` cyclesl or original (module docstring)."""
-        p = self.params
+        p = self.host.params
         if p.variant == "cyclesl":
-            grads = self.train_copies(*acts)  # copies forked by the driver; batched with algorithm.batched_copies
+            grads = self.host.train_copies(*acts)  # copies forked by the driver; batched with algorithm.batched_copies
             active = int(p.active_fraction * len(acts))
             return self.share_gradients(grads, [a.weight for a in acts], active)
-        slot = self.models["main"]
-        self.wait_until(max(a.t_sent for a in acts))  # the concatenated step waits for the last of them
+        slot = self.host.models["main"]
+        self.host.wait_until(max(a.t_sent for a in acts))  # the concatenated step waits for the last of them
         x = torch.cat([a.x for a in acts]).requires_grad_(True)
         ys = [a.y for a in acts]
         y = torch.cat(ys)
-        set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, self.round, self.spec.rounds) * len(acts) ** p.lr_pow)
-        lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("concat", tuple(x.shape)))
+        spec = self.host.spec
+        set_lr(slot.optimizer, round_lr(spec.server_optimizer, self.host.round, spec.rounds) * len(acts) ** p.lr_pow)
+        lv = self.host.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag,
+                                    flop_key=("concat", tuple(x.shape)))
         sizes = np.cumsum([0] + [len(t) for t in ys])
         slices = [x.grad[sizes[i]:sizes[i + 1]] for i in range(len(acts))]
-        if self.round < p.comm_fraction * self.spec.rounds:
+        if self.host.round < p.comm_fraction * self.host.spec.rounds:
             mean = torch.from_numpy(positionwise_mean([s.cpu().numpy() for s in slices]))
             slices = [mean[:len(s)].clone() for s in slices]
-        return [self.answer(a, s, lv) for a, s in zip(acts, slices)]
+        return [self.host.answer(a, s, lv) for a, s in zip(acts, slices)]
 
 
 class CycleParams(AlgorithmParams):
@@ -160,8 +163,8 @@ class PooledRound(Algorithm):
     """Rounds of ``local_steps`` pooled steps: one forward per sampled client, one server call over all of them
     (``server_method``) returning one gradient per client, and the clients' backward passes."""
 
-    server_host = CycleServer
-    server_method = "cycle_step"
+    server_rule = CycleServer
+    server_method = CycleServer.cycle_step
 
     def setup(self, info) -> None:
         if self.local_epochs:
@@ -171,7 +174,7 @@ class PooledRound(Algorithm):
     def pooled_steps(self, rt, clients) -> None:
         """The round's ``local_steps`` pooled steps through the runtime's one engine (server-driven, over the
         compiled transport where the backend offers it)."""
-        rt.pooled_steps(clients, self.local_steps, self.server_method)
+        rt.pooled_steps(clients, self.local_steps, type(self).server_method)
 
 
 @register
@@ -210,7 +213,7 @@ class CycleSGLR(CyclePSL):
     name = "cyclesglr"
     description = "CycleSL + SGLR: pooled resampling, frozen-server gradients shared among active clients"
     Params = CycleSGLRParams
-    server_method = "cycle_sglr_step"
+    server_method = CycleServer.cycle_sglr_step
 
 
 @register
@@ -221,7 +224,7 @@ class SGLR(PooledRound):
     name = "sglr"
     description = "SGLR: server-side gradient averaging (variant cyclesl | original)"
     Params = SGLRParams
-    server_method = "sglr_step"
+    server_method = CycleServer.sglr_step
 
     def keeps_global_client_model(self) -> bool:
         return False

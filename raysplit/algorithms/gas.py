@@ -47,7 +47,8 @@ from pydantic import Field
 from .base import AsyncAlgorithm, AlgorithmParams, SetupInfo, register
 from ..gaussian import LabelGaussian
 from ..data import to_tensor
-from ..runtime.events import AsyncServer, EventSetup, Job
+from ..runtime import AsyncRule
+from ..runtime.events import EventSetup, Job
 from ..runtime import Batch, batch_step
 from ..runtime.messages import Gradient, StateMsg, Tag
 
@@ -81,23 +82,24 @@ class GASParams(AlgorithmParams):
                                        "every global round; 0: off")
 
 
-class GASServer(AsyncServer):
+class GASServer(AsyncRule):
     """The server of GAS: activation buffer, per-label Gaussians, model buffer (module docstring)."""
 
     checkpointed = ("stats", "buffer", "models_in", "weight_count", "total_weight", "server_updates", "gen_rng",
                     "last_update")
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
-        p, setup = self.params, spec.host_setup
+    def __init__(self, host):
+        super().__init__(host)
+        spec = host.spec
+        p, setup = host.params, spec.host_setup
         self.buffer_size = p.buffer_size or setup.active
         self.model_buffer_size = p.model_buffer_size or setup.active
         self.min_per_label = spec.batch_size if p.min_per_label is None else p.min_per_label
         counts = np.asarray(setup.label_counts, dtype=np.float64)
         self.num_labels = counts.shape[1]
         pi = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
-        self.adjustment = torch.as_tensor(np.log(pi ** p.tau + 1e-12), dtype=torch.float32, device=self.device)
-        self.act_shape = self.events.costs.act_shape
+        self.adjustment = torch.as_tensor(np.log(pi ** p.tau + 1e-12), dtype=torch.float32, device=self.host.device)
+        self.act_shape = self.host.events.costs.act_shape
         dim = int(np.prod(self.act_shape))
         self.stats = [LabelGaussian(dim, p.covariance, p.rank) for _ in range(self.num_labels)]
         self.buffer: list[tuple[torch.Tensor, torch.Tensor, float]] = []
@@ -114,8 +116,7 @@ class GASServer(AsyncServer):
         self.updates_this_round = 0
         self.dissimilarity: float | None = None
 
-    def begin_round(self, rnd: int, t0: float) -> None:
-        super().begin_round(rnd, t0)
+    def on_begin_round(self, rnd: int) -> None:
         self._reset_gas_round()
 
     # ---- hooks ------------------------------------------------------------------------------------------------
@@ -125,21 +126,21 @@ class GASServer(AsyncServer):
     @batch_step(stamp=False)  # the step below starts at the arrival (ready_at)
     def on_arrival(self, act: Batch) -> Gradient:
         c = act.tag.client
-        w = self.weight_count[c] if self.params.weighting == "recency" else 1.0
+        w = self.weight_count[c] if self.host.params.weighting == "recency" else 1.0
         self.weight_count[c] += 1
         x, y = act.x, act.y
         self.buffer.append((x.detach().clone(), y, w))
-        model = self.models["main"].module
-        adjust = self.adjustment[c] if self.params.logit_adjustment else None
+        model = self.host.models["main"].module
+        adjust = self.adjustment[c] if self.host.params.logit_adjustment else None
 
         def adjusted_ce(out, y):
             return F.cross_entropy(out + adjust if adjust is not None else out, y)
 
         x.requires_grad_(True)
-        with self.frozen(model):
-            lv = self.step_through(x, y, model, [], tag=act.tag, flop_key=("gas_client", tuple(x.shape)),
-                                   ready_at=act.t_sent, loss_fn=adjusted_ce, record=False)
-        return self.answer(act, x.grad, lv)
+        with self.host.frozen(model):
+            lv = self.host.step_through(x, y, model, [], tag=act.tag, flop_key=("gas_client", tuple(x.shape)),
+                                        ready_at=act.t_sent, loss_fn=adjusted_ce, record=False)
+        return self.host.answer(act, x.grad, lv)
 
     def should_flush(self) -> bool:
         return len(self.buffer) >= self.buffer_size
@@ -156,8 +157,8 @@ class GASServer(AsyncServer):
             st.merge(flat[mask], ws[mask])
             if not st.finite():
                 raise FloatingPointError(f"GAS: the activation statistics of label {int(lab)} became non-finite at "
-                                         f"server update {self.server_updates} (round {self.round})")
-        if self.params.generate and all(st.merges for st in self.stats):
+                                         f"server update {self.server_updates} (round {self.host.round})")
+        if self.host.params.generate and all(st.merges for st in self.stats):
             gen_x, gen_y = [], []
             counts = np.bincount(labels, minlength=self.num_labels)
             for lab in range(self.num_labels):
@@ -166,14 +167,14 @@ class GASServer(AsyncServer):
                     gen_x.append(self.stats[lab].sample(need, self.gen_rng))
                     gen_y.append(np.full(need, lab))
             if gen_x:
-                g = torch.as_tensor(np.concatenate(gen_x), dtype=xs.dtype, device=self.device)
+                g = torch.as_tensor(np.concatenate(gen_x), dtype=xs.dtype, device=self.host.device)
                 xs = torch.cat([xs, g.reshape(len(g), *self.act_shape)])
-                ys = torch.cat([ys, torch.as_tensor(np.concatenate(gen_y), device=self.device)])
+                ys = torch.cat([ys, torch.as_tensor(np.concatenate(gen_y), device=self.host.device)])
                 self.generated += len(g)
-        slot = self.models["main"]
-        self.step_through(xs, ys, slot.module, [slot.optimizer], tag=Tag(-1, self.round, self.server_updates),
-                          flop_key=("gas_server",), varying_batch=True)
-        if self.params.dissimilarity_batches:
+        slot = self.host.models["main"]
+        self.host.step_through(xs, ys, slot.module, [slot.optimizer], tag=Tag(-1, self.host.round, self.server_updates),
+                               flop_key=("gas_server",), varying_batch=True)
+        if self.host.params.dissimilarity_batches:
             self.last_update = (xs.detach(), ys)
         self.buffer = []
         self.server_updates += 1
@@ -181,14 +182,14 @@ class GASServer(AsyncServer):
 
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
         self.weight_count.pop(cid, None)
-        size = float(self.setup.client_sizes[cid]) if self.params.model_weights == "samples" else 1.0
+        size = float(self.host.setup.client_sizes[cid]) if self.host.params.model_weights == "samples" else 1.0
         self.models_in.append(replace(msg, weight=size))
         if len(self.models_in) < self.model_buffer_size:
             return False
-        self.set_global(self.average(self.models_in, [m.weight for m in self.models_in]))
+        self.host.set_global(self.host.average(self.models_in, [m.weight for m in self.models_in]))
         self.models_in = []
         self.total_weight += self.server_updates
-        if self.params.dissimilarity_batches and self.last_update is not None:
+        if self.host.params.dissimilarity_batches and self.last_update is not None:
             self.dissimilarity = self.gradient_dissimilarity(*self.last_update)
         return True
 
@@ -199,19 +200,19 @@ class GASServer(AsyncServer):
         it: the squared distance summed per parameter tensor, divided by the number of tensors. (The code runs
         the test batches through whichever client's weights its shared client module last held; here it is the
         global model, the paper's intent.) A diagnostic: it changes no model and no clock."""
-        server = self.models["main"].module
-        client = self.eval_client
-        client.load_state_dict(self.global_model().tensors())
+        server = self.host.models["main"].module
+        client = self.host.eval_client
+        client.load_state_dict(self.host.global_model().tensors())
         client.eval()
         params = [q for q in server.parameters() if q.requires_grad]
-        rng = np.random.default_rng([self.spec.seed, 0xD15, self.version])
-        n, bs = len(self.test_y), self.spec.eval_batch_size
+        rng = np.random.default_rng([self.host.spec.seed, 0xD15, self.host.version])
+        n, bs = len(self.host.test_y), self.host.spec.eval_batch_size
         real = [torch.zeros_like(q) for q in params]
-        k = self.params.dissimilarity_batches
+        k = self.host.params.dissimilarity_batches
         for _ in range(k):
             idx = np.sort(rng.choice(n, size=min(bs, n), replace=False))
-            xb = to_tensor(np.asarray(self.test_x[idx]), self.spec.data_spec).to(self.device)
-            yb = torch.as_tensor(np.asarray(self.test_y)[idx], dtype=torch.long, device=self.device)
+            xb = to_tensor(np.asarray(self.host.test_x[idx]), self.host.spec.data_spec).to(self.host.device)
+            yb = torch.as_tensor(np.asarray(self.host.test_y)[idx], dtype=torch.long, device=self.host.device)
             with torch.no_grad():
                 feats = client(xb)
             for acc, g in zip(real, torch.autograd.grad(F.cross_entropy(server(feats), yb), params)):
@@ -220,8 +221,7 @@ class GASServer(AsyncServer):
         return float(sum(((g - r) ** 2).sum() for g, r in zip(sampled, real)) / len(params))
 
     def round_metrics(self) -> dict:
-        out = {**super().round_metrics(), "server_updates": self.updates_this_round,
-               "generated_activations": self.generated}
+        out = {"server_updates": self.updates_this_round, "generated_activations": self.generated}
         if self.dissimilarity is not None:
             out["grad_dissimilarity"] = self.dissimilarity
         return out
@@ -235,7 +235,7 @@ class GAS(AsyncAlgorithm):
     name = "gas"
     description = "GAS: async SFL, activation/model buffers, generated activations, logit adjustment"
     Params = GASParams
-    server_host = GASServer
+    server_rule = GASServer
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)

@@ -41,7 +41,7 @@ from .base import AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
-from ..runtime import Batch, ClientRule, ModelSlot, ServerHost, batch_step
+from ..runtime import Batch, ClientRule, ModelSlot, ServerRule, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import Gradient, StateMsg
@@ -84,35 +84,36 @@ class LabelRule(ClientRule):
         return {c: StateMsg.packed(st) for c, st in self.host.states.own.items()}
 
 
-class ConfidentServer(ServerHost):
-    """Server host with the "most confident model" inference of SplitFedV3 and MultiHead."""
+class ConfidentServer(ServerRule):
+    """Server rule with the "most confident model" inference of SplitFedV3 and MultiHead."""
 
     @torch.no_grad()
     def _confident(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]]):
         """Per test sample, the logits of the (client part, server part) pair whose largest logit is largest."""
+        host = self.host
         for c, s in pairs:
             c.eval(), s.eval()
 
         def most_confident(x):
             logits = torch.stack([s(c(x)) for c, s in pairs])  # (models, batch, classes)
             best = logits.max(dim=2).values.argmax(dim=0)
-            return logits[best, torch.arange(x.shape[0], device=self.device)]
+            return logits[best, torch.arange(x.shape[0], device=host.device)]
 
-        tally = predict_batches(self.test_x, self.test_y, self.spec.data_spec, self.spec.eval_batch_size,
-                                most_confident, EvalTally(), self.device)
+        tally = predict_batches(host.test_x, host.test_y, host.spec.data_spec, host.spec.eval_batch_size,
+                                most_confident, EvalTally(), host.device)
         for _, s in pairs:
             s.train()
-        return np.asarray(self.test_y), tally.result()[1], tally.loss
+        return np.asarray(self.host.test_y), tally.result()[1], tally.loss
 
     def evaluate_client_models(self, *parts: dict[int, StateMsg]) -> tuple[np.ndarray, np.ndarray, float]:
         """SplitFedV3: every client's own part-1 (from ``LabelClient.own_states``) with the server part."""
         states = {c: st for p in parts for c, st in p.items()}
         if not states:
             states = {-1: None}
-        server = self.models["main"].module
+        server = self.host.models["main"].module
         pairs = []
         for c, st in sorted(states.items()):
-            client = copy.deepcopy(self.eval_client)
+            client = copy.deepcopy(self.host.eval_client)
             if st is not None:
                 client.load_state_dict(st.tensors())
             pairs.append((client, server))
@@ -120,38 +121,37 @@ class ConfidentServer(ServerHost):
 
     def ensure_heads(self, keys: list) -> None:
         """MultiHead: a server head per client, forked from the initial server part the first time it is seen."""
-        self.fork([k for k in keys if k not in self.models])
+        self.host.fork([k for k in keys if k not in self.host.models])
 
     def evaluate_heads(self, client_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """MultiHead: the global part-1 with every client head (the initial part if no head exists yet)."""
-        self.eval_client.load_state_dict(client_state.tensors())
-        heads = [s.module for k, s in sorted(self.models.items(), key=lambda kv: str(kv[0])) if k != "main"]
-        return self._confident([(self.eval_client, h) for h in heads or [self.models["main"].module]])
+        self.host.eval_client.load_state_dict(client_state.tensors())
+        heads = [s.module for k, s in sorted(self.host.models.items(), key=lambda kv: str(kv[0])) if k != "main"]
+        return self._confident([(self.host.eval_client, h) for h in heads or [self.host.models["main"].module]])
 
 
-class HydraServer(ServerHost):
-    """``models['main']`` is the whole server part (part-2a then the averaged head) used for evaluation; its
+class HydraServer(ServerRule):
+    """``host.models['main']`` is the whole server part (part-2a then the averaged head) used for evaluation; its
     optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers (``spec.host_setup`` is
     the algorithm's :class:`HydraLayout`)."""
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
-        full = self.models["main"].module
-        layout: HydraLayout = spec.host_setup
+    def __init__(self, host):
+        super().__init__(host)
+        full = host.models["main"].module
+        layout: HydraLayout = host.spec.host_setup
         self.body, self.head = full[:layout.head_at], full[layout.head_at:]
-        self.models["main"] = ModelSlot(full, make_optimizer(self.body.parameters(), spec.server_optimizer))
+        host.models["main"] = ModelSlot(full, make_optimizer(self.body.parameters(), host.spec.server_optimizer))
         self.heads = [self._new_head() for _ in range(layout.num_heads)]
         self.head_samples = np.zeros(len(self.heads))
 
     def _new_head(self) -> ModelSlot:
         m = copy.deepcopy(self.head)
-        return ModelSlot(m, make_optimizer(m.parameters(), self.spec.server_optimizer))
+        return ModelSlot(m, make_optimizer(m.parameters(), self.host.spec.server_optimizer))
 
-    def begin_round(self, rnd: int, t0: float) -> None:
-        super().begin_round(rnd, t0)
+    def on_begin_round(self, rnd: int) -> None:
         self.head_samples[:] = 0
         for h in self.heads:
-            set_lr(h.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
+            set_lr(h.optimizer, round_lr(self.host.spec.server_optimizer, rnd, self.host.spec.rounds))
 
     @batch_step(stamp=False)  # the step starts at the arrival (ready_at)
     def hydra_step(self, act: Batch, key: int) -> Gradient:
@@ -159,8 +159,8 @@ class HydraServer(ServerHost):
         g = int(key)
         head = self.heads[g]
         self.head_samples[g] += len(act.y)
-        return self.step_batch(act, torch.nn.Sequential(self.body, head.module),
-                               [self.models["main"].optimizer, head.optimizer], "hydra")
+        return self.host.step_batch(act, torch.nn.Sequential(self.body, head.module),
+                                    [self.host.models["main"].optimizer, head.optimizer], "hydra")
 
     def merge_heads(self, mode: str = "samples") -> None:
         """Average the heads (weights and optimizer states) into one head, copied back into every head."""
@@ -177,13 +177,12 @@ class HydraServer(ServerHost):
             if merged is not None:
                 h.optimizer.load_state_dict(merged)
 
-    def state_dict(self) -> dict:
-        st = super().state_dict()
+    def save(self, st: dict) -> None:
+        super().save(st)
         st["heads"] = [(h.module.state_dict(), h.optimizer.state_dict()) for h in self.heads]
-        return st
 
-    def load_state_dict(self, st: dict) -> None:
-        super().load_state_dict(st)
+    def restore(self, st: dict) -> None:
+        super().restore(st)
         for h, (ms, os_) in zip(self.heads, st["heads"]):
             h.module.load_state_dict(ms)
             h.optimizer.load_state_dict(os_)
@@ -215,7 +214,7 @@ class Hydra(SFLV2):
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
     client_rule = LabelRule
-    server_host = HydraServer
+    server_rule = HydraServer
     checkpointed = ("groups",)  # a round 0 redone after a failure groups (and charges the labels) again
 
     def setup(self, info: SetupInfo) -> None:
@@ -269,7 +268,8 @@ class Hydra(SFLV2):
                 got.update(part)
             counts = np.stack([got[c] for c in range(rt.num_clients)])
             self.groups = greedy_groups(counts, self.label_groups)
-        rt.split_steps(self.order_sequence(rt, clients, rng), keys=dict(enumerate(self.groups)), method="hydra_step")
+        rt.split_steps(self.order_sequence(rt, clients, rng), keys=dict(enumerate(self.groups)),
+                       method=HydraServer.hydra_step)
         rt.server.merge_heads(self.params.head_weights)
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
@@ -282,7 +282,7 @@ class SplitFedV3(PSL):
     name = "sflv3"
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
-    server_host = ConfidentServer
+    server_rule = ConfidentServer
 
     def eval_modes(self) -> tuple[str, ...]:
         return ("global", "clients")
@@ -301,7 +301,7 @@ class MultiHead(SFLV1):
     name = "multihead"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies
-    server_host = ConfidentServer
+    server_rule = ConfidentServer
 
     def eval_modes(self) -> tuple[str, ...]:
         return ("global",)  # the most-confident-head rule on the global test set

@@ -51,7 +51,7 @@ from pydantic import Field
 from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..clock import FlopCache
 from ..errors import ConfigError
-from ..runtime import ServerHost
+from ..runtime import ServerRule
 from ..runtime import Batch, batch_step
 from ..runtime.messages import Gradient
 
@@ -95,33 +95,32 @@ class LabelMix:
     overall: np.ndarray  # (labels,)
 
 
-class MergeServer(ServerHost):
-    """Server host with MergeSFL's merged step (``spec.host_setup``: the :class:`LabelMix`)."""
+class MergeServer(ServerRule):
+    """Server rule with MergeSFL's merged step (``host.spec.host_setup``: the :class:`LabelMix`)."""
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
+    def __init__(self, host):
+        super().__init__(host)
         self.label_kls: list[float] = []
 
-    def begin_round(self, rnd: int, t0: float) -> None:
-        super().begin_round(rnd, t0)
+    def on_begin_round(self, rnd: int) -> None:
         self.label_kls = []
 
     @batch_step(stamp=False)  # the step below starts when the last one has arrived (ready_at)
     def merge_step(self, *acts: Batch) -> list[Gradient]:
         """Feature merging: one step of the server model on the concatenated activations (mean cross-entropy over
         the merged batch); each client gets its slice of the gradient times ``D / d_i`` (module docstring)."""
-        slot = self.models["main"]
+        slot = self.host.models["main"]
         feats = [a.x for a in acts]
         x = torch.cat(feats).requires_grad_(True)
         y = torch.cat([a.y for a in acts])
-        lv = self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("merge",),
-                               ready_at=max(a.t_sent for a in acts), varying_batch=True)
+        lv = self.host.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("merge",),
+                                    ready_at=max(a.t_sent for a in acts), varying_batch=True)
         bounds = np.cumsum([0] + [len(f) for f in feats])
         out = []
         for a, lo, hi in zip(acts, bounds[:-1], bounds[1:]):
             g = x.grad[lo:hi] * (float(bounds[-1]) / float(hi - lo))
-            out.append(self.answer(a, g, lv))
-        mix: LabelMix = self.spec.host_setup
+            out.append(self.host.answer(a, g, lv))
+        mix: LabelMix = self.host.spec.host_setup
         merged = sum(len(f) * mix.per_client[a.tag.client] for a, f in zip(acts, feats)) / bounds[-1]
         from scipy.stats import entropy  # here, not at import: scipy.stats costs every process ~0.6 s
 
@@ -129,7 +128,7 @@ class MergeServer(ServerHost):
         return out
 
     def round_metrics(self) -> dict:
-        return {**super().round_metrics(), **({"label_kl": float(np.mean(self.label_kls))} if self.label_kls else {})}
+        return {"label_kl": float(np.mean(self.label_kls))} if self.label_kls else {}
 
 
 class MergeSFLParams(AlgorithmParams):
@@ -154,7 +153,7 @@ class MergeSFL(Algorithm):
     description = ("MergeSFL: clients' activations merged into one server batch per step, speed-regulated batch "
                    "sizes, FedAvg")
     Params = MergeSFLParams
-    server_host = MergeServer
+    server_rule = MergeServer
 
     @classmethod
     def check_config(cls, params, cfg) -> None:
@@ -218,7 +217,7 @@ class MergeSFL(Algorithm):
         done = 0
         for until in sorted(set(steps.values())):  # clients whose steps are done leave the merge
             active = [c for c in sizes if steps[c] >= until]
-            rt.pooled_steps(active, until - done, "merge_step", batch_sizes={c: sizes[c] for c in active})
+            rt.pooled_steps(active, until - done, MergeServer.merge_step, batch_sizes={c: sizes[c] for c in active})
             done = until
         weights = ({c: float(sizes[c] * steps[c]) for c in sizes} if self.params.client_weights == "trained"
                    else rt.weights(clients, self.agg.weights))

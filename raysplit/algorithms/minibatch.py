@@ -79,26 +79,26 @@ class MiniBatchServer(CycleServer):
         order."""
         copies = self.keys != ["main"]
         if copies:
-            self.fork(self.keys)
+            self.host.fork(self.keys)
         grads = {}
         for key in self.keys:
             mine = [a for a in acts if self.group_of[a.tag.client] == key]
             if mine:  # a group whose every activation was withheld (on_bad_client: drop) does not step
                 grads.update(zip((a.tag for a in mine), self.minibatch_step(key, *mine)))
         if copies:
-            self.merge({k: 1.0 for k in self.keys})
+            self.host.merge({k: 1.0 for k in self.keys})
         return [grads[a.tag] for a in acts]
 
     @batch_step
     def minibatch_step(self, key, *acts: Batch) -> list[Gradient]:
         """Each client's gradient from the current server model (frozen), then one step of ``models[key]`` on
         the concatenated activations."""
-        main = self.models["main"].module
+        main = self.host.models["main"].module
         grads = self._frozen_gradients(main, acts)
-        slot = self.models[key]
+        slot = self.host.models[key]
         x, y = torch.cat([a.x for a in acts]).detach(), torch.cat([a.y for a in acts])
-        self.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("minibatch",),
-                          varying_batch=True)
+        self.host.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("minibatch",),
+                               varying_batch=True)
         return grads
 
 
@@ -118,7 +118,7 @@ class MiniBatchSFL(PooledRound):
     name = "minibatch_sfl"
     description = "MiniBatch-SFL: server steps on the concatenated batches of all participants, FedAvg"
     Params = MiniBatchParams
-    server_host = MiniBatchServer
+    server_rule = MiniBatchServer
 
     def batch_sizes(self, rt, clients) -> dict[int, int | None]:
         if self.params.client_batch == "equal":
@@ -131,7 +131,7 @@ class MiniBatchSFL(PooledRound):
         every iteration, a single group trains the server model itself (key ``main``)."""
         order = [c for g in groups for c in g]
         rt.server.set_groups(keys, {c: k for g, k in zip(groups, keys) for c in g})
-        rt.pooled_steps(order, self.local_steps, "grouped_step", batch_sizes=self.batch_sizes(rt, order))
+        rt.pooled_steps(order, self.local_steps, MiniBatchServer.grouped_step, batch_sizes=self.batch_sizes(rt, order))
 
     def run_round(self, rt, rnd, clients, rng):
         self.iterate(rt, [list(clients)], ["main"])

@@ -61,7 +61,7 @@ from ..data.augment import Augmenter
 from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
 from ..models.core import ProjectionHead
-from ..runtime import Batch, ClientRule, ServerHost, batch_step
+from ..runtime import Batch, ClientRule, ServerRule, batch_step
 from ..runtime.hosts import build_parts
 from ..runtime.messages import Gradient, StateMsg, Tag
 from ..runtime.optim import make_optimizer, round_lr
@@ -255,25 +255,25 @@ class SemiSetup:
     cluster_reg: bool  # False: FedSwitch-SL
 
 
-class SemiServer(ServerHost):
+class SemiServer(ServerRule):
     """The server of Semi-SFL: student encoder (for the supervised phase), classifier (``models['main']``),
     projection head, their EMA teacher, the feature queue, the labelled set and the K_s schedule."""
 
     checkpointed = ("encoder", "heads", "t_encoder", "t_heads", "queue", "ks", "ema_steps", "history")
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
-        p = self.params
+    def __init__(self, host):
+        super().__init__(host)
+        p, spec = host.params, host.spec
         self.cluster_reg = spec.host_setup.cluster_reg
         client, _ = build_parts(spec)
-        client.load_state_dict(self.client_init.tensors())
-        self.encoder = client.to(self.device).train()
-        self.classifier = self.models["main"].module
+        client.load_state_dict(self.host.client_init.tensors())
+        self.encoder = client.to(self.host.device).train()
+        self.classifier = self.host.models["main"].module
         with torch.no_grad():
             emb = int(np.prod(self.encoder.eval()(torch.zeros(1, *spec.input_shape)).shape[1:]))
         self.encoder.train()
         torch.manual_seed(spec.seed * 1009 + 31)
-        self.proj = ProjectionHead(emb, p.proj_dim).to(self.device)
+        self.proj = ProjectionHead(emb, p.proj_dim).to(self.host.device)
         self.heads = _Heads(self.classifier, self.proj)
         self.t_encoder, self.t_heads = copy.deepcopy(self.encoder), copy.deepcopy(self.heads)
         self.queue = FeatureQueue(p.queue_size, p.proj_dim, torch.Generator().manual_seed(spec.seed))
@@ -283,22 +283,21 @@ class SemiServer(ServerHost):
         self.history: dict[str, list] = {"loss_x": [], "loss_u": [], "lr": [], "ks": []}
         self._opt_u = None
 
-    def reset_round(self):
-        super().reset_round()
+    def on_reset_round(self):
         self.round_loss = {"x": [], "u": [], "mask": []}
         self._opt_u = None
 
     # ---- 1. supervised phase --------------------------------------------------------------------------------------
     def supervised(self) -> int:
         """K_s steps on the labelled set with an EMA teacher update after each; returns K_s."""
-        p, rnd = self.params, self.round
-        lr = round_lr(self.spec.server_optimizer, rnd, self.spec.rounds)
+        p, rnd = self.host.params, self.host.round
+        lr = round_lr(self.host.spec.server_optimizer, rnd, self.host.spec.rounds)
         opt = make_optimizer(list(self.encoder.parameters()) + list(self.heads.parameters()),
-                             {**self.spec.server_optimizer, "lr": lr})
+                             {**self.host.spec.server_optimizer, "lr": lr})
         self.queue.clear()
         module = _Supervised(self.encoder, self.heads, self.t_encoder, self.t_heads.proj)
-        x_all, y_all = self.labeled["x"], self.labeled["y"]
-        rng = np.random.default_rng([self.spec.seed, 0x5E1, rnd])
+        x_all, y_all = self.host.labeled["x"], self.host.labeled["y"]
+        rng = np.random.default_rng([self.host.spec.seed, 0x5E1, rnd])
         need = p.server_batch_size * self.ks
         order = rng.permutation(np.tile(np.arange(len(y_all)), -(-need // len(y_all))))[:need]
         gamma = p.gamma if p.ema == "warmup" else p.gamma ** (self.ks / p.ks_initial)
@@ -306,20 +305,20 @@ class SemiServer(ServerHost):
             idx = order[step * p.server_batch_size:(step + 1) * p.server_batch_size]
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(rng.integers(2**62)))
-                views = torch.stack([self.augment(x_all[idx], v) for v in p.server_views]).to(self.device)
-            y = torch.as_tensor(y_all[idx], device=self.device)
+                views = torch.stack([self.augment(x_all[idx], v) for v in p.server_views]).to(self.host.device)
+            y = torch.as_tensor(y_all[idx], device=self.host.device)
 
             def loss_fn(out, y):
                 logits, q, k = out
                 loss = F.cross_entropy(logits, y)
                 if self.cluster_reg:  # the code's quirk: no masks at all here, and none written to the queue
-                    masks = None if p.stale_masks else torch.ones(len(y), device=self.device)
+                    masks = None if p.stale_masks else torch.ones(len(y), device=self.host.device)
                     loss = loss + queue_contrastive_loss(q, k, y, masks, self.queue, p.temperature)
                 return loss
 
-            lv = self.step_through(views, y, module, [opt], tag=Tag(-1, rnd, step, "supervised"),
-                                   flop_key=("supervised", len(y)), loss_fn=loss_fn,
-                                   where=f"the supervised phase, round {rnd}, step {step}")
+            lv = self.host.step_through(views, y, module, [opt], tag=Tag(-1, rnd, step, "supervised"),
+                                        flop_key=("supervised", len(y)), loss_fn=loss_fn,
+                                        where=f"the supervised phase, round {rnd}, step {step}")
             a = min(1 - 1 / (self.ema_steps + 1), gamma) if p.ema == "warmup" else gamma
             ema_update(self.t_encoder, self.encoder, a)
             ema_update(self.t_heads, self.heads, a)
@@ -329,21 +328,22 @@ class SemiServer(ServerHost):
 
     def encoders(self) -> list[StateMsg]:
         """The student and the teacher encoder, sent to the round's clients."""
-        return [self.state_message(m.state_dict()) for m in (self.encoder, self.t_encoder)]
+        return [self.host.state_message(m.state_dict()) for m in (self.encoder, self.t_encoder)]
 
     # ---- 3. cross-entity phase ---------------------------------------------------------------------------------
     @batch_step  # the server waits for the last of them
     def semi_step(self, *acts: Batch) -> list[Gradient]:
         """One cross-entity step over every active client's (student, teacher) pair (module docstring)."""
-        p, rnd = self.params, self.round
+        p, rnd = self.host.params, self.host.round
         students, teachers = acts[0::2], acts[1::2]
         feats = [a.x for a in acts]
         e = torch.cat(feats[0::2]).requires_grad_(True)
         e_t = torch.cat(feats[1::2])
         t_logits, k = teacher_outputs(self.t_heads, e_t)
         if self._opt_u is None:  # a fresh optimiser for the phase (the code)
+            spec = self.host.spec
             self._opt_u = make_optimizer(self.heads.parameters(), {
-                **self.spec.server_optimizer, "lr": round_lr(self.spec.server_optimizer, rnd, self.spec.rounds)})
+                **spec.server_optimizer, "lr": round_lr(spec.server_optimizer, rnd, spec.rounds)})
         state = {}
 
         def loss_fn(out, _):
@@ -355,10 +355,10 @@ class SemiServer(ServerHost):
             return ce + queue_contrastive_loss(q, k, labels, mask, self.queue, p.temperature)
 
         step = len(self.round_loss["u"])
-        lv = self.step_through(e, torch.zeros(len(e)), self.heads, [self._opt_u],
-                               tag=Tag(-1, rnd, step, "unsupervised"),
-                               flop_key=("semi", len(e)), loss_fn=loss_fn,
-                               where=f"the cross-entity phase, round {rnd}, step {step}")
+        lv = self.host.step_through(e, torch.zeros(len(e)), self.heads, [self._opt_u],
+                                    tag=Tag(-1, rnd, step, "unsupervised"),
+                                    flop_key=("semi", len(e)), loss_fn=loss_fn,
+                                    where=f"the cross-entity phase, round {rnd}, step {step}")
         self.round_loss["u"].append(lv)
         self.round_loss["mask"].append(state["mask"])
         grad = e.grad * len(students)  # the code's rescale by the number of active clients
@@ -367,7 +367,7 @@ class SemiServer(ServerHost):
             n = s.x.shape[0]
             g = grad[start:start + n]
             start += n
-            out += [self.answer(s, g, lv), self.answer(t, None, lv)]
+            out += [self.host.answer(s, g, lv), self.host.answer(t, None, lv)]
         return out
 
     # ---- 4-6 -------------------------------------------------------------------------------------------------------
@@ -378,32 +378,33 @@ class SemiServer(ServerHost):
     @torch.no_grad()
     def evaluate_teacher(self) -> tuple[np.ndarray, np.ndarray, float]:
         self.t_encoder.eval(), self.t_heads.eval()
-        out = self.predict(lambda x: self.t_heads.classifier(self.t_encoder(x)))
+        out = self.host.predict(lambda x: self.t_heads.classifier(self.t_encoder(x)))
         self.t_encoder.train(), self.t_heads.train()
         return out
 
-    def end_round(self) -> dict:
-        p, h = self.params, self.history
+    def round_metrics(self) -> dict:
+        """The round's K_s step (the schedule decides the next K_s here) and its losses."""
+        p, h = self.host.params, self.history
         h["loss_x"].append(float(np.mean(self.round_loss["x"])) if self.round_loss["x"] else float("nan"))
         h["loss_u"].append(float(np.mean(self.round_loss["u"])) if self.round_loss["u"] else float("nan"))
-        h["lr"].append(round_lr(self.spec.server_optimizer, self.round, self.spec.rounds))
+        h["lr"].append(round_lr(self.host.spec.server_optimizer, self.host.round, self.host.spec.rounds))
         h["ks"].append(self.ks)
         used, change, score = self.ks, None, None
         if p.ks == "milestones":
-            change = milestone_change(self.round, h["loss_x"], p.milestones, p.window)
+            change = milestone_change(self.host.round, h["loss_x"], p.milestones, p.window)
             self.ks = ks_on_change(self.ks, change, p.rho1, p.rho2)
         elif p.ks == "ratio":
-            ku, share = self.spec.host_setup.local_steps, len(self.labeled["y"]) / self.spec.host_setup.num_train
-            score = ratio_score(self.round, h["loss_x"], h["loss_u"], h["lr"], h["ks"], ku, p.ratio_every, p.window)
+            setup = self.host.spec.host_setup
+            ku, share = setup.local_steps, len(self.host.labeled["y"]) / setup.num_train
+            score = ratio_score(self.host.round, h["loss_x"], h["loss_u"], h["lr"], h["ks"], ku, p.ratio_every,
+                                p.window)
             self.ks = ks_on_score(self.ks, score, ku, p.alpha, p.beta, share)
-        out = super().end_round()
-        out["metrics"].update({"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
-                               "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"]
-                               else float("nan")})
+        out = {"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
+               "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"] else float("nan")}
         if change is not None:  # logged where the rule decides: the change it compared with rho1 and rho2
-            out["metrics"]["ks_loss_change"] = change
+            out["ks_loss_change"] = change
         if score is not None:  # the ratio rule's R where it decides (K_s falls at R >= 0.5)
-            out["metrics"]["ks_ratio_r"] = score
+            out["ks_ratio_r"] = score
         return out
 
 
@@ -453,7 +454,7 @@ class SemiSFL(Algorithm):
     description = "Semi-SFL: labelled server, unlabelled clients, teacher pseudo-labels, clustering regularisation"
     Params = SemiSFLParams
     client_rule = SemiRule
-    server_host = SemiServer
+    server_rule = SemiServer
 
     @classmethod
     def check_config(cls, params, cfg) -> None:
@@ -487,7 +488,7 @@ class SemiSFL(Algorithm):
         student, teacher = rt.server.returning(2).encoders()
         rt.install(student, receivers=clients)
         rt.workers.set_teacher(teacher, clients)
-        rt.pooled_steps(clients, self.local_steps, "semi_step", streams=("student", "teacher"))
+        rt.pooled_steps(clients, self.local_steps, SemiServer.semi_step, streams=("student", "teacher"))
         agg = rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
         rt.server.set_encoder(agg)
         return agg
@@ -558,38 +559,38 @@ class SemiFLRule(SemiRule):
         return float(np.mean(losses))
 
 
-class SemiFLServer(ServerHost):
+class SemiFLServer(ServerRule):
     """Holds the labelled set; fine-tunes the global (whole) model on it each round."""
 
     checkpointed = ("global_state",)
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
-        self.augment = Augmenter(spec.data_spec)
-        self.global_state = self.client_init  # the clients' average after every round
+    def __init__(self, host):
+        super().__init__(host)
+        self.augment = Augmenter(host.spec.data_spec)
+        self.global_state = self.host.client_init  # the clients' average after every round
 
     def keep_global(self, msg: StateMsg) -> None:
         self.global_state = msg
 
     def supervised_global(self) -> StateMsg:
         """The global model after ``ks_initial`` supervised steps on the labelled set (weak views)."""
-        p, rnd = self.params, self.round
-        model = self.eval_client
+        p, rnd = self.host.params, self.host.round
+        model = self.host.eval_client
         model.load_state_dict(self.global_state.tensors())
         model.train()
-        lr = round_lr(self.spec.server_optimizer, rnd, self.spec.rounds)
-        opt = make_optimizer(model.parameters(), {**self.spec.server_optimizer, "lr": lr})
-        x_all, y_all = self.labeled["x"], self.labeled["y"]
-        rng = np.random.default_rng([self.spec.seed, 0x5F1, rnd])
+        lr = round_lr(self.host.spec.server_optimizer, rnd, self.host.spec.rounds)
+        opt = make_optimizer(model.parameters(), {**self.host.spec.server_optimizer, "lr": lr})
+        x_all, y_all = self.host.labeled["x"], self.host.labeled["y"]
+        rng = np.random.default_rng([self.host.spec.seed, 0x5F1, rnd])
         for step in range(p.ks_initial):
             idx = rng.choice(len(y_all), p.server_batch_size, replace=False)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(rng.integers(2**62)))
-                x = self.augment(x_all[idx], "weak").to(self.device)
-            self.step_through(x, torch.as_tensor(y_all[idx], device=self.device), model, [opt],
-                              tag=Tag(-1, rnd, step, "supervised"), flop_key=("semifl_server", len(idx)),
-                              where=f"the supervised phase, round {rnd}, step {step}")
-        return self.state_message(model.state_dict())
+                x = self.augment(x_all[idx], "weak").to(self.host.device)
+            self.host.step_through(x, torch.as_tensor(y_all[idx], device=self.host.device), model, [opt],
+                                   tag=Tag(-1, rnd, step, "supervised"), flop_key=("semifl_server", len(idx)),
+                                   where=f"the supervised phase, round {rnd}, step {step}")
+        return self.host.state_message(model.state_dict())
 
 
 class SemiFLParams(AlgorithmParams):
@@ -611,7 +612,7 @@ class SemiFL(Algorithm):
     description = "SemiFL: FL with the global model's pseudo-labels and mixup, labelled fine-tuning on the server"
     Params = SemiFLParams
     client_rule = SemiFLRule
-    server_host = SemiFLServer
+    server_rule = SemiFLServer
 
     @classmethod
     def check_config(cls, params, cfg) -> None:

@@ -39,7 +39,7 @@ from pydantic import Field
 from .ampere import AuxRule, AuxServer, with_auxiliary
 from .base import AlgorithmParams, CopiesParams, register
 from .baselines import SFLV1
-from ..runtime import ClientRule, ServerHost
+from ..runtime import ClientRule, ServerRule
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
 
 
@@ -118,7 +118,7 @@ class SplitGP(SFLV1):
     description = "SplitGP: SplitFed with a local head and lambda * local + (1 - lambda) * global device loss"
     Params = SplitGPParams
     client_rule = SplitGPRule
-    server_host = AuxServer
+    server_rule = AuxServer
 
     def split_model(self, model, cut):
         index, device, server = super().split_model(model, cut)
@@ -186,15 +186,15 @@ class ScaffoldParams(AlgorithmParams):
         "model; kept at the server, no traffic); off: the device block only, as Ampere's extension describes it")
 
 
-class ScaffoldServer(ServerHost):
+class ScaffoldServer(ServerRule):
     """The device block's ``c`` (``control``, updated from the clients' deltas), and with ``server_controls`` the
     server block's own ``c`` and ``c_i`` (``server_control``, ``server_own``), which correct each client's server
     copy as its device block is corrected."""
 
     checkpointed = ("control", "server_control", "server_own")
 
-    def __init__(self, spec, *data):
-        super().__init__(spec, *data)
+    def __init__(self, host):
+        super().__init__(host)
         self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
         self.server_control: list[torch.Tensor] | None = None
         self.server_own: dict[int, list[torch.Tensor]] = {}
@@ -203,32 +203,30 @@ class ScaffoldServer(ServerHost):
         self._server_deltas: list[list[torch.Tensor]] = []
 
     def control_msg(self) -> StateMsg:
-        return self.state_message(self.control)
+        return self.host.state_message(self.control)
 
-    def fork(self, keys: list) -> None:
-        super().fork(keys)
-        if self.spec.params.server_controls:
-            self._at_fork = [p.detach().clone() for p in self.models["main"].module.parameters()]
+    def on_fork(self, keys: list) -> None:
+        if self.host.spec.params.server_controls:
+            self._at_fork = [p.detach().clone() for p in self.host.models["main"].module.parameters()]
             self._steps = {int(k): 0 for k in keys}
 
-    def settle_step(self, lv, flops, module, optimizers, *, tag, **kw):
+    def before_step(self, module, optimizers: list, tag) -> None:
         """A client's server copy steps with ``g - c_i + c`` (``server_controls``), as its device block does."""
         cid = tag.client
-        if (self.spec.params.server_controls and optimizers and cid in self._steps
-                and module is self.models[cid].module):
+        if (self.host.spec.params.server_controls and optimizers and cid in self._steps
+                and module is self.host.models[cid].module):
             self._steps[cid] += 1
             if self.server_control is not None:
                 own = self.server_own.get(cid)
                 for i, p in enumerate(module.parameters()):
                     if p.grad is not None:
                         p.grad.add_(self.server_control[i] - own[i] if own else self.server_control[i])
-        return super().settle_step(lv, flops, module, optimizers, tag=tag, **kw)
 
-    def merge(self, weights: dict) -> None:
+    def before_merge(self, weights: dict) -> None:
         """Before the copies are averaged and dropped: option II on each copy (``server_controls``)."""
         self._server_deltas = []
-        for k in (weights if self.spec.params.server_controls else ()):
-            slot = self.models[k]
+        for k in (weights if self.host.spec.params.server_controls else ()):
+            slot = self.host.models[k]
             steps, lr = max(self._steps.get(int(k), 0), 1), slot.optimizer.param_groups[0]["lr"]
             params = [p.detach() for p in slot.module.parameters()]
             own = self.server_own.get(int(k)) or [torch.zeros_like(p) for p in params]
@@ -237,7 +235,6 @@ class ScaffoldServer(ServerHost):
             self._server_deltas.append([n - o for n, o in zip(new, own)])
             self.server_own[int(k)] = new
         self._steps = {}
-        super().merge(weights)
 
     def update_control(self, num_clients: int, *partials: StateMsg | None) -> None:
         """c <- c + sum(delta c_i) / N, for the device block and (``server_controls``) the server block."""
@@ -258,7 +255,7 @@ class SplitFedScaffold(SFLV1):
     description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
     Params = ScaffoldParams  # its own loop, one client after another: no batched copies
     client_rule = ScaffoldRule
-    server_host = ScaffoldServer
+    server_rule = ScaffoldServer
 
     def run_round(self, rt, rnd, clients, rng):
         rt.workers.set_control(rt.server.control_msg(), clients)

@@ -6,7 +6,7 @@ requested.
 
 from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs
 from raysplit.runtime.hosts import Checkpointed, ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
-from raysplit.runtime.rules import ClientRule
+from raysplit.runtime.rules import AsyncRule, ClientRule, ServerRule
 from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
 
@@ -26,6 +26,6 @@ def runtime_for(rcfg, inputs: RuntimeInputs, backend=None) -> Runtime:
                    rcfg.placement.strategy)
 
 
-__all__ = ["Activation", "Batch", "Checkpointed", "ClientHost", "ClientRule", "Gradient", "HostCalls", "HostSpec", "LocalBackend",
-           "ModelSlot", "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "StateMsg", "Tag",
+__all__ = ["Activation", "AsyncRule", "Batch", "Checkpointed", "ClientHost", "ClientRule", "Gradient", "HostCalls", "HostSpec", "LocalBackend",
+           "ModelSlot", "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "ServerRule", "StateMsg", "Tag",
            "batch_step", "make_backend", "runtime_for"]

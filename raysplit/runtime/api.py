@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 
 from raysplit.runtime import placement, stepping
+from raysplit.runtime.calls import HostCalls, step_name
 from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost, invoke
 from raysplit.runtime.hostspec import machine_cores
 from raysplit.runtime.ports import DriverPort, DriverServer, LocalPort
+from raysplit.runtime.rules import ServerRule
 
 
 @dataclass
@@ -67,45 +70,6 @@ def host_inputs(inputs: RuntimeInputs, num_workers: int):
     return per
 
 
-class HostCalls:
-    """Calls of one host class's methods, checked against the class when the attribute is looked up.
-
-    ``targets`` gives the host handles the call goes to (one, or every worker for a fan-out), ``bind`` arguments
-    put first (the client id for ``rt.client(c)``), ``returning`` the number of handles a list-returning server
-    method is split into (one handle per element, so each client's gradient travels alone)."""
-
-    def __init__(self, backend, host_cls: type, role: str, targets, *, bind: tuple = (), fan_out: bool = False,
-                 returning: int | None = None, rule: type | None = None):
-        self._backend, self._cls, self._role, self._targets = backend, host_cls, role, targets
-        self._bind, self._fan_out, self._returning, self._rule = bind, fan_out, returning, rule
-
-    def returning(self, n: int) -> "HostCalls":
-        """The same calls, for a method that returns a list of ``n`` results: a list of ``n`` handles."""
-        return HostCalls(self._backend, self._cls, self._role, self._targets, bind=self._bind, returning=n,
-                         rule=self._rule)
-
-    def __getattr__(self, name: str):
-        fn = None if name.startswith("_") else getattr(self._cls, name, None) or getattr(self._rule, name, None)
-        if not callable(fn):
-            raise AttributeError(f"{self._cls.__name__} (the {self._role} host) has no method {name!r}"
-                                 + (f", nor has its rule {self._rule.__name__}" if self._rule else ""))
-        b, args0 = self._backend, self._bind
-
-        # a server method runs through ServerHost.serve, which screens the activations it is given
-        via = ("serve", name) if self._role == "server" else (name,)
-
-        def call(*args, **kwargs):
-            if self._fan_out:
-                return [b.call(h, *via, *args0, *args, **kwargs) for h in self._targets()]
-            host = self._targets()
-            if self._returning is not None:
-                return b.call_n(host, self._returning, *via, *args0, *args, **kwargs)
-            return b.call(host, *via, *args0, *args, **kwargs)
-
-        call.__name__ = name
-        return call
-
-
 class Runtime:
     """Algorithm-facing API over a backend (``LocalBackend`` or ``RayBackend``)."""
 
@@ -126,7 +90,8 @@ class Runtime:
         backend.start(inputs)
         # the worker holding each client's state; every client starts at home (placement.home)
         self.holders = np.arange(self.num_clients, dtype=np.int64) % len(backend.workers)
-        self.server = HostCalls(backend, inputs.server_host, "server", lambda: backend.server)
+        self._owners = (inputs.server_host, inputs.spec.server_rule or ServerRule)  # of server steps
+        self.server = HostCalls(backend, *self._owners[:1], "server", lambda: backend.server, rule=self._owners[1])
         self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True,
                                  rule=inputs.spec.client_rule)
 
@@ -144,28 +109,13 @@ class Runtime:
         """The worker index of each of ``clients`` (what a loop driven by the server needs to reach them)."""
         return {int(c): int(self.holders[int(c)]) for c in clients}
 
-    def _place(self, clients: list[int]) -> None:
-        """Spread the round's clients over the workers (``placement.assign``) and move the state of those that
-        change worker from their old holder to the new one (handles chained: nothing passes through here)."""
-        target = placement.assign(clients, len(self.backend.workers), self.holders)
-        moves: dict[int, dict[int, list[int]]] = {}
-        for c, w in target.items():
-            if self.holders[c] != w:
-                moves.setdefault(w, {}).setdefault(int(self.holders[c]), []).append(c)
-        workers = self.backend.workers
-        for dst, srcs in sorted(moves.items()):
-            bundles = [self.backend.call(workers[src], "export_clients", cids) for src, cids in sorted(srcs.items())]
-            self.backend.call(workers[dst], "import_clients", *bundles)
-            for cids in srcs.values():
-                self.holders[cids] = dst
-
     # ---- round structure -----------------------------------------------------------------------------------
     def begin_round(self, rnd: int, clients: list[int], t0: float) -> None:
         self.round, self._t0, self._clients = rnd, t0, [int(c) for c in clients]
         self._inflight = []
         self._wall0 = time.perf_counter()
         if self.placement == "balanced":
-            self._place(self._clients)
+            placement.move_clients(self.backend, self.holders, self._clients)
         self.server.begin_round(rnd, t0)
         self.workers.begin_round(rnd, self._clients, t0)
 
@@ -191,12 +141,13 @@ class Runtime:
             self._inflight = self.backend.wait(self._inflight, len(self._inflight) - self.max_in_flight // 2)
         return ref
 
-    def split_steps(self, seq: list, keys: dict | None = None, method: str = "train_step",
+    def split_steps(self, seq: list, keys: dict | None = None, method: Callable = ServerHost.train_step,
                     batch_size: int | None = None) -> None:
         """One split step per entry of ``seq`` in serving order: a client id, or ``(client, stream)`` when a
         client sends several feature streams (each step's tag carries its stream end to end). A client may appear
         any number of times, consecutively or interleaved with others. Per step the client forwards a batch, the
-        server runs ``method(activation, key)`` (``keys[c]``, default ``"main"``) and the client applies the
+        server runs the step ``method(activation, key)`` (``keys[c]``, default ``"main"``; a method of the server
+        host or of the server rule, by reference: :func:`calls.step_name`) and the client applies the
         gradient. Every (client, stream)'s first forward is submitted at once, so they run in parallel on the
         client workers; a client's next forward goes together with its backward, so it is ready by its next turn.
 
@@ -205,7 +156,7 @@ class Runtime:
         itself (actor to actor with Ray): the driver is off the per-step path. Each client host executes the same
         calls in the same order as in the driver-chained loop below, and the server serves in the same order, so
         results are bit-identical (tests/test_direct_steps.py)."""
-        getattr(self.server, method)  # an unknown server method fails here, on the driver
+        method = step_name(method, *self._owners)  # a step that is not the server's fails here, on the driver
         plan = stepping.plan_steps(seq, self.round, keys or {})
         route = self.route([s.client for s in plan])
         if self.backend.direct_steps:
@@ -213,7 +164,7 @@ class Runtime:
             return
         stepping.drive_steps(DriverServer(self.backend), plan, method, batch_size, self.window, DriverPort(self, route))
 
-    def pooled_steps(self, clients: list[int], steps: int | dict[int, int], method: str,
+    def pooled_steps(self, clients: list[int], steps: int | dict[int, int], method: Callable,
                      streams: tuple[str, ...] = ("main",), batch_sizes: dict | None = None) -> None:
         """Pooled steps of the round's ``clients`` (``steps``: a count for all, or per client; client ``c`` takes
         part in steps ``0 .. steps[c] - 1``): per step each client forwards one batch per stream, the server
@@ -221,7 +172,7 @@ class Runtime:
         one gradient per activation (CycleSL-style pooling, MiniBatch-SFL's groups, Semi-SFL's two streams,
         batched server copies). Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise
         the same loop chained through the driver (:class:`DriverPort`)."""
-        getattr(self.server.returning(1), method)  # an unknown server method fails here, on the driver
+        method = step_name(method, *self._owners)  # a step that is not the server's fails here, on the driver
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
         route = self.route(clients)

@@ -18,12 +18,14 @@ import numpy as np
 
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.messages import StateMsg
+from raysplit.runtime.server_host import ServerHost
 
 
 class Driver:
     """What every driver shares: the runtime, the algorithm, the seed, the simulated time so far."""
 
     asynchronous: ClassVar[bool] = False  # hosts run asynchronous jobs (HostSpec.asynchronous)
+    server_host: ClassVar[type] = ServerHost  # the server host it drives (the method's server rule inside)
 
     def __init__(self, rt, algorithm, sample_stream: np.ndarray, seed: int):
         self.rt = rt

@@ -226,7 +226,7 @@ class EventLoop:
         msg = server.global_model()
         job = Job(cid, server.version, self.round, t)
         self.jobs[cid] = job
-        server.dropped.pop(cid, None)  # a new job: a client dropped in its last one may contribute again
+        server.screen.dropped.pop(cid, None)  # a new job: a client dropped in its last one may contribute again
         server.on_job_start(cid, job)
         t = self.costs.download(cid, t, msg.t_sent, self.costs.model_nbytes)
         self._count(cid, bytes_down=self.costs.model_nbytes, bytes_down_model=self.costs.model_nbytes)
@@ -286,16 +286,16 @@ class EventLoop:
         if msg.epsilon is not None:  # privacy.defence noise: the client's budget spent, as of this upload
             self.tally.setdefault(cid, {})["dp_epsilon"] = msg.epsilon
         self.participants.append(cid)
-        if msg.rejected and cid not in server.dropped:  # the client rejected a gradient during this job
-            server.dropped[cid] = msg.rejected
-            server.drops[cid] = f"client {cid}, job of round {job.round}: {msg.rejected}"
-        if cid in server.dropped:  # a dropped client's model is not used (runtime.faults.on_bad_client: drop)
+        if msg.rejected and cid not in server.screen.dropped:  # the client rejected a gradient during this job
+            server.screen.dropped[cid] = msg.rejected
+            server.screen.drops[cid] = f"client {cid}, job of round {job.round}: {msg.rejected}"
+        if cid in server.screen.dropped:  # a dropped client's model is not used (runtime.faults.on_bad_client: drop)
             self._count(cid, dropped=1)
             self.ignored += 1
             if self.ignored > 2 * len(self.setup.client_sizes):
                 raise BadClientInput(f"round {self.round}: the last {self.ignored} model uploads all came from "
                                      f"dropped clients (runtime.faults.on_bad_client: drop); no global model can be made: "
-                                     f"{list(server.drops.values())[:3]}")
+                                     f"{list(server.screen.drops.values())[:3]}")
             self._start(server, port, self._replacement(cid), t)
             return False
         self.ignored = 0
@@ -306,57 +306,44 @@ class EventLoop:
 
 
 class AsyncServer(ServerHost):
-    """Server host of an asynchronous method: its hooks are what the event loop calls, in simulated-time order.
+    """Server host of an asynchronous method: the event loop (``events``) and the global client model
+    (``version``, ``global_model``, ``set_global``). What the loop calls in simulated-time order (``on_job_start``,
+    ``on_arrival``, ``should_flush``, ``flush``, ``on_model_upload``) is the method's
+    :class:`~raysplit.runtime.rules.AsyncRule`'s."""
 
-    - ``on_arrival(act) -> Gradient``: a client's activation arrived (split methods);
-    - ``should_flush() -> bool`` and ``flush()``: after each arrival, e.g. a full activation buffer trains the
-      server;
-    - ``on_model_upload(cid, msg, job) -> bool``: a client's model arrived; True when a new global model exists
-      (it must then bump ``version`` and make ``global_model()`` return it);
-    - ``on_job_start(cid, job)``: a client took a slot.
-
-    The defaults give plain asynchronous split learning: the server steps on every arrival and the global model is
-    the uniform average of every ``active`` uploads (a full model buffer)."""
-
-    def __init__(self, spec, init_state, client_init_state, *data):
-        super().__init__(spec, init_state, client_init_state, *data)
-        setup: EventSetup = spec.host_setup
+    def build(self) -> None:
+        setup: EventSetup = self.spec.host_setup
         self.setup = setup
         self.version = 0
-        self._global = StateMsg(client_init_state, t_sent=0.0, weight=1.0)
+        self._global = StateMsg(self.client_init.state, t_sent=0.0, weight=1.0)
         self.uploads: list[StateMsg] = []
-        priv = spec.privacy
+        spec, priv = self.spec, self.spec.privacy
         costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
-                            transport.state_nbytes(client_init_state), spec.charge_server,
+                            transport.state_nbytes(self.client_init.state), spec.charge_server,
                             act_bits=priv.bits if priv is not None and priv.defence == "quantize" else None,
                             drop_last=spec.drop_last)
         self.events = EventLoop(setup, costs, spec.seed)
 
-    # ---- hooks ------------------------------------------------------------------------------------------------
+    # ---- the rule's hooks, as the event loop calls them ------------------------------------------------------
     def on_job_start(self, cid: int, job: Job) -> None:
-        pass
+        self.rule.on_job_start(cid, job)
+
+    def on_arrival(self, act: Activation) -> Gradient:
+        return self.rule.on_arrival(act)
+
+    def should_flush(self) -> bool:
+        return self.rule.should_flush()
+
+    def flush(self) -> None:
+        self.rule.flush()
+
+    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
+        return self.rule.on_model_upload(cid, msg, job)
 
     def expected_round(self, tag: Tag) -> int | None:
         """An activation carries the round its client's job began in (``Job.round``)."""
         job = self.events.jobs.get(tag.client)
         return job.round if job is not None else self.round
-
-    def on_arrival(self, act: Activation) -> Gradient:
-        return self.train_step(act)
-
-    def should_flush(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        pass
-
-    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        self.uploads.append(msg)
-        if len(self.uploads) < self.setup.active:
-            return False
-        self.set_global(self.average(self.uploads, [1.0] * len(self.uploads)))
-        self.uploads = []
-        return True
 
     @staticmethod
     def average(msgs: list[StateMsg], weights: list[float]) -> StateMsg:
@@ -380,7 +367,8 @@ class AsyncServer(ServerHost):
 
     def round_metrics(self) -> dict:
         st = self.staleness
-        return {"staleness_mean": float(np.mean(st)) if st else 0.0, "staleness_max": float(max(st, default=0))}
+        return {"staleness_mean": float(np.mean(st)) if st else 0.0, "staleness_max": float(max(st, default=0)),
+                **self.rule.round_metrics()}
 
     def run_events(self, rnd: int, port) -> dict:
         """One global round of the event loop (``EventLoop.run``), with the server's per-round counters."""
@@ -401,6 +389,7 @@ class EventDriver(Driver):
     """Runs an asynchronous algorithm: each global round is the event loop up to the next global model."""
 
     asynchronous = True
+    server_host = AsyncServer
 
     def round(self, rnd: int):
         stats = self.rt.run_events(rnd)

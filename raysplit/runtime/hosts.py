@@ -4,14 +4,15 @@ The rooms: ``hostspec`` (spec, model slot, shared helpers), ``screening`` (bad i
 evaluation loop), ``client_host`` (assembled from its components: ``client_data``, the clients' samples and data
 cursors; ``meter``, the cost meter; ``client_states``, the client-state store; ``cut``, the privacy plug-ins at the
 cut; ``executor``, which runs the clients' computations; with ``client_jobs``: the event driver's jobs, and
-``client_moves``: placement moves and checkpoints) and ``server_host`` (with ``server_copies``: the per-client copies of the server model);
-this module gathers them.
+``client_moves``: placement moves and checkpoints) and ``server_host`` (with ``server_copies``: the per-client
+copies of the server model; ``screening.Screen``: what arrives); this module gathers them.
 
-The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms that need other
-client behaviour give a client rule (``Algorithm.client_rule``, :mod:`raysplit.runtime.rules`) whose hooks the client
-host calls; other server behaviour still subclasses the server host (``Algorithm.server_host``). Their own methods
+The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms do not subclass
+them: other client behaviour is a client rule (``Algorithm.client_rule``), other server behaviour a server rule
+(``Algorithm.server_rule``), both in :mod:`raysplit.runtime.rules`, whose hooks the hosts call. Their own methods
 are reached through ``rt.server.<method>(...)``, ``rt.client(cid).<method>(...)`` and ``rt.workers.<method>(...)``
-(names checked on the driver, at the call, against the host class and the client rule).
+(names checked on the driver, at the call, against the host class and the rule), their server steps through
+``rt.split_steps`` / ``rt.pooled_steps`` by reference.
 
 Client host state, per virtual client it holds: its own model weights when the algorithm keeps un-aggregated client
 models (``persist_client_models``), its optimizer state (persists across rounds, as in CycleSL's code), its data

@@ -63,6 +63,7 @@ class HostSpec:
     batched_copies: bool = False  # algorithm.batched_copies: per-client server copies step in one batched computation
     privacy: Any = None  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
     client_rule: Any = None  # the method's raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
+    server_rule: Any = None  # its raysplit.runtime.rules.ServerRule subclass (None: ServerRule)
 
 
 @dataclass

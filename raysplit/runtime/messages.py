@@ -97,11 +97,12 @@ def batch_step(fn: Callable | None = None, *, stamp: bool = True) -> Callable:
     def deco(f: Callable) -> Callable:
         @functools.wraps(f)
         def wrapper(self, *args, **kwargs):
-            args = tuple(self.decode(a) if isinstance(a, Activation) else a for a in args)
+            host = getattr(self, "host", self)  # a server rule's step: its host decodes and waits
+            args = tuple(host.decode(a) if isinstance(a, Activation) else a for a in args)
             if stamp:
                 arrived = [a.t_sent for a in args if isinstance(a, Batch)]
                 if arrived:
-                    self.wait_until(max(arrived))
+                    host.wait_until(max(arrived))
             return f(self, *args, **kwargs)
 
         return wrapper

@@ -49,3 +49,19 @@ def assign(clients: list[int], num_workers: int, holders: np.ndarray) -> dict[in
         load[k] += 1
         out[c] = k
     return out
+
+
+def move_clients(backend, holders: np.ndarray, clients: list[int]) -> None:
+    """Spread the round's clients over the backend's workers (:func:`assign`) and move the state of those that
+    change worker from their old holder to the new one (``holders`` updated; handles chained: nothing passes through
+    the caller)."""
+    workers = backend.workers
+    moves: dict[int, dict[int, list[int]]] = {}
+    for c, w in assign(clients, len(workers), holders).items():
+        if holders[c] != w:
+            moves.setdefault(w, {}).setdefault(int(holders[c]), []).append(c)
+    for dst, srcs in sorted(moves.items()):
+        bundles = [backend.call(workers[src], "export_clients", cids) for src, cids in sorted(srcs.items())]
+        backend.call(workers[dst], "import_clients", *bundles)
+        for cids in srcs.values():
+            holders[cids] = dst

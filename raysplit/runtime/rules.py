@@ -1,4 +1,4 @@
-"""Client rules: how a method changes what its clients do around a step, without subclassing the client host.
+"""Rules: how a method changes what its clients (and its server) do, without subclassing the hosts.
 
 A method whose clients do more than plain split learning (FedProx's proximal term, SCAFFOLD's correction,
 Semi-SFL's two views, SplitGP's local loss, PiPar's pipelined clock, Ampere's auxiliary net) gives its
@@ -22,6 +22,10 @@ FLOPs), ``spec``, ``params`` (the method's validated ``Params``), ``round`` and 
 public methods of a rule are what the method's ``run_round`` calls on the workers (``rt.workers.<name>(...)``,
 ``rt.client(cid).<name>(...)``). ``client_fields`` names the rule's per-client mappings that move with a client
 to another host; ``checkpointed`` the state checkpoints carry (:class:`~raysplit.runtime.hostspec.Checkpointed`).
+
+The server side is the same idea: a method's server state, its server steps and its server calls are its
+``Algorithm.server_rule`` (:class:`ServerRule`; :class:`AsyncRule` for asynchronous methods), whose hooks the server
+host calls at fixed points (their list: :class:`ServerRule`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 from raysplit.runtime.executor import Backward
 from raysplit.runtime.hostspec import Checkpointed, ModelSlot, build_parts
-from raysplit.runtime.messages import Activation, Gradient, Tag
+from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 
 
 class ClientRule(Checkpointed):
@@ -81,3 +85,97 @@ class ClientRule(Checkpointed):
 
     def on_release(self, cid: int) -> None:
         """Client ``cid``'s round (job) is over; its weights and optimizer state are stored."""
+
+
+class ServerRule(Checkpointed):
+    """What a method's server does beyond serving plain split steps, without subclassing the server host.
+
+    A method gives its ``Algorithm.server_rule``, a subclass that keeps the method's own server state (made in
+    ``__init__``, after the host's) and overrides the hooks it needs; the server host
+    (:class:`~raysplit.runtime.server_host.ServerHost`) makes one rule when it is built and calls the hooks at
+    fixed points, which the rule never has to reproduce (no ``super()`` chain):
+
+    - :meth:`on_begin_round` once the host has begun a round (its clock and learning rates set);
+    - :meth:`on_fork` after the host forked per-client copies of its model, :meth:`before_merge` before it
+      averages them back;
+    - :meth:`before_step` when a server step's gradients are in a module, before clipping and the optimizer step;
+    - :meth:`round_metrics` at the round's end (the method's numbers, logged under ``method/``);
+    - :meth:`save` / :meth:`restore` with the server's checkpoint (default: the names in ``checkpointed``).
+
+    The rule's other public methods are the method's server calls: its server steps, given to
+    ``rt.split_steps`` / ``rt.pooled_steps`` by reference (``rt.pooled_steps(clients, steps, CycleRule.cycle_step)``;
+    a step decorated with :func:`~raysplit.runtime.messages.batch_step` receives :class:`Batch` es), and what
+    ``run_round`` calls as ``rt.server.<name>(...)``. ``self.host`` is the server host: ``models`` (``"main"`` and
+    the copies), ``spec``, ``params``, ``device``, ``round``, ``clock``, the step helpers (``step_through``,
+    ``step_batch``, ``answer``, ``revise``, ``frozen``, ``wait_until``) and ``fork``/``merge``."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def client_encoder(self) -> torch.nn.Module:
+        """The module whose output a client sends (evaluation encodes the test set with it): the client part."""
+        return self.host.eval_client
+
+    def on_begin_round(self, rnd: int) -> None:
+        """Round ``rnd`` began on the server."""
+
+    def on_reset_round(self) -> None:
+        """The host's per-round counters were reset (at each round's start, and once when the host is built)."""
+
+    def on_fork(self, keys: list) -> None:
+        """``models[k]`` were just forked from the main model for every ``k`` of ``keys``."""
+
+    def before_merge(self, weights: dict) -> None:
+        """The copies ``weights`` names are averaged into the main model (and dropped) next."""
+
+    def before_step(self, module: torch.nn.Module, optimizers: list, tag: Tag) -> None:
+        """A server step's gradients are in ``module``; clipping and ``optimizers``' steps follow."""
+
+    def round_metrics(self) -> dict:
+        """The round is over: the method's numbers of it, logged under ``method/``."""
+        return {}
+
+    def save(self, st: dict) -> None:
+        """Add the rule's state to the server's checkpoint ``st`` (default: its ``checkpointed`` names under
+        ``st["own"]``, beside the host's)."""
+        st["own"].update(self.own_state())
+
+    def restore(self, st: dict) -> None:
+        """Take the rule's state back from a checkpoint :meth:`save` wrote."""
+        self.load_own_state(st.get("own", {}))
+
+
+class AsyncRule(ServerRule):
+    """The server rule of an asynchronous method: the hooks the event loop calls in simulated-time order
+    (:mod:`raysplit.runtime.events`), defaulting to plain asynchronous split learning: the server steps on every
+    arrival, and the global model is the uniform average of every ``active`` uploads (a full model buffer).
+
+    - :meth:`on_job_start`: a client took a slot;
+    - :meth:`on_arrival`: a client's activation arrived (split methods); returns the client's gradient;
+    - :meth:`should_flush` and :meth:`flush`: after each arrival (a full activation buffer trains the server);
+    - :meth:`on_model_upload`: a client's model arrived; True when a new global model exists
+      (``host.set_global``).
+
+    The host (:class:`~raysplit.runtime.events.AsyncServer`) adds ``setup`` (the ``EventSetup``), ``events``,
+    ``version``, ``uploads``, ``global_model()``, ``set_global(msg)`` and ``average(msgs, weights)``."""
+
+    def on_job_start(self, cid: int, job) -> None:
+        """Client ``cid`` began ``job``."""
+
+    def on_arrival(self, act: Activation) -> Gradient:
+        return self.host.train_step(act)
+
+    def should_flush(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        """The server's work once :meth:`should_flush` says so."""
+
+    def on_model_upload(self, cid: int, msg: StateMsg, job) -> bool:
+        host = self.host
+        host.uploads.append(msg)
+        if len(host.uploads) < host.setup.active:
+            return False
+        host.set_global(host.average(host.uploads, [1.0] * len(host.uploads)))
+        host.uploads = []
+        return True

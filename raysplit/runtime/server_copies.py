@@ -91,11 +91,13 @@ class ServerCopies:
             opt = make_optimizer(module.parameters(), self.spec.server_optimizer)
             opt.load_state_dict(copy.deepcopy(main.optimizer.state_dict()))  # carries the round's lr too
             self.models[k] = ModelSlot(module, opt)
+        self.rule.on_fork(keys)
 
     def merge(self, weights: dict) -> None:
         """Replace the main server model by the weighted average of the copies (which are dropped). The copies'
         optimizer states (momentum, Adam moments) are averaged with the same weights, so one copy merges back
-        exactly (SFLV1 with one client equals SFLV2)."""
+        exactly (SFLV1 with one client equals SFLV2). The rule's ``before_merge`` first."""
+        self.rule.before_merge(weights)
         keys = list(weights)
         w = [weights[k] for k in keys]
         avg = average_states([self.models[k].module.state_dict() for k in keys], w)

@@ -1,9 +1,9 @@
 """The server host: the server model, FedAvg sums and evaluation (its per-client copies in
-:mod:`raysplit.runtime.server_copies`; see :mod:`raysplit.runtime.hosts`)."""
+:mod:`raysplit.runtime.server_copies`; see :mod:`raysplit.runtime.hosts`). A method's own server behaviour is its
+server rule (:class:`~raysplit.runtime.rules.ServerRule`), whose hooks the host calls."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from contextlib import contextmanager
@@ -21,15 +21,17 @@ from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag
 from raysplit.runtime.server_copies import ServerCopies
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
-from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError, _bad_input,
+from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError,
                                        build_parts, check_finite, limit_threads)
-from raysplit.runtime.screening import activation_fault, screens_nonfinite, where_of
+from raysplit.runtime.rules import ServerRule
+from raysplit.runtime.screening import Screen
 from raysplit.runtime.evaluation import EvalTally, predict_batches
 
 
 class ServerHost(ServerCopies, Checkpointed):
     """Owns the server-side model(s) and optimizer(s). ``models['main']`` is the server model; per-client copies
-    (PSL, SFLV1) are forked from it and merged back by weighted averaging."""
+    (PSL, SFLV1) are forked from it and merged back by weighted averaging. Methods do not subclass it: they give a
+    server rule (``spec.server_rule``), made here as ``self.rule`` once the host is built."""
 
     def __init__(self, spec: HostSpec, init_state: dict, client_init_state: dict, test: dict,
                  labeled: dict | None = None):
@@ -51,11 +53,14 @@ class ServerHost(ServerCopies, Checkpointed):
         self.flops = FlopCache()
         self.clock = 0.0
         self.round = -1
-        self.dropped: dict[int, str] = {}  # clients whose activations are withheld this round (on_bad_client: drop)
-        self._act_form: tuple | None = None  # (per-sample shape, dtype) of a valid activation
-        self._varargs: dict[str, bool] = {}
+        self.screen = Screen(spec, lambda: self.client_encoder(), self.device)  # what arrives (on_bad_client)
         self._unbatched: str | None = None  # why vmap refused the server model (batched_copies falls back)
+        self.build()
+        self.rule: ServerRule = (spec.server_rule or ServerRule)(self)
         self.reset_round()
+
+    def build(self) -> None:
+        """What a kind of server host adds before the rule is made (the asynchronous host: its event loop)."""
 
     def reset_round(self):
         self.losses: list[float] = []
@@ -63,9 +68,8 @@ class ServerHost(ServerCopies, Checkpointed):
         self.round_flops = 0.0
         self.nonfinite: Tag | None = None
         self.busy_wall = 0.0
-        self.drops: dict[int, str] = {}  # this round's dropped clients: "client c, round r, step s: why"
-        if not self.spec.asynchronous:  # under events a client stays dropped until its job ends
-            self.dropped.clear()
+        self.screen.new_round()
+        self.rule.on_reset_round()
 
     def begin_round(self, rnd: int, t0: float) -> None:
         self.round = rnd
@@ -73,6 +77,7 @@ class ServerHost(ServerCopies, Checkpointed):
         self.reset_round()
         for slot in self.models.values():
             set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
+        self.rule.on_begin_round(rnd)
 
     def charge(self, flops: float, ready_at: float = 0.0) -> float:
         """Advance the server clock by a computation that can start once ``ready_at`` has passed (instantly with
@@ -85,64 +90,22 @@ class ServerHost(ServerCopies, Checkpointed):
     # ---- what arrives from clients -------------------------------------------------------------------------------
     def serve(self, method: str, *args, **kwargs):
         """Every runtime call of a server method enters here (``Runtime.server``, the step loops, the event loop):
-        the activations among its arguments are screened (:meth:`screen`) before ``method`` sees them. With
-        ``runtime.faults.on_bad_client: drop`` a rejected activation is answered with an empty gradient marked
-        ``rejected`` and the method gets the others; every activation of a rejected client is withheld (its
-        streams are paired). ``method`` returns one gradient per activation: a list when it takes ``*acts``."""
-        fn = getattr(self, method)
-        pos = [i for i, a in enumerate(args) if isinstance(a, Activation)]
-        bad = {}
-        for i in pos:
-            why = self.screen(args[i])
-            if why:
-                bad[args[i].tag.client] = why
-        if not bad:
-            return fn(*args, **kwargs)
-        keep = [a for a in args if not (isinstance(a, Activation) and a.tag.client in bad)]
-        served = iter(fn(*keep, **kwargs) if len(keep) > len(args) - len(pos) else [])
-        grads = [Gradient(args[i].tag, None, self.clock, rejected=bad[args[i].tag.client])
-                 if args[i].tag.client in bad else next(served) for i in pos]
-        if method not in self._varargs:
-            self._varargs[method] = any(q.kind == q.VAR_POSITIONAL for q in inspect.signature(fn).parameters.values())
-        return grads if self._varargs[method] else grads[0]
-
-    def screen(self, act: Activation) -> str:
-        """'' if ``act`` may be used; otherwise why not (:func:`activation_fault`). Under ``on_bad_client: fail``
-        a fault raises :class:`BadClientInput` naming client, round and step; under ``drop`` the client is
-        dropped for the round (for its job, under events) and its later activations are withheld too."""
-        c = act.tag.client
-        if c in self.dropped:
-            return self.dropped[c]
-        shape, dtype = self.activation_form()
-        why = activation_fault(act, shape, dtype, self.spec.num_classes, self.expected_round(act.tag),
-                               screens_nonfinite(self.spec))
-        if not why:
-            return ""
-        if self.spec.on_bad_client == "fail":
-            raise _bad_input(where_of(act.tag), f"activation rejected by the server: {why}")
-        self.dropped[c] = why
-        self.drops[c] = f"{where_of(act.tag)}: {why}"
-        return why
+        ``method`` (the host's, or else its rule's) gets the arguments the screen lets through
+        (:meth:`Screen.call <raysplit.runtime.screening.Screen.call>`)."""
+        fn = getattr(self if hasattr(type(self), method) else self.rule, method)
+        return self.screen.call(fn, args, kwargs, self.expected_round, self.clock)
 
     def expected_round(self, tag: Tag) -> int | None:
         """The round an arriving activation must carry."""
         return self.round
 
     def activation_form(self) -> tuple[tuple, np.dtype]:
-        """Per-sample shape and dtype of what the client part sends (probed once on zeros)."""
-        if self._act_form is None:
-            enc = self.client_encoder()
-            mode = enc.training
-            enc.eval()
-            with torch.no_grad():
-                out = transport.pack(enc(torch.zeros((2, *self.spec.input_shape), device=self.device)))
-            enc.train(mode)
-            self._act_form = (tuple(out.shape[1:]), out.dtype)
-        return self._act_form
+        """Per-sample shape and dtype of what the client part sends (probed once, :meth:`Screen.form`)."""
+        return self.screen.form()
 
     def client_encoder(self) -> torch.nn.Module:
-        """The module whose output a client sends (the client part)."""
-        return self.eval_client
+        """The module whose output a client sends (the rule's; the client part)."""
+        return self.rule.client_encoder()
 
     # ---- the one training step ---------------------------------------------------------------------------------
     def step_through(self, x: torch.Tensor, y: torch.Tensor, module, optimizers: list, *, tag: Tag, flop_key: tuple,
@@ -177,6 +140,7 @@ class ServerHost(ServerCopies, Checkpointed):
         clipping (``train.clip_grad_norm``), the optimizer steps, ``flops`` on the server clock, the loss logged."""
         if record:
             self._check(lv, tag, where)
+        self.rule.before_step(module, optimizers, tag)
         if optimizers and self.spec.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
         for opt in optimizers:
@@ -186,12 +150,12 @@ class ServerHost(ServerCopies, Checkpointed):
             self.losses.append(lv)
         return lv
 
-    def step_batch(self, b: Batch, module, optimizers: list, flop_key="main") -> Gradient:
-        """One SGD step of ``module`` (and its ``optimizers``) on a batch, from its arrival on; returns the
-        client's gradient."""
+    def step_batch(self, b: Batch, module, optimizers: list, flop_key="main", loss_fn=None) -> Gradient:
+        """One SGD step of ``module`` (and its ``optimizers``) on a batch, from its arrival on, with ``loss_fn``
+        (:meth:`step_through`); returns the client's gradient."""
         x = b.x.requires_grad_(True)
         lv = self.step_through(x, b.y, module, optimizers, tag=b.tag, flop_key=("train", flop_key, tuple(x.shape)),
-                               ready_at=b.t_sent)
+                               ready_at=b.t_sent, loss_fn=loss_fn)
         return self.answer(b, x.grad, lv)
 
     def answer(self, b: Batch | Tag, g: torch.Tensor | None, lv: float) -> Gradient:
@@ -261,7 +225,7 @@ class ServerHost(ServerCopies, Checkpointed):
         parts = [p for p in partials if p is not None]
         if not parts:
             raise BadClientInput(f"round {self.round}: every client of the round was dropped "
-                                 f"(runtime.faults.on_bad_client: drop), nothing to aggregate: {self.drops}")
+                                 f"(runtime.faults.on_bad_client: drop), nothing to aggregate: {self.screen.drops}")
         total = sum(p.weight for p in parts)
         state = finish_average([p.state for p in parts], total, self.eval_client.state_dict())
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
@@ -293,17 +257,20 @@ class ServerHost(ServerCopies, Checkpointed):
             raise NonFiniteLossError(f"non-finite loss at round {t.round}, client {t.client} (step {t.step})")
         return {"losses": self.losses, "grad_norms": self.grad_norms, "flops": self.round_flops,
                 "t_end": self.clock, "busy_wall": self.busy_wall, "metrics": self.round_metrics(),
-                "dropped": dict(self.drops)}
+                "dropped": dict(self.screen.drops)}
 
     def round_metrics(self) -> dict:
-        """Method-specific numbers of the round, logged under ``method/`` (GAS's ``method/generated_activations``)."""
-        return {}
+        """Method-specific numbers of the round, logged under ``method/`` (the rule's; GAS's
+        ``method/generated_activations``)."""
+        return self.rule.round_metrics()
 
     # ---- checkpoint ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"models": {k: (s.module.state_dict(), s.optimizer.state_dict()) for k, s in self.models.items()},
-                "clock": self.clock, "torch_rng": torch.get_rng_state(), "dropped": dict(self.dropped),
-                "own": self.own_state()}
+        st = {"models": {k: (s.module.state_dict(), s.optimizer.state_dict()) for k, s in self.models.items()},
+              "clock": self.clock, "torch_rng": torch.get_rng_state(), "dropped": dict(self.screen.dropped),
+              "own": self.own_state()}
+        self.rule.save(st)
+        return st
 
     def load_state_dict(self, st: dict) -> None:
         for k, (ms, os_) in st["models"].items():
@@ -312,6 +279,7 @@ class ServerHost(ServerCopies, Checkpointed):
             self.models[k].module.load_state_dict(ms)
             self.models[k].optimizer.load_state_dict(os_)
         self.clock = st["clock"]
-        self.dropped = dict(st.get("dropped", {}))
+        self.screen.dropped = dict(st.get("dropped", {}))
         self.load_own_state(st.get("own", {}))
+        self.rule.restore(st)
         torch.set_rng_state(st["torch_rng"])
