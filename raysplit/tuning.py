@@ -43,11 +43,6 @@ checkpoint's metadata); Tune keeps the latest under ``storage_path/name/<trial>/
 again (``max_failures``, or a resumed sweep) gets it from ``tune.get_checkpoint()`` and continues from the round after
 it, in the same MLflow run, without logging or reporting a round twice. On a multi-node cluster ``storage_path`` must
 be shared by all nodes (NFS, ``s3://``); where a trial's node cannot reach it, that trial goes on without checkpoints.
-
-Fault injection (tests): ``RAYSPLIT_FAULT_TRIAL_EXIT=ROUND:MARKER`` in the environment of ``run_sweep`` (read on the
-driver) makes the trial that first finishes round index ROUND (logged to MLflow), while the file MARKER does not
-exist, create MARKER and end its worker process (``os._exit``), as a lost node would, before that round is
-checkpointed or reported to Tune.
 """
 
 from __future__ import annotations
@@ -207,120 +202,127 @@ def trial_bundles(cfg) -> list[dict]:
     return [{"CPU": 0.001}, bundle(r.server)] + [bundle(r.client) for _ in range(r.num_workers)]
 
 
-FAULT_ENV = "RAYSPLIT_FAULT_TRIAL_EXIT"  # fault injection for tests: ROUND:MARKER (module docstring)
 CHECKPOINT_FILE = "checkpoint.pt"  # the raysplit checkpoint inside a trial's Tune checkpoint
 
 
-def _fault_exit(fault: str | None, rnd: int) -> None:
-    """The fault-injection knob: end this trial's worker process after round ``rnd``, once (MARKER absent)."""
-    if not fault:
-        return
-    at, _, marker = fault.partition(":")
-    if rnd == int(at) and marker and not os.path.exists(marker):
-        Path(marker).write_text(f"trial worker {os.getpid()} ended after round index {rnd}\n")
-        print(f"raysplit sweep: {FAULT_ENV}: ending this trial's process after round index {rnd}", file=sys.stderr,
-              flush=True)
-        os._exit(1)
+class Trial:
+    """One trial of a sweep: one raysplit run of the base config with the trial's ``params``, reporting every
+    evaluated round to Tune and, every ``checkpoint_every`` rounds, its raysplit checkpoint as the trial's Tune
+    checkpoint; a trial Tune starts again (``max_failures``, a resumed sweep) continues from its latest checkpoint, in
+    the same MLflow run, without logging or reporting a round twice. Tune calls :func:`make_trainable`'s function,
+    which makes one and :meth:`run` s it; ``run_sweep(..., trial=...)`` takes a subclass (a test's that ends its
+    process at a round, as a lost node would)."""
 
+    def __init__(self, params: dict, base_raw: dict, uri: str, experiment: str, metric: str, log_in_trial: bool,
+                 output_dir: str, checkpoint_every: int = 1):
+        from ray import tune
 
-def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str, log_in_trial: bool, output_dir: str,
-                   checkpoint_every: int = 1, fault: str | None = None):
-    """The function trainable of a sweep: one raysplit run per trial, reporting every evaluated round to Tune and,
-    every ``checkpoint_every`` rounds, its raysplit checkpoint as the trial's Tune checkpoint; started again by Tune
-    with a checkpoint, it continues from it (in the same MLflow run)."""
-    from ray import tune
+        from raysplit.config import validate
 
-    def trainable(params: dict):
+        self.name = tune.get_context().get_trial_name()
+        self.metric, self.log_in_trial, self.every = metric, log_in_trial, checkpoint_every
+        self.cfg = validate(apply_overrides(base_raw, {
+            **params, "tracking.uri": uri, "tracking.experiment": experiment, "tracking.progress": False,
+            "tracking.enabled": log_in_trial, "tracking.output_dir": output_dir, "tracking.run_name": self.name,
+            "tracking.checkpoint_every": checkpoint_every}))
+        self.restore_dir, self.meta = None, {}
+        self.reported, self.pending, self.stash, self.checkpoints = -1, None, None, checkpoint_every > 0
+
+    def run(self) -> None:
         import shutil
         import tempfile
 
-        from raysplit.config import validate
+        from ray import tune
+
         from raysplit.experiment import run_experiment
         from raysplit.runtime import NonFiniteLossError
 
-        name = tune.get_context().get_trial_name()
-        cfg = validate(apply_overrides(base_raw, {
-            **params, "tracking.uri": uri, "tracking.experiment": experiment, "tracking.progress": False,
-            "tracking.enabled": log_in_trial, "tracking.output_dir": output_dir, "tracking.run_name": name,
-            "tracking.checkpoint_every": checkpoint_every}))
-        every = checkpoint_every
-
-        # A trial Tune starts again (max_failures, a resumed sweep) gets its latest checkpoint: the raysplit
-        # checkpoint file, and in the metadata the round it holds, the rounds already reported, the MLflow run.
-        restore_dir, meta = None, {}
+        # A trial Tune starts again gets its latest checkpoint: the raysplit checkpoint file, and in the metadata
+        # the round it holds, the rounds already reported and the MLflow run.
         ckpt = tune.get_checkpoint()
         if ckpt is not None:
-            restore_dir = tempfile.mkdtemp(prefix="raysplit-tune-restore-")
-            ckpt.to_directory(restore_dir)
-            meta = ckpt.get_metadata() or {}
-            print(f"raysplit sweep: trial {name} continues from its Tune checkpoint after round index "
-                  f"{meta.get('round')} (MLflow run {meta.get('run_id')})", file=sys.stderr, flush=True)
-        start = meta.get("round", -1) + 1
-        state = {"reported": meta.get("reported_through", -1), "pending": None, "stash": None, "checkpoints": every > 0}
-
-        def numbers(m: dict) -> dict:
-            return {k: v for k, v in m.items() if isinstance(v, (int, float))}
-
-        def send(rnd: int, m: dict, final: bool = False) -> None:
-            if rnd <= state["reported"]:  # reported by an earlier attempt of this trial (or a round redone)
-                return
-            state["reported"] = rnd
-            result = {**numbers(m), "round": rnd + 1, "start_round": start}
-            pending, state["pending"] = state["pending"], None
-            if pending is None or final:  # a finished trial needs no checkpoint
-                tune.report(result)
-                return
-            at, path, run_id = pending
-            with tempfile.TemporaryDirectory(prefix="tune-ckpt-", dir=Path(path).parent) as d:
-                try:
-                    os.link(path, os.path.join(d, CHECKPOINT_FILE))  # _atomic_save replaces, never rewrites
-                except OSError:
-                    shutil.copy2(path, os.path.join(d, CHECKPOINT_FILE))
-                checkpoint = tune.Checkpoint.from_directory(d)
-                checkpoint.set_metadata({"round": at, "reported_through": rnd,
-                                         "run_id": run_id if log_in_trial else None})
-                try:
-                    tune.report(result, checkpoint=checkpoint)
-                except RuntimeError as e:  # storage_path not reachable from this node (a local path, multi-node)
-                    if "storage" not in str(e):
-                        raise
-                    print(f"raysplit sweep: trial {name} cannot write Tune checkpoints from this node, going on "
-                          f"without (a retry starts over): {str(e)[:300]}", file=sys.stderr, flush=True)
-                    state["checkpoints"] = False
-                    tune.report(result)
-
-        def on_round(rnd: int, m: dict) -> None:
-            # ASHA compares trials at evaluated rounds; a stop it decides arrives as SystemExit from tune.report
-            # and ends the MLflow run as KILLED. The last round is reported after the run has finished, so that a
-            # trial that runs to the end is FINISHED with all its artifacts. A round that is checkpointed is
-            # reported with its checkpoint, just after the checkpoint is written (on_checkpoint).
-            _fault_exit(fault, rnd)
-            if metric not in m or rnd + 1 >= cfg.train.rounds:
-                return
-            if every and (rnd + 1) % every == 0:
-                state["stash"] = (rnd, m)
-            else:
-                send(rnd, m)
-
-        def on_checkpoint(rnd: int, path: Path, run_id: str) -> None:
-            if not state["checkpoints"]:
-                return
-            state["pending"] = (rnd, path, run_id)  # goes with the next report (this round's, if it has one)
-            stash, state["stash"] = state["stash"], None
-            if stash is not None:
-                send(*stash)
-
+            self.restore_dir = tempfile.mkdtemp(prefix="raysplit-tune-restore-")
+            ckpt.to_directory(self.restore_dir)
+            self.meta = ckpt.get_metadata() or {}
+            print(f"raysplit sweep: trial {self.name} continues from its Tune checkpoint after round index "
+                  f"{self.meta.get('round')} (MLflow run {self.meta.get('run_id')})", file=sys.stderr, flush=True)
+        self.start = self.meta.get("round", -1) + 1
+        self.reported = self.meta.get("reported_through", -1)
+        cfg = self.cfg
         try:
-            final = run_experiment(cfg, resume_run_id=meta.get("run_id"), on_round=on_round,
-                                   checkpoint_file=restore_dir and os.path.join(restore_dir, CHECKPOINT_FILE),
-                                   on_checkpoint=on_checkpoint)
+            final = run_experiment(cfg, resume_run_id=self.meta.get("run_id"), on_round=self.on_round,
+                                   checkpoint_file=self.restore_dir and os.path.join(self.restore_dir, CHECKPOINT_FILE),
+                                   on_checkpoint=self.on_checkpoint)
         except NonFiniteLossError as e:  # diverged (its MLflow run is FAILED): an outcome, not a fault to retry
-            tune.report({metric: float("nan"), "diverged": 1, "error": str(e)[:500], "round": cfg.train.rounds})
+            tune.report({self.metric: float("nan"), "diverged": 1, "error": str(e)[:500], "round": cfg.train.rounds})
             return
         finally:
-            if restore_dir:
-                shutil.rmtree(restore_dir, ignore_errors=True)
-        send(cfg.train.rounds - 1, final, final=True)
+            if self.restore_dir:
+                shutil.rmtree(self.restore_dir, ignore_errors=True)
+        self.send(cfg.train.rounds - 1, final, final=True)
+
+    def on_round(self, rnd: int, m: dict) -> None:
+        """A round is logged. ASHA compares trials at evaluated rounds; a stop it decides arrives as SystemExit from
+        ``tune.report`` and ends the MLflow run as KILLED. The last round is reported after the run has finished, so
+        that a trial that runs to the end is FINISHED with all its artifacts. A round that is checkpointed is
+        reported with its checkpoint, just after the checkpoint is written (:meth:`on_checkpoint`)."""
+        if self.metric not in m or rnd + 1 >= self.cfg.train.rounds:
+            return
+        if self.every and (rnd + 1) % self.every == 0:
+            self.stash = (rnd, m)
+        else:
+            self.send(rnd, m)
+
+    def on_checkpoint(self, rnd: int, path: Path, run_id: str) -> None:
+        if not self.checkpoints:
+            return
+        self.pending = (rnd, path, run_id)  # goes with the next report (this round's, if it has one)
+        stash, self.stash = self.stash, None
+        if stash is not None:
+            self.send(*stash)
+
+    def send(self, rnd: int, m: dict, final: bool = False) -> None:
+        """Report round ``rnd`` to Tune (with the pending checkpoint, unless the trial is over)."""
+        import shutil
+        import tempfile
+
+        from ray import tune
+
+        if rnd <= self.reported:  # reported by an earlier attempt of this trial (or a round redone)
+            return
+        self.reported = rnd
+        result = {**{k: v for k, v in m.items() if isinstance(v, (int, float))}, "round": rnd + 1,
+                  "start_round": self.start}
+        pending, self.pending = self.pending, None
+        if pending is None or final:  # a finished trial needs no checkpoint
+            tune.report(result)
+            return
+        at, path, run_id = pending
+        with tempfile.TemporaryDirectory(prefix="tune-ckpt-", dir=Path(path).parent) as d:
+            try:
+                os.link(path, os.path.join(d, CHECKPOINT_FILE))  # _atomic_save replaces, never rewrites
+            except OSError:
+                shutil.copy2(path, os.path.join(d, CHECKPOINT_FILE))
+            checkpoint = tune.Checkpoint.from_directory(d)
+            checkpoint.set_metadata({"round": at, "reported_through": rnd,
+                                     "run_id": run_id if self.log_in_trial else None})
+            try:
+                tune.report(result, checkpoint=checkpoint)
+            except RuntimeError as e:  # storage_path not reachable from this node (a local path, multi-node)
+                if "storage" not in str(e):
+                    raise
+                print(f"raysplit sweep: trial {self.name} cannot write Tune checkpoints from this node, going on "
+                      f"without (a retry starts over): {str(e)[:300]}", file=sys.stderr, flush=True)
+                self.checkpoints = False
+                tune.report(result)
+
+
+def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str, log_in_trial: bool, output_dir: str,
+                   checkpoint_every: int = 1, trial: type[Trial] = Trial):
+    """The function trainable Tune calls per trial: ``trial(params, ...).run()``."""
+
+    def trainable(params: dict):
+        trial(params, base_raw, uri, experiment, metric, log_in_trial, output_dir, checkpoint_every).run()
 
     return trainable
 
@@ -362,7 +364,9 @@ def sets_experiment(overrides: dict, extra: list[str] | None) -> bool:
             or any(o.split("=", 1)[0].strip() == "tracking.experiment" for o in extra or []))
 
 
-def run_sweep(path: str, extra_overrides: list[str] | None = None):
+def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[Trial] = Trial):
+    """Run the sweep file ``path`` (with ``extra_overrides`` on its base config) under Ray Tune, each trial a
+    ``trial`` (:class:`Trial`); returns Tune's ResultGrid."""
     import mlflow
     import ray
     from ray import tune
@@ -413,8 +417,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None):
     output_dir = str(Path(cfg0.tracking.output_dir).resolve())
     every = spec.checkpoint_every if spec.checkpoint_every is not None else (cfg0.tracking.checkpoint_every or 1)
     trainable = tune.with_resources(
-        make_trainable(base_raw, uri, experiment, spec.metric, spec.mlflow == "trial", output_dir, every,
-                       os.environ.get(FAULT_ENV)),
+        make_trainable(base_raw, uri, experiment, spec.metric, spec.mlflow == "trial", output_dir, every, trial),
         tune.PlacementGroupFactory(bundles, strategy="PACK"))
     storage = str(Path(spec.storage_path).resolve())
     if tune.Tuner.can_restore(os.path.join(storage, name)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,21 @@ from mlflow.tracking import MlflowClient
 from raysplit.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def dies_once(at: int, marker: Path) -> type:
+    """A sweep trial (:class:`raysplit.tuning.Trial`) that, the first time it finishes round index ``at`` (logged to
+    MLflow), ends its worker process (``os._exit``) as a lost node would, before Tune hears of the round; ``marker``
+    records that it did. Made here, so it travels to Tune's worker by value."""
+    from raysplit.tuning import Trial
+
+    def on_round(self, rnd: int, m: dict) -> None:
+        if rnd == at and not marker.exists():
+            marker.write_text(f"trial worker {os.getpid()} ended after round index {rnd}\n")
+            os._exit(1)
+        Trial.on_round(self, rnd, m)
+
+    return type("DiesOnce", (Trial,), {"on_round": on_round})
 
 
 def write_sweep(tmp_path, **extra):
@@ -128,24 +144,22 @@ def test_local_backend_trials_reserve_one_bundle_so_two_fit_two_cpus(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_run(ray_session, tmp_path,
-                                                                                  monkeypatch):
+def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_run(ray_session, tmp_path):
     """The trial's worker process ends (``os._exit``, as on a lost node) once round index 2 is computed and logged to
     MLflow but before Tune hears of it. Tune (max_failures=1) starts it again from its checkpoint of round index 1:
     rounds 0-1 are not rerun, round 2 is redone but neither reported nor logged twice, the MLflow run is the same,
     and the results equal an uninterrupted run's."""
     from raysplit.config import load_config
     from raysplit.experiment import run_experiment
-    from raysplit.tuning import FAULT_ENV, run_sweep
+    from raysplit.tuning import run_sweep
 
     over = {"train.rounds": 4, "eval.every": 1, "runtime.backend": "local"}
     d = tmp_path / "hit"
     d.mkdir()
-    monkeypatch.setenv(FAULT_ENV, f"2:{tmp_path / 'trial-died'}")
     uri = f"sqlite:///{d / 'mlflow.db'}"
     path = write_sweep(d, space={}, scheduler="fifo", max_failures=1, name="hit",
                        overrides={**over, "tracking.output_dir": str(d / "out")})
-    results = run_sweep(str(path), [f"tracking.uri={uri}"])
+    results = run_sweep(str(path), [f"tracking.uri={uri}"], trial=dies_once(2, tmp_path / "trial-died"))
     assert not results.errors and len(results) == 1
     hit, client = results[0], MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("hit").experiment_id])
@@ -157,7 +171,6 @@ def test_a_trial_that_dies_resumes_from_its_tune_checkpoint_in_the_same_mlflow_r
 
     # the uninterrupted reference: the same config run in process (a trial runs the config it is given; a clean
     # trial's start_round stays 0, checked by the grid sweep above through Tune's reports)
-    monkeypatch.delenv(FAULT_ENV)
     ref_uri = f"sqlite:///{tmp_path / 'ref.db'}"
     clean = run_experiment(load_config(ROOT / "configs" / "digits.yaml", {
         **over, "tracking.uri": ref_uri, "tracking.output_dir": str(tmp_path / "ref"), "tracking.progress": False}))
