@@ -25,6 +25,7 @@ from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.algorithms.base import config_error
 from raysplit.data.partition import DirichletPartition, PartitionConfig
 from raysplit.errors import ConfigError
+from raysplit.privacy import AttackConfig, DefenceConfig, NoAttack, NoDefence
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
 
@@ -396,44 +397,18 @@ class ClockConfig(_Strict):
                                 "simulated time (false: only client compute and uploads, as GAS's code)")
 
 
-class DefenceConfig(_Strict):
-    kind: Literal["none", "noise", "nopeek", "quantize"] = Field(default="none", description="what a client does "
-                                                                 "to its activations before they leave "
-                                                                 "(raysplit list: the defences)")
-    sigma: float = Field(default=0.0, ge=0, le=100, description="noise: noise multiplier (std = sigma x clip; "
-                         "sigma alone without a clip, then no epsilon)")
-    clip: float | None = Field(default=None, gt=0, description="noise: each sample's activation clipped to this L2 "
-                               "norm first (the sensitivity; needed for an epsilon)")
-    alpha: float = Field(default=0.0, ge=0, le=100, description="nopeek: weight of the distance correlation term")
-    bits: int = Field(default=8, ge=1, le=16, description="quantize: bits per value")
-    delta: float = Field(default=1e-5, gt=0, lt=1, description="noise: the delta epsilon is reported at")
-
-    @model_validator(mode="after")
-    def _strength(self):
-        if self.kind == "nopeek" and self.alpha == 0:
-            raise ValueError("privacy.defence.alpha must be > 0 for kind nopeek (0 is no defence: kind none)")
-        return self
-
-
-class AttackConfig(_Strict):
-    kind: Literal["none", "reconstruction", "inversion"] = Field(
-        default="none", description="what the server tries to learn (raysplit list: the attacks)")
-    aux_size: int = Field(default=1000, ge=10, description="reconstruction: the attacker's auxiliary set, the test "
-                          "set's last aux_size inputs")
-    victims: int = Field(default=2, ge=1, description="reconstruction, inversion: scored on clients 0 .. victims-1")
-    samples: int = Field(default=64, ge=1, description="reconstruction, inversion: training inputs scored per victim")
-    epochs: int = Field(default=10, ge=0, description="reconstruction: the decoder MLP's passes over the auxiliary "
-                        "set (after its closed-form linear part)")
-    hidden: int = Field(default=512, ge=1, description="reconstruction: the decoder MLP's hidden units")
-    steps: int = Field(default=200, ge=1, description="inversion: Adam steps on the inputs")
-    lr: float = Field(default=0.1, gt=0, description="inversion: Adam's learning rate on the inputs")
-    tv: float = Field(default=0.1, ge=0, description="inversion: weight of the total-variation prior")
-
-
 class PrivacyConfig(_Strict):
-    defence: DefenceConfig = Field(default=DefenceConfig(), description="client-side defence at the cut")
-    attack: AttackConfig = Field(default=AttackConfig(), description="honest-but-curious server's attack, scored "
-                                 "at every evaluation (privacy/ metrics)")
+    defence: DefenceConfig = Field(default=NoDefence(), description="client-side defence at the cut: kind picks the "
+                                   "defence (raysplit list: the defences), the other keys are its own")
+    attack: AttackConfig = Field(default=NoAttack(), description="honest-but-curious server's attack, scored at "
+                                 "every evaluation (privacy/ metrics): kind picks the attack, the other keys are its "
+                                 "own")
+
+    @field_validator("defence", "attack", mode="before")
+    @classmethod
+    def _default_kind(cls, v):
+        """A section without ``kind`` is the default's (none), so a key it does not take is an error naming it."""
+        return {"kind": "none", **v} if isinstance(v, dict) and "kind" not in v else v
 
 
 class TrackingConfig(_Strict):
@@ -566,15 +541,22 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
     return out
 
 
+def tag_key(model: type[BaseModel]) -> str:
+    """The key that picks ``model`` in its discriminated union: ``name`` (partitioners) or ``kind`` (the privacy
+    plug-ins)."""
+    return "name" if "name" in model.model_fields else "kind"
+
+
 def tagged_members(ann: Any) -> dict[str, type[BaseModel]]:
-    """``{tag: model}`` of a discriminated union on ``name`` (e.g. PartitionConfig); empty for anything else."""
+    """``{tag: model}`` of a discriminated union on ``name`` or ``kind`` (PartitionConfig, DefenceConfig,
+    AttackConfig); empty for anything else."""
     args = typing.get_args(ann)
     if args and typing.get_origin(ann) is Annotated:
         args = typing.get_args(args[0])
     out = {}
     for a in args:
-        if isinstance(a, type) and issubclass(a, BaseModel) and "name" in a.model_fields:
-            tags = typing.get_args(a.model_fields["name"].annotation)
+        if isinstance(a, type) and issubclass(a, BaseModel) and tag_key(a) in a.model_fields:
+            tags = typing.get_args(a.model_fields[tag_key(a)].annotation)
             out.update({t: a for t in tags})
     return out
 
@@ -600,22 +582,24 @@ def _resolve(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseMo
 
 
 def _format_error(err: ValidationError, model: type[BaseModel]) -> str:
-    lines = []
+    lines: list[str] = []
+    unknown: dict[tuple, list[str]] = {}  # the unknown keys of one section: one sentence for them all
     for e in err.errors():
         key, _, _ = _resolve(model, e["loc"])
-        dotted = ".".join(key)
         if e["type"] == "extra_forbidden":
-            _, parent, tag = _resolve(model, e["loc"][:-1])
-            allowed = sorted(parent.model_fields) if parent is not None else []
-            what = hint = ""
-            if tag is not None:  # a member of a discriminated union (a partitioner), picked by its name
-                kind = getattr(parent, "KIND", "name")
-                what = f" ({kind} {tag})"
-                hint = f" (to switch {kind}, give the whole section: {'.'.join(key[:-1])}={{name: {tag}}})"
-            lines.append(f"unknown key '{dotted}'{what}" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
-                         + hint)
+            unknown.setdefault(tuple(e["loc"][:-1]), []).append(".".join(key))
         else:
-            lines.append(f"bad value for '{dotted}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"bad value for '{'.'.join(key)}': {e['msg']} (got {e.get('input')!r})")
+    for loc, keys in unknown.items():
+        section, parent, tag = _resolve(model, loc)
+        allowed = sorted(parent.model_fields) if parent is not None else []
+        what = hint = ""
+        if tag is not None:  # a member of a discriminated union (a partitioner, a defence), picked by its name/kind
+            kind = getattr(parent, "KIND", "name")
+            what = f" ({kind} {tag})"
+            hint = f" (to switch {kind}, give the whole section: {'.'.join(section)}={{{tag_key(parent)}: {tag}}})"
+        lines.append(f"unknown key{'s' if len(keys) > 1 else ''} {', '.join(repr(k) for k in keys)}{what}"
+                     + (f"; allowed here: {', '.join(allowed)}" if allowed else "") + hint)
     return "invalid config: " + "; ".join(lines)
 
 

@@ -58,21 +58,22 @@ def _model_of(ann: Any) -> type[BaseModel] | None:
 def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
     """``(dotted key, type, default, description)`` of every field of ``model``, sections expanded in place (the
     section's own row first)."""
-    from raysplit.config import tagged_members
+    from raysplit.config import tag_key, tagged_members
 
     out = []
     for name, field in model.model_fields.items():
         key = prefix + name
         members = tagged_members(field.annotation)
-        if members:  # a discriminated union: name picks the member, whose own keys follow
-            default = field.default.name if isinstance(field.default, BaseModel) else "required"
+        if members:  # a discriminated union: name (or kind) picks the member, whose own keys follow
+            tk = tag_key(next(iter(members.values())))
+            default = getattr(field.default, tk) if isinstance(field.default, BaseModel) else "required"
             out.append((key, "section", "(section)", field.description or ""))
-            out.append((f"{key}.name", "one of " + ", ".join(members), repr(default),
-                        "; ".join(sub.model_fields["name"].description or tag for tag, sub in members.items())
-                        + " (a key below marked with another name is an error)"))
+            out.append((f"{key}.{tk}", "one of " + ", ".join(members), repr(default),
+                        "; ".join(sub.model_fields[tk].description or tag for tag, sub in members.items())
+                        + f" (a key below marked with another {tk} is an error)"))
             for tag, sub in members.items():
                 for k, t, d, desc in rows(sub, key + "."):
-                    if k != f"{key}.name":
+                    if k != f"{key}.{tk}":
                         out.append((k, t, d, f"({tag}) {desc}"))
             continue
         out.append((key, _type(field.annotation), _default(field), field.description or ""))

@@ -212,9 +212,8 @@ def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_
         input_range = np.ascontiguousarray(np.stack([
             np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:]),
             np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])]))
-    return PrivacySpec(defence=d.kind, sigma=d.sigma, clip=d.clip, alpha=d.alpha, bits=d.bits, delta=d.delta,
-                       attack=a.kind, aux_x=aux, input_range=input_range, victims=tuple(range(a.victims)),
-                       samples=a.samples, epochs=a.epochs, hidden=a.hidden, steps=a.steps, lr=a.lr, tv=a.tv)
+    return PrivacySpec(defence=d, attack=a, aux_x=aux, input_range=input_range,
+                       victims=tuple(range(getattr(a, "victims", 0))))
 
 
 def _atomic_save(obj, path: Path) -> None:

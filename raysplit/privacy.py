@@ -30,18 +30,73 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, Union
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-DEFENCES = {
-    "none": "no defence: activations leave the client as computed",
-    "noise": "Gaussian mechanism per sample (clip each activation to L2 norm clip, add N(0, (sigma clip)^2)); "
-             "epsilon per client with dp_accounting's RDP accountant",
-    "nopeek": "NoPeek (Vepakomma et al. 2020): alpha x distance correlation of inputs and activations added to "
-              "the client's loss",
-    "quantize": "uniform quantization of each activation batch to bits bits (min-max), charged at its size",
-}
+
+class DefenceParams(BaseModel):
+    """A defence's keys under ``privacy.defence``: one model per defence, picked by ``kind`` (a key another defence
+    takes is an error naming it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    KIND: ClassVar[str] = "defence"  # what an error calls the member that ``kind`` picked
+
+
+class NoDefence(DefenceParams):
+    kind: Literal["none"] = Field(default="none", description="none: no defence, activations leave the client as "
+                                  "computed")
+
+
+class NoiseDefence(DefenceParams):
+    kind: Literal["noise"] = Field(description="noise: Gaussian mechanism per sample (clip each activation to L2 "
+                                   "norm clip, add N(0, (sigma clip)^2)); epsilon per client with dp_accounting's "
+                                   "RDP accountant")
+    sigma: float = Field(default=0.0, ge=0, le=100, description="noise multiplier (std = sigma x clip; sigma alone "
+                         "without a clip, then no epsilon)")
+    clip: float | None = Field(default=None, gt=0, description="each sample's activation clipped to this L2 norm "
+                               "first (the sensitivity; needed for an epsilon)")
+    delta: float = Field(default=1e-5, gt=0, lt=1, description="the delta epsilon is reported at")
+
+
+class NopeekDefence(DefenceParams):
+    kind: Literal["nopeek"] = Field(description="nopeek: NoPeek (Vepakomma et al. 2020), alpha x distance "
+                                    "correlation of inputs and activations added to the client's loss")
+    alpha: float = Field(gt=0, le=100, description="weight of the distance correlation term (required: 0 is no "
+                         "defence, kind none)")
+
+
+class QuantizeDefence(DefenceParams):
+    kind: Literal["quantize"] = Field(description="quantize: uniform quantization of each activation batch to "
+                                      "bits bits (min-max), charged at its size")
+    bits: int = Field(default=8, ge=1, le=16, description="bits per value")
+
+
+DEFENCE_MODELS: tuple[type[DefenceParams], ...] = (NoDefence, NoiseDefence, NopeekDefence, QuantizeDefence)
+DefenceConfig = Annotated[Union[DEFENCE_MODELS], Field(discriminator="kind")]  # noqa: UP007
+DEFENCES = {m.model_fields["kind"].annotation.__args__[0]: m.model_fields["kind"].description.split(": ", 1)[1]
+            for m in DEFENCE_MODELS}
+
+
+class AttackParams(BaseModel):
+    """An attack's keys under ``privacy.attack``: one model per attack plug-in (its ``Params``), picked by
+    ``kind``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    KIND: ClassVar[str] = "attack"
+
+
+class NoAttack(AttackParams):
+    kind: Literal["none"] = Field(default="none", description="none: no attack")
+
+
+class ScoredAttack(AttackParams):
+    """What every reconstruction attack is scored on."""
+
+    victims: int = Field(default=2, ge=1, description="scored on clients 0 .. victims-1")
+    samples: int = Field(default=64, ge=1, description="training inputs scored per victim")
 
 
 def _centered_distances(a: torch.Tensor) -> torch.Tensor:
@@ -148,32 +203,23 @@ def quantized_nbytes(numel: int, bits: int) -> int:
 
 @dataclass(frozen=True)
 class PrivacySpec:
-    """The ``privacy`` config section as the hosts get it (plain values). ``aux_x``: the public images an attack
-    that ``needs_aux`` is fitted on (raw, as the dataset stores them); ``input_range``: for an attack that
-    ``needs_held_model``, two raw inputs, the smallest and the largest value of each channel over the test set (the
-    range it keeps its inversion in); ``victims``: the clients whose training inputs the attack is scored on."""
+    """The ``privacy`` config section as the hosts get it: its typed ``defence`` and ``attack`` sections, and what
+    the driver derived for them from the data. ``aux_x``: the public images an attack that ``needs_aux`` is fitted
+    on (raw, as the dataset stores them); ``input_range``: for an attack that ``needs_held_model``, two raw inputs,
+    the smallest and the largest value of each channel over the test set (the range it keeps its inversion in);
+    ``victims``: the clients whose training inputs the attack is scored on."""
 
-    defence: str = "none"
-    sigma: float = 0.0
-    clip: float | None = None
-    alpha: float = 0.0
-    bits: int = 8
-    delta: float = 1e-5
-    attack: str = "none"
+    defence: DefenceParams = NoDefence()
+    attack: AttackParams = NoAttack()
     aux_x: np.ndarray | None = None
     input_range: np.ndarray | None = None
     victims: tuple[int, ...] = ()
-    samples: int = 64
-    epochs: int = 10
-    hidden: int = 512
-    steps: int = 200
-    lr: float = 0.1
-    tv: float = 0.1
 
     @property
     def accounted(self) -> bool:
         """Whether the defence spends a privacy budget an accountant can count (noise with a clip)."""
-        return self.defence == "noise" and self.sigma > 0 and self.clip is not None
+        d = self.defence
+        return d.kind == "noise" and d.sigma > 0 and d.clip is not None
 
 
 class CutDefence:
@@ -184,24 +230,26 @@ class CutDefence:
 
     def __init__(self, spec: PrivacySpec):
         self.spec = spec
+        self.params = spec.defence  # the defence's own section (``kind`` and its keys)
 
     def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        s = self.spec
-        if s.defence == "noise":
-            return clip_and_noise(z, s.clip, s.sigma), None
-        if s.defence == "quantize":
-            q, nbytes = quantize(z.detach(), s.bits)
+        d = self.params
+        if d.kind == "noise":
+            return clip_and_noise(z, d.clip, d.sigma), None
+        if d.kind == "quantize":
+            q, nbytes = quantize(z.detach(), d.bits)
             return z + (q - z.detach()), nbytes
         return z, None
 
     def loss(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """NoPeek's term (``defend`` keeps (x, z) only under nopeek, whose alpha the config holds above 0)."""
-        return nopeek_loss(x, z, self.spec.alpha)
+        return nopeek_loss(x, z, self.params.alpha)
 
     def epsilon(self, releases: dict[float, int]) -> float:
-        """Epsilon at ``spec.delta`` after ``releases`` ({sampling rate: count}); 0 before any release. Clients
-        with the same releases (every client of a full-participation round) share one accountant's computation."""
-        return _epsilon(self.spec.sigma, self.spec.delta, tuple(sorted(releases.items())))
+        """Epsilon at the noise defence's ``delta`` after ``releases`` ({sampling rate: count}); 0 before any
+        release. Clients with the same releases (every client of a full-participation round) share one
+        accountant's computation."""
+        return _epsilon(self.params.sigma, self.params.delta, tuple(sorted(releases.items())))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -327,11 +375,13 @@ class Attack:
 
     name = ""
     description = ""
+    Params: ClassVar[type[ScoredAttack]] = ScoredAttack  # its keys under privacy.attack (kind: its name)
     needs_aux = False
     needs_held_model = False
 
     def __init__(self, spec: PrivacySpec):
         self.spec = spec
+        self.params = spec.attack
 
     def reconstruct(self, view: AttackView) -> torch.Tensor:
         raise NotImplementedError
@@ -348,8 +398,16 @@ class InverseNetwork(Attack):
                    "the query-free 'inverse network')")
     needs_aux = True
 
+    class Params(ScoredAttack):
+        kind: Literal["reconstruction"] = Field(description="reconstruction: a decoder fitted on the auxiliary set")
+        aux_size: int = Field(default=1000, ge=10, description="the attacker's auxiliary set, the test set's last "
+                              "aux_size inputs")
+        epochs: int = Field(default=10, ge=0, description="the decoder MLP's passes over the auxiliary set (after "
+                            "its closed-form linear part)")
+        hidden: int = Field(default=512, ge=1, description="the decoder MLP's hidden units")
+
     def reconstruct(self, view: AttackView) -> torch.Tensor:
-        dec = train_decoder(view.z_aux, view.aux, self.spec.epochs, self.spec.hidden, seed=view.seed)
+        dec = train_decoder(view.z_aux, view.aux, self.params.epochs, self.params.hidden, seed=view.seed)
         with torch.no_grad():
             return dec(view.z_victim)
 
@@ -365,10 +423,19 @@ class WhiteBoxInversion(Attack):
                    "averages client models on the server (not psl)")
     needs_held_model = True
 
+    class Params(ScoredAttack):
+        kind: Literal["inversion"] = Field(description="inversion: inputs optimised through the averaged client "
+                                           "model")
+        steps: int = Field(default=200, ge=1, description="Adam steps on the inputs")
+        lr: float = Field(default=0.1, gt=0, description="Adam's learning rate on the inputs")
+        tv: float = Field(default=0.1, ge=0, description="weight of the total-variation prior")
+
     def reconstruct(self, view: AttackView) -> torch.Tensor:
-        s = self.spec
-        return invert_activations(view.held, view.z_victim, view.lo, view.hi, s.steps, s.lr, s.tv)
+        p = self.params
+        return invert_activations(view.held, view.z_victim, view.lo, view.hi, p.steps, p.lr, p.tv)
 
 
 ATTACK_PLUGINS: dict[str, type[Attack]] = {a.name: a for a in (InverseNetwork, WhiteBoxInversion)}
 ATTACKS = {"none": "no attack", **{n: a.description for n, a in ATTACK_PLUGINS.items()}}
+AttackConfig = Annotated[Union[(NoAttack, *(a.Params for a in ATTACK_PLUGINS.values()))],  # noqa: UP007
+                         Field(discriminator="kind")]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from raysplit.clock import ClientProfile, FlopCache
 from raysplit.data import DataSpec
-from raysplit.privacy import PrivacySpec
+from raysplit.privacy import NoiseDefence, NopeekDefence, PrivacySpec
 from raysplit.runtime.client_data import ClientData, advance_cursor
 from raysplit.runtime.client_states import ClientStates
 from raysplit.runtime.cut import ClientCut
@@ -110,7 +110,7 @@ def test_the_state_store_keeps_weights_and_optimizer_state_and_pools_modules():
 
 
 def test_the_cut_counts_noised_releases_and_keeps_nopeeks_inputs_until_the_gradient():
-    noise = ClientCut(PrivacySpec(defence="noise", sigma=1.0, clip=1.0))
+    noise = ClientCut(PrivacySpec(defence=NoiseDefence(kind="noise", sigma=1.0, clip=1.0)))
     assert noise.accounted
     z = torch.randn(4, 3, requires_grad=True)
     sent, _ = noise.release(Tag(0, 0, 0), torch.ones(4, 3), z, rate=0.25)
@@ -119,7 +119,7 @@ def test_the_cut_counts_noised_releases_and_keeps_nopeeks_inputs_until_the_gradi
     assert noise.dp_releases == {0: {0.25: 2}} and noise.take_leak(Tag(0, 0, 0)) is None
     assert sent.shape == z.shape and not torch.equal(sent, z)
     assert 0 < noise.epsilon(0) < noise.defence.epsilon({0.25: 3})
-    nopeek = ClientCut(PrivacySpec(defence="nopeek", alpha=0.5))
+    nopeek = ClientCut(PrivacySpec(defence=NopeekDefence(kind="nopeek", alpha=0.5)))
     x = torch.randn(4, 3)
     nopeek.release(Tag(1, 0, 0), x, z, rate=0.25)
     leak = nopeek.take_leak(Tag(1, 0, 0))

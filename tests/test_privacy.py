@@ -294,9 +294,27 @@ def test_the_attack_observes_and_changes_nothing(tmp_path, mlflow_uri, alg, atta
 
     base = {"algorithm.name": alg, "train.rounds": 3, "tracking.experiment": "privacy-observer"}
     plain = run_experiment(local(tmp_path / "a", mlflow_uri, **base))
-    watched = run_experiment(local(tmp_path / "b", mlflow_uri, **base, **{
-        "privacy.attack.kind": attack, "privacy.attack.aux_size": 100, "privacy.attack.epochs": 1,
-        "privacy.attack.steps": 20}))
+    own = {"reconstruction": {"aux_size": 100, "epochs": 1}, "inversion": {"steps": 20}}[attack]
+    watched = run_experiment(local(tmp_path / "b", mlflow_uri, **base, **{"privacy.attack": {"kind": attack, **own}}))
     assert "privacy/ssim" in watched
     same = {k: v for k, v in watched.items() if not k.startswith("privacy/") and k not in WALL_CLOCK | {"run_id"}}
     assert same == {k: v for k, v in plain.items() if k not in WALL_CLOCK | {"run_id"}}
+
+
+def test_a_key_another_defence_or_attack_takes_is_refused_by_name():
+    """``privacy.defence`` and ``privacy.attack`` are typed sections picked by ``kind`` (each plug-in owns its keys):
+    a key the picked one does not take is one error naming it and saying how to switch; a section without ``kind``
+    is the default's (none), so a lone key is refused rather than ignored."""
+    from raysplit.config import load_config
+
+    with pytest.raises(ConfigError, match=r"unknown key 'privacy.defence.sigma' \(defence nopeek\); allowed here: "
+                                          r"alpha, kind .*privacy.defence=\{kind: nopeek\}"):
+        load_config(None, ["privacy.defence.kind=nopeek", "privacy.defence.alpha=1", "privacy.defence.sigma=0.5"])
+    with pytest.raises(ConfigError, match=r"unknown key 'privacy.defence.sigma' \(defence none\)"):
+        load_config(None, ["privacy.defence.sigma=0.5"])
+    with pytest.raises(ConfigError, match=r"unknown key 'privacy.attack.epochs' \(attack inversion\)"):
+        load_config(None, ["privacy.attack.kind=inversion", "privacy.attack.epochs=3"])
+    with pytest.raises(ConfigError, match=r"privacy.defence.alpha"):
+        load_config(None, ["privacy.defence.kind=nopeek"])  # NoPeek's weight has no default: 0 is no defence
+    cfg = load_config(None, ["privacy.defence.kind=noise", "privacy.defence.sigma=0.5", "privacy.attack.kind=inversion"])
+    assert (cfg.privacy.defence.sigma, cfg.privacy.defence.delta, cfg.privacy.attack.steps) == (0.5, 1e-5, 200)

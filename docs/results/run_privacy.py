@@ -37,7 +37,8 @@ from _runs import ROOT, median_range, run_all, run_config
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".privacy"
 CONFIG = ROOT / "configs" / "privacy" / "fmnist.yaml"
-COMMON = {"privacy.defence.kind": "none", "data.test_fraction": 0.1, "runtime.backend": "local"}
+# a defence or an attack is given as its whole section: its kind picks it, and the keys it takes are its own
+COMMON = {"privacy.defence": {"kind": "none"}, "data.test_fraction": 0.1, "runtime.backend": "local"}
 METHODS = {
     "sflv2": {"algorithm": {"name": "sflv2", "order": "shuffled"}},
     "sflv1": {"algorithm": {"name": "sflv1"}},
@@ -45,15 +46,16 @@ METHODS = {
     "gas": {"algorithm": {"name": "gas", "covariance": "lowrank", "rank": 32}},
     "gas_nogen": {"algorithm": {"name": "gas", "covariance": "lowrank", "rank": 32, "generate": False}},
     "ampere": {"algorithm": {"name": "ampere", "device_rounds": 10, "server_epochs": 10, "patience": 5}},
-    "fedavg": {"algorithm": {"name": "fedavg"}, "privacy.attack.kind": "none"},
+    "fedavg": {"algorithm": {"name": "fedavg"}, "privacy.attack": {"kind": "none"}},
 }
 DEFENCES = {"none": {}}
-DEFENCES.update({f"noise{s}": {"privacy.defence.kind": "noise", "privacy.defence.sigma": s,
-                               "privacy.defence.clip": 20.0} for s in (0.01, 0.03, 0.1, 0.3)})
-DEFENCES.update({f"nopeek{a}": {"privacy.defence.kind": "nopeek", "privacy.defence.alpha": a} for a in (1, 3, 10)})
-DEFENCES.update({f"quantize{b}": {"privacy.defence.kind": "quantize", "privacy.defence.bits": b} for b in (8, 4, 2)})
-# the same runs under the model-inversion attack through the averaged client model ("+inv": attack inversion)
-DEFENCES.update({f"{d}+inv": {**DEFENCES[d], "privacy.attack.kind": "inversion"}
+DEFENCES.update({f"noise{s}": {"privacy.defence": {"kind": "noise", "sigma": s, "clip": 20.0, "delta": 1e-5}}
+                 for s in (0.01, 0.03, 0.1, 0.3)})
+DEFENCES.update({f"nopeek{a}": {"privacy.defence": {"kind": "nopeek", "alpha": a}} for a in (1, 3, 10)})
+DEFENCES.update({f"quantize{b}": {"privacy.defence": {"kind": "quantize", "bits": b}} for b in (8, 4, 2)})
+# the same runs under the model-inversion attack through the averaged client model ("+inv": attack inversion, on
+# the config's victims and samples)
+DEFENCES.update({f"{d}+inv": {**DEFENCES[d], "privacy.attack": {"kind": "inversion", "victims": 2, "samples": 64}}
                  for d in ("none", "noise0.01", "noise0.03", "nopeek3", "quantize4")})
 PARTS = {
     "leak": [(m, cut, "none") for cut in ("conv1", "conv2") for m in METHODS],

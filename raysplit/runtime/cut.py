@@ -23,7 +23,7 @@ class ClientCut:
 
     def __init__(self, privacy):
         self.privacy = privacy
-        self.defence = CutDefence(privacy) if privacy is not None and privacy.defence != "none" else None
+        self.defence = CutDefence(privacy) if privacy is not None and privacy.defence.kind != "none" else None
         self._leaks: dict[Tag, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dp_releases: dict[int, dict[float, int]] = {}  # noised releases per client: {sampling rate: count}
 
@@ -37,7 +37,7 @@ class ClientCut:
         bytes (None: the tensor's own). ``rate``: the release is counted at this sampling rate (None: not counted,
         e.g. when a checkpoint rebuilds a forward)."""
         sent, nbytes = self.defence.release(out)
-        if self.defence.spec.defence == "nopeek" and out.requires_grad:
+        if self.defence.params.kind == "nopeek" and out.requires_grad:
             self._leaks[tag] = (x, out)
         if rate is not None and self.defence.spec.accounted:
             book = self.dp_releases.setdefault(tag.client, {})
@@ -67,7 +67,7 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
     of those inputs and what the server receives for them (``dcor``, the leakage NoPeek minimises), and the first 8
     (input, reconstruction) pairs."""
     priv, spec, states, defence = host.spec.privacy, host.spec, host.states, host.cut.defence
-    attack = ATTACK_PLUGINS[priv.attack](priv)
+    attack = ATTACK_PLUGINS[priv.attack.kind](priv)
     mine = [int(c) for c in cids if int(c) in host.data]
     held = lo = hi = None
     if attack.needs_held_model and mine:
@@ -87,7 +87,7 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
             return encode(x) if defence is None else defence.release(encode(x))[0]
 
         order = np.random.default_rng([spec.seed, 0xA77, c]).permutation(host.data.train_idx[c])
-        victim = to_tensor(host.data.x[np.sort(order[:priv.samples])], spec.data_spec)
+        victim = to_tensor(host.data.x[np.sort(order[:priv.attack.samples])], spec.data_spec)
         with torch.no_grad(), host.seeded(c, 3, rnd):
             z_aux = sent(aux) if aux is not None else None
             z_vic = sent(victim)

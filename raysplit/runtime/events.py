@@ -320,7 +320,7 @@ class AsyncServer(ServerHost):
         spec, priv = self.spec, self.spec.privacy
         costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
                             transport.state_nbytes(self.client_init.state), spec.charge_server,
-                            act_bits=priv.bits if priv is not None and priv.defence == "quantize" else None,
+                            act_bits=priv.defence.bits if priv is not None and priv.defence.kind == "quantize" else None,
                             drop_last=spec.drop_last)
         self.events = EventLoop(setup, costs, spec.seed)
 
