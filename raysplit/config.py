@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import math
 import typing
 import warnings
 from pathlib import Path
@@ -486,15 +485,6 @@ class ExperimentConfig(_Strict):
     @property
     def algorithm_name(self) -> str:
         return self.algorithm.name
-
-    def clients_per_round(self, num_clients: int) -> int:
-        """Clients sampled per round (asynchronous methods: clients active at a time) among ``num_clients``."""
-        part = self.train.participation
-        if part.count is not None:
-            if part.count > num_clients:
-                raise ConfigError(f"train.participation.count={part.count} exceeds data.num_clients={num_clients}")
-            return part.count
-        return max(1, math.ceil((part.fraction or 1.0) * num_clients))
 
 
 def _parse_scalar(text: str) -> Any:

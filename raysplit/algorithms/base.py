@@ -47,6 +47,17 @@ class CopiesParams(AlgorithmParams):
         "not the models (unless they draw random numbers: dropout); SGLR: its cyclesl variant only")
 
 
+def clients_per_round(cfg, num_clients: int | None = None) -> int:
+    """Clients sampled per round (asynchronous methods: clients active at a time) among ``num_clients`` (default
+    ``data.num_clients``), from ``train.participation`` (a count, or a fraction rounded up)."""
+    part, n = cfg.train.participation, num_clients or cfg.data.num_clients
+    if part.count is not None:
+        if part.count > n:
+            raise ConfigError(f"train.participation.count={part.count} exceeds data.num_clients={n}")
+        return part.count
+    return max(1, math.ceil((part.fraction or 1.0) * n))
+
+
 @dataclass
 class SetupInfo:
     """What the driver knows before the run starts (given to ``Algorithm.setup``)."""
@@ -209,7 +220,7 @@ class AsyncAlgorithm(Algorithm):
         if cfg.train.local_epochs:
             raise ConfigError(f"{cls.name} runs train.local_steps iterations per client job; train.local_epochs is "
                               "not supported")
-        n, m, k = cfg.data.num_clients, cfg.clients_per_round(cfg.data.num_clients), cfg.train.local_steps
+        n, m, k = cfg.data.num_clients, clients_per_round(cfg), cfg.train.local_steps
         model_buffer = getattr(params, "model_buffer_size", None)
         if model_buffer is not None and model_buffer > n:
             raise ConfigError(f"algorithm.model_buffer_size={model_buffer} exceeds the {n} clients (data.num_clients)")

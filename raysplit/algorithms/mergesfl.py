@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from .base import Algorithm, AlgorithmParams, SetupInfo, register
+from .base import Algorithm, AlgorithmParams, SetupInfo, clients_per_round, register
 from ..clock import FlopCache
 from ..errors import ConfigError
 from ..runtime import ServerRule
@@ -158,7 +158,7 @@ class MergeSFL(Algorithm):
     @classmethod
     def check_config(cls, params, cfg) -> None:
         super().check_config(params, cfg)
-        m = cfg.clients_per_round(cfg.data.num_clients)
+        m = clients_per_round(cfg)
         if params.total_batch_size is not None and params.total_batch_size < m:
             raise ConfigError(f"algorithm.total_batch_size={params.total_batch_size} cannot give each of the {m} "
                               "clients of a round (train.participation) one sample")

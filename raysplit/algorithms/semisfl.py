@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from .base import Algorithm, AlgorithmParams, SetupInfo, register
+from .base import Algorithm, AlgorithmParams, SetupInfo, clients_per_round, register
 from ..data.augment import Augmenter
 from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
@@ -459,7 +459,7 @@ class SemiSFL(Algorithm):
     @classmethod
     def check_config(cls, params, cfg) -> None:
         needs_labelled_set(cls.name, cfg)
-        m = cfg.clients_per_round(cfg.data.num_clients)
+        m = clients_per_round(cfg)
         if params.queue_size < m * cfg.train.batch_size or params.queue_size < params.server_batch_size:
             raise ConfigError(f"algorithm.queue_size={params.queue_size} is smaller than a concatenated batch "
                               f"({m} clients x train.batch_size {cfg.train.batch_size}, or server_batch_size "

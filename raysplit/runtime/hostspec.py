@@ -32,7 +32,9 @@ def _bad_input(where: str, why: str) -> BadClientInput:
 
 @dataclass(frozen=True)
 class HostSpec:
-    """Everything a host needs to build itself; prepared once on the driver and shipped to every actor."""
+    """Everything a host needs to build itself; prepared once on the driver (``experiment.prepare``, the one place
+    that makes it, from the validated config) and shipped to every actor. No field has a default: the config's
+    defaults are written once, in the config's models."""
 
     model: str
     num_classes: int
@@ -44,26 +46,26 @@ class HostSpec:
     data_spec: DataSpec
     batch_size: int
     seed: int
-    drop_last: bool = False  # train.drop_last: a pass over a client's data skips its last short batch
-    eval_batch_size: int = 1000
-    torch_threads: int | str | None = 1  # runtime.torch_threads; "auto" is resolved by the backend before any host
-    device: str = "cpu"
-    server_flops: float = 1e12
-    persist_client_models: bool = False  # no global client model: every client keeps its own
-    stop_on_nonfinite: bool = True  # train.stop_on_nonfinite, on the client and the server path alike
-    rounds: int = 1  # train.rounds (schedules that depend on the run's length, e.g. SGLR's comm_fraction)
-    params: Any = None  # the algorithm's validated Params (``algorithm:`` section)
-    host_setup: Any = None  # what the algorithm derived at setup for its hosts (``Algorithm.host_setup``)
-    clip_grad_norm: float | None = None  # train.clip_grad_norm: clip every step's gradients (clients and server)
-    asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
-    charge_server: bool = True  # server compute and downloads cost simulated time (False: GAS's code)
-    on_bad_client: str = "fail"  # runtime.faults.on_bad_client: a rejected activation/gradient fails the run or drops
-    client_state_bytes: int | None = None  # runtime.placement.client_state_mb: per client host, the rest spills to disk
-    spill_dir: str | None = None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
-    batched_copies: bool = False  # algorithm.batched_copies: per-client server copies step in one batched computation
-    privacy: Any = None  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
-    client_rule: Any = None  # the method's raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
-    server_rule: Any = None  # its raysplit.runtime.rules.ServerRule subclass (None: ServerRule)
+    drop_last: bool  # train.drop_last: a pass over a client's data skips its last short batch
+    eval_batch_size: int
+    torch_threads: int | str | None  # runtime.torch_threads; "auto" is resolved by the backend before any host
+    device: str
+    server_flops: float
+    persist_client_models: bool  # no global client model: every client keeps its own
+    stop_on_nonfinite: bool  # train.stop_on_nonfinite, on the client and the server path alike
+    rounds: int  # train.rounds (schedules that depend on the run's length, e.g. SGLR's comm_fraction)
+    params: Any  # the algorithm's validated Params (``algorithm:`` section)
+    host_setup: Any  # what the algorithm derived at setup for its hosts (``Algorithm.host_setup``)
+    clip_grad_norm: float | None  # train.clip_grad_norm: clip every step's gradients (clients and server)
+    asynchronous: bool  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
+    charge_server: bool  # server compute and downloads cost simulated time (False: GAS's code)
+    on_bad_client: str  # runtime.faults.on_bad_client: a rejected activation/gradient fails the run or drops
+    client_state_bytes: int | None  # runtime.placement.client_state_mb: per client host, the rest spills to disk
+    spill_dir: str | None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
+    batched_copies: bool  # algorithm.batched_copies: per-client server copies step in one batched computation
+    privacy: Any  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
+    client_rule: Any  # the method's raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
+    server_rule: Any  # its raysplit.runtime.rules.ServerRule subclass (None: ServerRule)
 
 
 @dataclass
