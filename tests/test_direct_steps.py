@@ -265,7 +265,8 @@ def test_auto_transport_keeps_polling_actors_off_the_event_loop_where_cores_are_
     of its own (idle compiled-graph actors poll their channels); with fewer cores, compiled graphs only for the
     step loops (the actors compute in turn) and actor calls for the event loop (they compute at once)."""
     from raysplit.config import load_config
-    from raysplit.runtime.ray_backend import RayBackend, auto_transport
+    from raysplit.runtime.ray_backend import RayBackend
+    from raysplit.runtime.ray_resources import auto_transport
 
     got, why = auto_transport(cores, workers)
     assert got == kind and f"{cores:g} CPU cores" in why and str(workers) in why
@@ -316,7 +317,8 @@ def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
     joining a cluster, its CPU share rounded up. The default is one thread in every host (the same metrics on any
     backend, transport and number of actors); a number is used as given, null leaves torch's own default."""
     from raysplit.config import load_config
-    from raysplit.runtime.ray_backend import RayBackend, auto_threads
+    from raysplit.runtime.ray_backend import RayBackend
+    from raysplit.runtime.ray_resources import auto_threads
 
     assert load_config(None, {}).runtime.torch_threads == 1
     rcfg = load_config(None, {"runtime.num_workers": 2, "runtime.torch_threads": "auto"}).runtime

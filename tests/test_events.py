@@ -94,7 +94,7 @@ def test_event_order_equals_hand_computation(tmp_path, mlflow_uri):
     spec = dataclasses.replace(p.inputs.spec, host_setup=setup)
     p.inputs = dataclasses.replace(p.inputs, spec=spec, profiles=list(profs))
     from raysplit.runtime import Runtime, make_backend
-    from raysplit.runtime.events import EventDriver
+    from raysplit.runtime.async_server import EventDriver
 
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     try:

@@ -163,7 +163,7 @@ def test_checkpointed_attributes_gather_over_the_classes_load_modules_in_place_a
     """A host or algorithm names the attributes a checkpoint carries; a subclass adds its own to its parents'; a
     module is loaded into the object that others hold; a checkpoint without one of them is refused by name."""
     from raysplit.algorithms.asyncfl import CA2FLServer
-    from raysplit.runtime.events import AsyncServer
+    from raysplit.runtime.async_server import AsyncServer
 
     assert AsyncServer.checkpointed_names() == ["events", "version", "_global", "uploads"]
     assert CA2FLServer.checkpointed_names() == ["start_of", "pending", "cache"]  # its rule's, saved beside them

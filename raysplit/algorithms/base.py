@@ -26,7 +26,8 @@ from pydantic_core import PydanticUndefined
 from ..errors import ConfigError
 from ..runtime import AsyncRule, Checkpointed, ClientRule, ServerRule
 from ..runtime.drivers import RoundDriver
-from ..runtime.events import EventDriver, EventSetup
+from ..runtime.async_server import EventDriver
+from ..runtime.events import EventSetup
 
 
 class AlgorithmParams(BaseModel):
@@ -194,7 +195,7 @@ class Algorithm(Checkpointed):
 
 
 class AsyncAlgorithm(Algorithm):
-    """An asynchronous method, run by the :class:`~raysplit.runtime.events.EventDriver`: ``M`` =
+    """An asynchronous method, run by the :class:`~raysplit.runtime.async_server.EventDriver`: ``M`` =
     ``train.participation`` clients active at a time, each running ``train.local_steps`` iterations from the latest
     global model before it uploads and a newly sampled client takes its slot; a global round (the MLflow step) ends
     when a new global model exists.

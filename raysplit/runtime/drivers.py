@@ -2,8 +2,8 @@
 
 - :class:`RoundDriver` (synchronous methods): per round, take the round's clients from the sampling stream,
   ``begin_round``, the algorithm's ``run_round``, ``end_round``.
-- :class:`~raysplit.runtime.events.EventDriver` (asynchronous methods) runs the event loop on the virtual clock
-  until the next global model exists (``runtime/events.py``).
+- :class:`~raysplit.runtime.async_server.EventDriver` (asynchronous methods) runs the event loop on the virtual clock
+  until the next global model exists (``runtime/async_server.py``, ``runtime/events.py``).
 
 A driver knows neither MLflow nor Ray: the experiment hands it a callback that reports (and checkpoints) each
 finished round, and it exposes its own state for checkpoints. ``global_handle`` is the handle to the latest global

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +39,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from raysplit.clock import ClientProfile
 from raysplit.errors import BadClientInput
-from raysplit.runtime import transport
 from raysplit.privacy import quantized_nbytes
-from raysplit.runtime.aggregation import average_states
-from raysplit.runtime.drivers import Driver
-from raysplit.runtime.hosts import ServerHost, advance_cursor
-from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.client_data import advance_cursor
+from raysplit.runtime.messages import Activation, StateMsg, Tag
 
 ARRIVAL, UPLOAD = "arrival", "upload"
 
@@ -197,8 +193,9 @@ class EventLoop:
         return handle.value if isinstance(handle, Ready) else port.fetch(handle)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
-    def run(self, server: "AsyncServer", rnd: int, port) -> dict:
-        """Serve events until ``on_model_upload`` reports a new global model; returns the round's stats."""
+    def run(self, server, rnd: int, port) -> dict:
+        """Serve events until ``on_model_upload`` reports a new global model (``server``: the
+        :class:`~raysplit.runtime.async_server.AsyncServer` this loop belongs to); returns the round's stats."""
         self.round, self.tally, self.participants = rnd, {}, []
         t_start = self.t_now
         if not self.jobs:  # the first round: M clients drawn at random, all starting at time 0
@@ -303,99 +300,3 @@ class EventLoop:
         done = server.on_model_upload(cid, msg, job)
         self._start(server, port, self._replacement(cid), t)
         return done
-
-
-class AsyncServer(ServerHost):
-    """Server host of an asynchronous method: the event loop (``events``) and the global client model
-    (``version``, ``global_model``, ``set_global``). What the loop calls in simulated-time order (``on_job_start``,
-    ``on_arrival``, ``should_flush``, ``flush``, ``on_model_upload``) is the method's
-    :class:`~raysplit.runtime.rules.AsyncRule`'s."""
-
-    def build(self) -> None:
-        setup: EventSetup = self.spec.host_setup
-        self.setup = setup
-        self.version = 0
-        self._global = StateMsg(self.client_init.state, t_sent=0.0, weight=1.0)
-        self.uploads: list[StateMsg] = []
-        spec, priv = self.spec, self.spec.privacy
-        costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
-                            transport.state_nbytes(self.client_init.state), spec.charge_server,
-                            act_bits=priv.defence.bits if priv is not None and priv.defence.kind == "quantize" else None,
-                            drop_last=spec.drop_last)
-        self.events = EventLoop(setup, costs, spec.seed)
-
-    # ---- the rule's hooks, as the event loop calls them ------------------------------------------------------
-    def on_job_start(self, cid: int, job: Job) -> None:
-        self.rule.on_job_start(cid, job)
-
-    def on_arrival(self, act: Activation) -> Gradient:
-        return self.rule.on_arrival(act)
-
-    def should_flush(self) -> bool:
-        return self.rule.should_flush()
-
-    def flush(self) -> None:
-        self.rule.flush()
-
-    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        return self.rule.on_model_upload(cid, msg, job)
-
-    def expected_round(self, tag: Tag) -> int | None:
-        """An activation carries the round its client's job began in (``Job.round``)."""
-        job = self.events.jobs.get(tag.client)
-        return job.round if job is not None else self.round
-
-    @staticmethod
-    def average(msgs: list[StateMsg], weights: list[float]) -> StateMsg:
-        """Weighted average of uploaded client models (``aggregation.average_states``)."""
-        state = average_states([transport.unpack_state(m.state) for m in msgs], weights)
-        return StateMsg(transport.pack_state(state), t_sent=max(m.t_sent for m in msgs), weight=float(sum(weights)))
-
-    # ---- the global client model ------------------------------------------------------------------------------
-    def global_model(self) -> StateMsg:
-        return self._global
-
-    def set_global(self, msg: StateMsg) -> None:
-        """A new global client model, made now: ``version`` counts them."""
-        self._global = StateMsg(msg.state, t_sent=max(self.clock, self.events.t_now), weight=msg.weight)
-        self.version += 1
-
-    # ---- driving ----------------------------------------------------------------------------------------------
-    def reset_round(self):
-        super().reset_round()
-        self.staleness: list[int] = []  # global models made while each uploaded job ran
-
-    def round_metrics(self) -> dict:
-        st = self.staleness
-        return {"staleness_mean": float(np.mean(st)) if st else 0.0, "staleness_max": float(max(st, default=0)),
-                **self.rule.round_metrics()}
-
-    def run_events(self, rnd: int, port) -> dict:
-        """One global round of the event loop (``EventLoop.run``), with the server's per-round counters."""
-        t_wall = time.perf_counter()
-        self.begin_round(rnd, 0.0)
-        out = self.events.run(self, rnd, port)
-        out["server"] = self.end_round()
-        out["wall"] = time.perf_counter() - t_wall
-        return out
-
-    def event_totals(self) -> dict[int, dict]:
-        return {c: dict(v, t_last=v.get("t_end", 0.0)) for c, v in self.events.totals.items()}
-
-    checkpointed = ("events", "version", "_global", "uploads")
-
-
-class EventDriver(Driver):
-    """Runs an asynchronous algorithm: each global round is the event loop up to the next global model."""
-
-    asynchronous = True
-    server_host = AsyncServer
-
-    def round(self, rnd: int):
-        stats = self.rt.run_events(rnd)
-        self.global_handle = self.rt.server.global_model()
-        self.t_sim = stats.t_end
-        return stats
-
-    def client_totals(self) -> dict[int, dict]:
-        return self.rt.get(self.rt.server.event_totals())

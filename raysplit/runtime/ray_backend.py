@@ -1,154 +1,25 @@
 """Ray backend: the server host and the client hosts run in Ray actors; handles are ObjectRefs.
 
-This module, ray_actors.py (the actors and the ports) and ray_pool.py (actors kept for the next run) are the only
-code that imports Ray.
+This module, ray_actors.py (the actors and the ports), ray_pool.py (actors kept for the next run) and
+ray_resources.py (what a run asks of Ray and what it gets: the resource check, the automatic transport and threads)
+are the only code that imports Ray.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections import Counter, defaultdict
+from collections import Counter
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.api import RuntimeInputs, host_inputs, with_threads
-from raysplit.runtime.hostspec import check_local_gpus, machine_cores
 from raysplit.runtime.ray_actors import HostActor, RayKeeper, RdtHostActor
 from raysplit.runtime.ray_pool import POOL, answering, pool_key
+from raysplit.runtime.ray_resources import (auto_threads, auto_transport, bundle, check_resources, init_ray,
+                                            placed_node, usable_cores, visible)
 
 __all__ = ["ActorFailure", "RayBackend", "ResourceError", "init_ray"]
-
-
-def init_ray(rcfg) -> bool:
-    """Join the cluster at ``runtime.address`` (``auto``: the one running on this machine or named by
-    RAY_ADDRESS), taking its resources as they are; or, with no address, start a private local Ray for this run
-    (``address="local"``: never attach to a cluster that happens to run on this machine, whose resources were not
-    sized for this run). Returns True if this call started/connected Ray."""
-    if ray.is_initialized():
-        return False
-    if rcfg.address:
-        ray.init(address=rcfg.address, log_to_driver=True)
-        return True
-    check_local_gpus(rcfg)  # a private Ray has this machine's GPUs only: what it lacks is refused before it starts
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-user Ray on this machine (stack.md §6)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    need = rcfg.server.num_cpus + rcfg.num_workers * rcfg.client.num_cpus
-    num_cpus = rcfg.num_cpus or max(os.cpu_count() or 1, math.ceil(need))
-    ray.init(address="local", num_cpus=num_cpus, object_store_memory=rcfg.object_store_memory,
-             include_dashboard=False, log_to_driver=True)
-    return True
-
-
-def _bundle(res) -> dict[str, float]:
-    b = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
-    if res.memory:
-        b["memory"] = float(res.memory)
-    return {k: float(v) for k, v in b.items() if v}
-
-
-def _visible(res: dict) -> dict:
-    """A node's (or the cluster's) resources without Ray's per-node and placement-group entries."""
-    return {k: round(v, 3) for k, v in res.items() if not k.startswith("node:") and "_group_" not in k}
-
-
-def _placed(actor) -> str | None:
-    """The node where Ray has given a not yet constructed actor a worker (its creation is leased), None while no
-    node has taken it: read from the GCS actor table (``ray._private.state``; the public state API needs the
-    dashboard). None when unknown."""
-    try:
-        from ray._private import state
-
-        address = state.actors(actor._actor_id.hex()).get("Address") or {}
-        return address.get("NodeID") if address.get("Port") else None
-    except Exception:  # noqa: BLE001 - only refines an error message
-        return None
-
-
-def check_resources(rcfg) -> None:
-    """Fail at once, naming what is missing, if the server and client actors cannot fit this cluster."""
-    total = ray.cluster_resources()
-    server, client = _bundle(rcfg.server), _bundle(rcfg.client)
-    need: dict[str, float] = defaultdict(float)
-    for k, v in server.items():
-        need[k] += v
-    for k, v in client.items():
-        need[k] += v * rcfg.num_workers
-    problems = [f"{k}: need {v:g} (server {server.get(k, 0):g} + {rcfg.num_workers} client actors x "
-                f"{client.get(k, 0):g}), cluster has {total.get(k, 0):g}"
-                for k, v in need.items() if v > total.get(k, 0) + 1e-9]
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if server and not any(all(n.get(k, 0) >= v for k, v in server.items()) for n in nodes):
-        offered = [{k: v for k, v in n.items() if not k.startswith("node:")} for n in nodes]
-        problems.append(f"no single node offers the server actor's resources {server} (runtime.server); "
-                        f"nodes offer {offered}")
-    if client and not any(all(n.get(k, 0) >= v for k, v in client.items()) for n in nodes):
-        problems.append(f"no node offers a client actor's resources {client} (runtime.client)")
-    if problems:
-        raise ResourceError("the requested actors do not fit this Ray cluster: " + "; ".join(problems))
-
-
-def auto_transport(cores: float, num_workers: int) -> tuple[str, str]:
-    """``runtime.transport.kind: auto``: ``compiled`` where ``cores`` (the CPU cores Ray may use) give one to each
-    actor and one to the driver; else ``compiled-steps``: compiled graphs for the split- and pooled-step loops,
-    actor calls for the event loop. Returns it with the reason.
-
-    Ray 2.60's compiled-graph actors poll their channels while idle (40-86 % of a core each, benchmarks/RESULTS.md).
-    In a step loop the actors compute one after another, so on a machine with fewer cores than processes the
-    pollers take the idle core and the channels' lower latency wins: on 2 cores (a server and two client actors)
-    the quickstart's rounds took 1.80 s compiled against 2.30 s with calls, ResNet18's 4.73 against 4.62 s (within
-    the repeats' spread). In the event loop (the asynchronous methods, GAS) every actor computes at once and the
-    pollers take CPU from the compute: GAS's rounds took 56.0 s compiled against 50.2 s with calls
-    (``make bench-transport``, benchmarks/RESULTS.md "Runtime III")."""
-    need = num_workers + 2  # the client actors, the server actor, the driver
-    if cores >= need:
-        return "compiled", f"{cores:g} CPU cores for {num_workers} client actors, the server actor and the driver"
-    return "compiled-steps", (f"{cores:g} CPU cores for {need} processes ({num_workers} client actors, the server "
-                              "actor, the driver): compiled graphs for step loops, where the actors compute in "
-                              "turn; actor calls for the event loop, where the pollers would take CPU from the "
-                              "compute")
-
-
-def auto_threads(rcfg, cores: float, polling: bool, concurrent: bool = False) -> tuple[dict, str]:
-    """``runtime.torch_threads: auto``: torch threads per actor role, with the reason. Joining a cluster, an actor
-    gets its CPU share (``runtime.server``/``runtime.client`` ``num_cpus``, rounded up), since other runs' actors
-    may share its node. A private Ray runs on this machine's ``cores``; how many each actor may use depends on what
-    the idle actors do while one computes:
-
-    - ``polling`` (the run's loop travels over compiled graphs, whose idle actors poll their channels): each actor
-      gets its share, ``cores // (client actors + 1)``, at least 1, so that no two compute teams fight for a core.
-      On the 2-core machine two threads per actor made the quickstart's rounds 4.1x as long (9.73 against 2.37 s)
-      and ResNet18's 1.17x: torch's worker threads wait for each other at every operation while pollers hold the
-      cores (measured before ``limit_threads`` stopped limiting torch's OpenMP pool; not remeasured).
-    - ``concurrent`` (the event loop: the server and the client actors compute at once): the same share. With
-      every actor on all cores, GAS's rounds were 1.6x as long as in the local backend with 2 threads (3.24
-      against 2.04 s per server update, one round each).
-    - otherwise (a step loop over actor calls: idle actors block): each actor gets the machine's cores, as a lone
-      PyTorch process would, since one computes while the others wait for it.
-
-    ``make bench-threads``, ``make bench-gas-floor``; benchmarks/RESULTS.md "Runtime III"."""
-    if rcfg.address:
-        share = {"server": rcfg.server.num_cpus, "client": rcfg.client.num_cpus}
-        threads = {k: max(1, math.ceil(v or 1)) for k, v in share.items()}
-        return threads, (f"joined a cluster: each actor's CPU share, rounded up (server {share['server']:g}, "
-                         f"client {share['client']:g} CPUs)")
-    n = max(1, int(cores))
-    if polling or concurrent:
-        k = max(1, n // (rcfg.num_workers + 1))
-        why = ("over compiled graphs, whose idle actors poll" if polling else
-               "in the event loop, whose actors compute at once")
-        return {"server": k, "client": k}, (f"a private Ray on {n} cores {why}: a share of {k} per actor "
-                                            f"({rcfg.num_workers} client actors and the server)")
-    return {"server": n, "client": n}, (f"a private Ray on {n} cores over actor calls, whose idle actors block: "
-                                        "each actor may use them all while the others wait for it")
-
-
-def usable_cores(rcfg) -> float:
-    """CPU cores behind the actors: this machine's (those the process may run on) for a private local Ray, whose
-    logical CPUs may be raised above them to fit the actors; the cluster's CPUs when joining one."""
-    return float(ray.cluster_resources().get("CPU", 0.0) if rcfg.address else machine_cores())
 
 
 class RayBackend:
@@ -269,7 +140,7 @@ class RayBackend:
         if ready_timeout is not None:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ready_timeout, fetch_local=False)
             pending = [a for a, r in zip(actors, refs) if r not in set(ready)]
-            if any(_placed(a) is None for a in pending):  # no node took them: the cluster has no room
+            if any(placed_node(a) is None for a in pending):  # no node took them: the cluster has no room
                 raise ResourceError(self._unplaced(pending, ready_timeout))
             # every one placed, some still constructing (a loaded node): get() below waits up to get_timeout
         nodes = self.get(refs)
@@ -289,17 +160,17 @@ class RayBackend:
         (and what they need), apart from those placed whose constructor is still running."""
         r = self.rcfg
         name = {a._actor_id: self.roles[a._actor_id.hex()].split(" (")[0] for a in pending}
-        where = {a._actor_id: _placed(a) for a in pending}
+        where = {a._actor_id: placed_node(a) for a in pending}
         placed = [a for a in pending if where[a._actor_id]]
         unplaced = [a for a in pending if not where[a._actor_id]]
         parts = []
         if unplaced:
-            bundles = "; ".join(f"{name[a._actor_id]} {_bundle(r.server if a is self.server else r.client)}"
+            bundles = "; ".join(f"{name[a._actor_id]} {bundle(r.server if a is self.server else r.client)}"
                                 for a in unplaced)
-            nodes = {n["NodeID"]: _visible(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")}
+            nodes = {n["NodeID"]: visible(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")}
             parts.append(f"{', '.join(name[a._actor_id] for a in unplaced)} not placed within {waited:g} s: no live "
                          f"node had room for {bundles} (live nodes {nodes}; free now "
-                         f"{_visible(ray.available_resources())})")
+                         f"{visible(ray.available_resources())})")
         if placed:
             parts.append(", ".join(f"{name[a._actor_id]} placed on node {where[a._actor_id]}" for a in placed)
                          + f" but not constructed within {waited:g} s")

@@ -156,7 +156,7 @@ class AsyncRule(ServerRule):
     - :meth:`on_model_upload`: a client's model arrived; True when a new global model exists
       (``host.set_global``).
 
-    The host (:class:`~raysplit.runtime.events.AsyncServer`) adds ``setup`` (the ``EventSetup``), ``events``,
+    The host (:class:`~raysplit.runtime.async_server.AsyncServer`) adds ``setup`` (the ``EventSetup``), ``events``,
     ``version``, ``uploads``, ``global_model()``, ``set_global(msg)`` and ``average(msgs, weights)``."""
 
     def on_job_start(self, cid: int, job) -> None:
