@@ -85,21 +85,21 @@ def test_generation_tops_every_label_up_exactly(tmp_path, mlflow_uri):
 
     server.step_through = spy
     for c in range(3):
-        server.on_job_start(c, None)
+        server.rule.on_job_start(c, None)
     server.begin_round(0, 0.0)
     # first flushes give every label statistics (no generation until all labels have them)
     for labels in ([0, 1, 2, 3, 4] * 2, [5, 6, 7, 8, 9] * 2):
-        server.on_arrival(_activation(server, 0, labels, rng))
-    assert server.should_flush()
-    server.flush()
+        server.rule.on_arrival(_activation(server, 0, labels, rng))
+    assert server.rule.should_flush()
+    server.rule.flush()
     assert all(st.merges for st in server.rule.stats)
     assert np.bincount(seen[-1].numpy(), minlength=10).tolist() == [5] * 10  # 2 real + 3 generated per label
     seen.clear()
     before = server.rule.generated
     # now a skewed buffer: label 0 x7, label 1 x3, nothing else
-    server.on_arrival(_activation(server, 1, [0] * 7, rng))
-    server.on_arrival(_activation(server, 2, [1] * 3, rng))
-    server.flush()
+    server.rule.on_arrival(_activation(server, 1, [0] * 7, rng))
+    server.rule.on_arrival(_activation(server, 2, [1] * 3, rng))
+    server.rule.flush()
     counts = np.bincount(seen[-1].numpy(), minlength=10)
     assert counts.tolist() == [7, 5] + [5] * 8  # label 0 keeps its 7 real ones, every other label is topped to 5
     assert server.rule.generated - before == 2 + 8 * 5
@@ -117,10 +117,10 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
     from raysplit.runtime.events import Job
 
     server.begin_round(0, 0.0)
-    server.on_job_start(0, Job(0, 0, 0, 0.0))
-    server.on_arrival(_activation(server, 0, list(range(10)), np.random.default_rng(0)))
-    server.flush()
-    assert server.on_model_upload(0, server.global_model(), Job(0, 0, 0, 0.0))  # model buffer of 1: a global round
+    server.rule.on_job_start(0, Job(0, 0, 0, 0.0))
+    server.rule.on_arrival(_activation(server, 0, list(range(10)), np.random.default_rng(0)))
+    server.rule.flush()
+    assert server.rule.on_model_upload(0, server.global_model(), Job(0, 0, 0, 0.0))  # model buffer of 1: a global round
     assert server.round_metrics()["grad_dissimilarity"] > 0  # the buffer was random activations
     client = server.eval_client
     client.load_state_dict(transport.unpack_state(server.global_model().state))
@@ -187,9 +187,9 @@ def test_fedbuff_moves_by_server_lr_times_the_mean_update(tmp_path, mlflow_uri):
     from raysplit.runtime.events import Job
 
     for c in (0, 1):
-        server.on_job_start(c, Job(c, server.version, 0, 0.0))
-    assert not server.on_model_upload(0, StateMsg(_state(server, 3.0)), Job(0, 1, 0, 0.0))  # update +2
-    assert server.on_model_upload(1, StateMsg(_state(server, 5.0)), Job(1, 1, 0, 0.0))  # update +4
+        server.rule.on_job_start(c, Job(c, server.version, 0, 0.0))
+    assert not server.rule.on_model_upload(0, StateMsg(_state(server, 3.0)), Job(0, 1, 0, 0.0))  # update +2
+    assert server.rule.on_model_upload(1, StateMsg(_state(server, 5.0)), Job(1, 1, 0, 0.0))  # update +4
     got = transport.unpack_state(server.global_model().state)
     assert all(torch.allclose(v, torch.full_like(v, 1.0 + 0.5 * 3.0)) for v in got.values())
     rt.shutdown()
@@ -201,13 +201,13 @@ def test_ca2fl_calibrates_with_every_clients_cached_update(tmp_path, mlflow_uri)
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "ca2fl", "buffer_size": 1})
     n = len(server.setup.client_sizes)
     server.set_global(StateMsg(_state(server, 0.0)))
-    server.on_job_start(0, Job(0, 1, 0, 0.0))
-    server.on_model_upload(0, StateMsg(_state(server, 2.0)), Job(0, 1, 0, 0.0))  # v = 0 + (2 - 0) = 2
-    server.on_job_start(1, Job(1, 2, 0, 0.0))
-    server.on_model_upload(1, StateMsg(_state(server, 2.0 + 4.0)), Job(1, 2, 0, 0.0))  # v = 2/n + (4 - 0)
-    server.on_job_start(0, Job(0, 3, 0, 0.0))
+    server.rule.on_job_start(0, Job(0, 1, 0, 0.0))
+    server.rule.on_model_upload(0, StateMsg(_state(server, 2.0)), Job(0, 1, 0, 0.0))  # v = 0 + (2 - 0) = 2
+    server.rule.on_job_start(1, Job(1, 2, 0, 0.0))
+    server.rule.on_model_upload(1, StateMsg(_state(server, 2.0 + 4.0)), Job(1, 2, 0, 0.0))  # v = 2/n + (4 - 0)
+    server.rule.on_job_start(0, Job(0, 3, 0, 0.0))
     x = 2.0 + 2.0 / n + 4.0
-    server.on_model_upload(0, StateMsg(_state(server, x + 1.0)), Job(0, 3, 0, 0.0))  # v = (2+4)/n + (1 - 2)
+    server.rule.on_model_upload(0, StateMsg(_state(server, x + 1.0)), Job(0, 3, 0, 0.0))  # v = (2+4)/n + (1 - 2)
     want = x + 6.0 / n - 1.0
     got = transport.unpack_state(server.global_model().state)
     assert all(torch.allclose(v, torch.full_like(v, want)) for v in got.values())
@@ -220,7 +220,7 @@ def test_fedasync_mixes_by_staleness(tmp_path, mlflow_uri):
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "fedasync", "alpha": 0.5, "staleness_power": 1.0})
     server.set_global(StateMsg(_state(server, 0.0)))  # version 1
     server.version = 3
-    assert server.on_model_upload(0, StateMsg(_state(server, 8.0)), Job(0, 1, 0, 0.0))  # staleness 2: a = 0.5/3
+    assert server.rule.on_model_upload(0, StateMsg(_state(server, 8.0)), Job(0, 1, 0, 0.0))  # staleness 2: a = 0.5/3
     got = transport.unpack_state(server.global_model().state)
     assert all(torch.allclose(v, torch.full_like(v, 8.0 * 0.5 / 3)) for v in got.values())
     rt.shutdown()

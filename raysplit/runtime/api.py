@@ -90,8 +90,8 @@ class Runtime:
         backend.start(inputs)
         # the worker holding each client's state; every client starts at home (placement.home)
         self.holders = np.arange(self.num_clients, dtype=np.int64) % len(backend.workers)
-        self._owners = (inputs.server_host, inputs.spec.server_rule or ServerRule)  # of server steps
-        self.server = HostCalls(backend, *self._owners[:1], "server", lambda: backend.server, rule=self._owners[1])
+        self.server_rule = inputs.spec.server_rule or ServerRule
+        self.server = HostCalls(backend, inputs.server_host, "server", lambda: backend.server, rule=self.server_rule)
         self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True,
                                  rule=inputs.spec.client_rule)
 
@@ -156,7 +156,7 @@ class Runtime:
         itself (actor to actor with Ray): the driver is off the per-step path. Each client host executes the same
         calls in the same order as in the driver-chained loop below, and the server serves in the same order, so
         results are bit-identical (tests/test_direct_steps.py)."""
-        method = step_name(method, *self._owners)  # a step that is not the server's fails here, on the driver
+        method = step_name(method, self.inputs.server_host, self.server_rule)  # a stranger: refused here
         plan = stepping.plan_steps(seq, self.round, keys or {})
         route = self.route([s.client for s in plan])
         if self.backend.direct_steps:
@@ -172,7 +172,7 @@ class Runtime:
         one gradient per activation (CycleSL-style pooling, MiniBatch-SFL's groups, Semi-SFL's two streams,
         batched server copies). Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise
         the same loop chained through the driver (:class:`DriverPort`)."""
-        method = step_name(method, *self._owners)  # a step that is not the server's fails here, on the driver
+        method = step_name(method, self.inputs.server_host, self.server_rule)  # a stranger: refused here
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
         route = self.route(clients)

@@ -10,16 +10,16 @@ import numpy as np
 from raysplit.runtime import transport
 from raysplit.runtime.aggregation import average_states
 from raysplit.runtime.drivers import Driver
-from raysplit.runtime.events import ClientCosts, EventLoop, EventSetup, Job
-from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.events import ClientCosts, EventLoop, EventSetup
+from raysplit.runtime.messages import StateMsg, Tag
 from raysplit.runtime.server_host import ServerHost
 
 
 class AsyncServer(ServerHost):
     """Server host of an asynchronous method: the event loop (``events``) and the global client model
     (``version``, ``global_model``, ``set_global``). What the loop calls in simulated-time order (``on_job_start``,
-    ``on_arrival``, ``should_flush``, ``flush``, ``on_model_upload``) is the method's
-    :class:`~raysplit.runtime.rules.AsyncRule`'s."""
+    ``on_arrival``, ``should_flush``, ``flush``, ``on_model_upload``) are the hooks of the method's
+    :class:`~raysplit.runtime.rules.AsyncRule` (``self.rule``)."""
 
     def build(self) -> None:
         setup: EventSetup = self.spec.host_setup
@@ -33,22 +33,6 @@ class AsyncServer(ServerHost):
                             act_bits=priv.defence.bits if priv is not None and priv.defence.kind == "quantize" else None,
                             drop_last=spec.drop_last)
         self.events = EventLoop(setup, costs, spec.seed)
-
-    # ---- the rule's hooks, as the event loop calls them ------------------------------------------------------
-    def on_job_start(self, cid: int, job: Job) -> None:
-        self.rule.on_job_start(cid, job)
-
-    def on_arrival(self, act: Activation) -> Gradient:
-        return self.rule.on_arrival(act)
-
-    def should_flush(self) -> bool:
-        return self.rule.should_flush()
-
-    def flush(self) -> None:
-        self.rule.flush()
-
-    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        return self.rule.on_model_upload(cid, msg, job)
 
     def expected_round(self, tag: Tag) -> int | None:
         """An activation carries the round its client's job began in (``Job.round``)."""

@@ -224,7 +224,7 @@ class EventLoop:
         job = Job(cid, server.version, self.round, t)
         self.jobs[cid] = job
         server.screen.dropped.pop(cid, None)  # a new job: a client dropped in its last one may contribute again
-        server.on_job_start(cid, job)
+        server.rule.on_job_start(cid, job)
         t = self.costs.download(cid, t, msg.t_sent, self.costs.model_nbytes)
         self._count(cid, bytes_down=self.costs.model_nbytes, bytes_down_model=self.costs.model_nbytes)
         calls = [("join", (cid, msg, job.t_start, self.round))]
@@ -250,9 +250,9 @@ class EventLoop:
             raise RuntimeError(f"client {cid}: its activation {act.tag} reached the server at {act.t_sent!r}, the "
                                f"event loop predicted {t!r} (client host and ClientCosts disagree)")
         n = len(act.y)
-        grad = server.serve("on_arrival", act)  # screened first (runtime.faults.on_bad_client)
-        if server.should_flush():
-            server.flush()
+        grad = server.serve("on_arrival", act)  # the rule's, screened first (runtime.faults.on_bad_client)
+        if server.rule.should_flush():
+            server.rule.flush()
         job = self.jobs[cid]
         job.done += 1
         self._count(cid, bytes_up=act.nbytes, bytes_down=grad.nbytes, steps=1, bytes_up_activations=act.nbytes,
@@ -297,6 +297,6 @@ class EventLoop:
             return False
         self.ignored = 0
         server.staleness.append(server.version - job.version)
-        done = server.on_model_upload(cid, msg, job)
+        done = server.rule.on_model_upload(cid, msg, job)
         self._start(server, port, self._replacement(cid), t)
         return done

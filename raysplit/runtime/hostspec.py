@@ -145,8 +145,12 @@ def invoke(host: Any, method: str, *args, **kwargs) -> Any:
     method (:data:`RESTORES`, also when it is reached through :meth:`ServerHost.serve`) made :func:`owned` first."""
     if method in RESTORES or (method == "serve" and args and args[0] in RESTORES):
         args, kwargs = owned(args), owned(kwargs)
-    target = host if hasattr(type(host), method) or not hasattr(host, "rule") else host.rule
-    return getattr(target, method)(*args, **kwargs)
+    return method_of(host, method)(*args, **kwargs)
+
+
+def method_of(host: Any, name: str) -> Any:
+    """A host's method ``name``, or else its rule's (a method's own client and server calls, its server steps)."""
+    return getattr(host if hasattr(type(host), name) or not hasattr(host, "rule") else host.rule, name)
 
 
 def machine_cores() -> int:

@@ -95,15 +95,17 @@ class ServerRule(Checkpointed):
     (:class:`~raysplit.runtime.server_host.ServerHost`) makes one rule when it is built and calls the hooks at
     fixed points, which the rule never has to reproduce (no ``super()`` chain):
 
-    - :meth:`on_begin_round` once the host has begun a round (its clock and learning rates set);
+    - :meth:`on_reset_round` when the host resets its per-round counters, :meth:`on_begin_round` once it has begun
+      a round (its clock and learning rates set);
     - :meth:`on_fork` after the host forked per-client copies of its model, :meth:`before_merge` before it
       averages them back;
     - :meth:`before_step` when a server step's gradients are in a module, before clipping and the optimizer step;
+    - :meth:`client_encoder` where the host needs the module a client encodes with (evaluation, screening);
     - :meth:`round_metrics` at the round's end (the method's numbers, logged under ``method/``);
     - :meth:`save` / :meth:`restore` with the server's checkpoint (default: the names in ``checkpointed``).
 
     The rule's other public methods are the method's server calls: its server steps, given to
-    ``rt.split_steps`` / ``rt.pooled_steps`` by reference (``rt.pooled_steps(clients, steps, CycleRule.cycle_step)``;
+    ``rt.split_steps`` / ``rt.pooled_steps`` by reference (``rt.pooled_steps(clients, steps, CycleServer.cycle_step)``;
     a step decorated with :func:`~raysplit.runtime.messages.batch_step` receives :class:`Batch` es), and what
     ``run_round`` calls as ``rt.server.<name>(...)``. ``self.host`` is the server host: ``models`` (``"main"`` and
     the copies), ``spec``, ``params``, ``device``, ``round``, ``clock``, the step helpers (``step_through``,

@@ -22,7 +22,7 @@ from raysplit.runtime.server_copies import ServerCopies
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
 from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError,
-                                       build_parts, check_finite, limit_threads)
+                                       build_parts, check_finite, limit_threads, method_of)
 from raysplit.runtime.rules import ServerRule
 from raysplit.runtime.screening import Screen
 from raysplit.runtime.evaluation import EvalTally, predict_batches
@@ -92,8 +92,7 @@ class ServerHost(ServerCopies, Checkpointed):
         """Every runtime call of a server method enters here (``Runtime.server``, the step loops, the event loop):
         ``method`` (the host's, or else its rule's) gets the arguments the screen lets through
         (:meth:`Screen.call <raysplit.runtime.screening.Screen.call>`)."""
-        fn = getattr(self if hasattr(type(self), method) else self.rule, method)
-        return self.screen.call(fn, args, kwargs, self.expected_round, self.clock)
+        return self.screen.call(method_of(self, method), args, kwargs, self.expected_round, self.clock)
 
     def expected_round(self, tag: Tag) -> int | None:
         """The round an arriving activation must carry."""
