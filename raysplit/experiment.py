@@ -45,77 +45,14 @@ def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> n
     return np.stack([rng.choice(num_clients, per_round, replace=False) for _ in range(rounds)])
 
 
-def load_partitioned(cfg: ExperimentConfig):
-    """The dataset, subsampled as configured, the server's labelled set taken out (``data.n_labeled``), the rest
-    partitioned over the clients (each with a test split): exactly the data a run of ``cfg`` trains on, without
-    training. Returns ``(spec, (x_train, y_train, x_test, y_test), train_idx, test_idx, labeled, provenance)``:
-    ``train_idx[c]`` / ``test_idx[c]`` index client ``c``'s samples in ``x_train``; ``labeled`` is ``{"x", "y"}``
-    (empty without ``data.n_labeled``). Runners that give other code the same split use it (benchmarks/peers/)."""
-    from raysplit.data import client_train_test_split, labeled_split, load_dataset, partition
-
-    bundle = load_dataset(cfg.data.dataset, cfg.data.root, **cfg.data.options)
-    rng = np.random.default_rng([cfg.seed, 1])
-    x_tr, y_tr, x_te, y_te = bundle.x_train, bundle.y_train, bundle.x_test, bundle.y_test
-    if cfg.data.partition.name == "natural":
-        if bundle.natural_train is None:
-            raise ConfigError(f"data.partition.name=natural needs a dataset with natural clients (LEAF); "
-                              f"{cfg.data.dataset} has none")
-        if cfg.data.n_labeled:
-            raise ConfigError("data.n_labeled takes a labelled set out of the training set before partitioning; "
-                              "natural (LEAF) partitions have no such step")
-        parts = list(bundle.natural_train)
-        if cfg.data.num_clients < len(parts):
-            parts = parts[:cfg.data.num_clients]
-    else:
-        if cfg.data.max_train_samples and cfg.data.max_train_samples < len(y_tr):
-            keep = np.sort(rng.choice(len(y_tr), cfg.data.max_train_samples, replace=False))
-            x_tr, y_tr = x_tr[keep], y_tr[keep]
-        client_pool = np.arange(len(y_tr))
-        if cfg.data.n_labeled:
-            n, classes = cfg.data.n_labeled, bundle.spec.num_classes
-            if n % classes or n > len(y_tr):
-                raise ConfigError(f"data.n_labeled={n} must be a multiple of the {classes} classes and at most the "
-                                  f"{len(y_tr)} training samples (a class-balanced labelled set)")
-            try:
-                labeled, client_pool = labeled_split(np.asarray(y_tr), n, np.random.default_rng([cfg.seed, 4]))
-            except ValueError as e:
-                raise ConfigError(f"data.n_labeled: {e}") from None
-        try:
-            parts = partition(cfg.data.partition.name, np.asarray(y_tr)[client_pool], cfg.data.num_clients, rng,
-                              **cfg.data.partition.params())
-        except ValueError as e:
-            raise ConfigError(f"data.partition: {e}") from None
-        parts = [client_pool[p] for p in parts]
-    if cfg.data.max_test_samples and cfg.data.max_test_samples < len(y_te):
-        keep = np.sort(np.random.default_rng([cfg.seed, 3]).choice(len(y_te), cfg.data.max_test_samples,
-                                                                    replace=False))
-        x_te, y_te = x_te[keep], y_te[keep]
-    train_idx, test_idx = client_train_test_split(parts, cfg.data.test_fraction, rng)
-    labeled_data = {}
-    if cfg.data.n_labeled:
-        labeled_data = {"x": np.ascontiguousarray(x_tr[labeled]), "y": np.asarray(y_tr, dtype=np.int64)[labeled]}
-    return bundle.spec, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, provenance(cfg, bundle, y_tr,
-                                                                                               y_te)
-
-
-def provenance(cfg: ExperimentConfig, bundle, y_tr, y_te) -> dict:
-    """What a run trained on: the dataset, the files it was read from (resolved), the partition and the sizes after
-    subsampling (logged as the run's MLflow input, with a digest of the files)."""
-    files = list(bundle.files)
-    source = os.path.commonpath(files) if len(files) > 1 else (files[0] if files else "")
-    part = cfg.data.partition
-    return {"name": cfg.data.dataset, "source": source, "files": files,
-            "partition": {"name": part.name, **part.params(), "num_clients": cfg.data.num_clients,
-                          "test_fraction": cfg.data.test_fraction, "n_labeled": cfg.data.n_labeled},
-            "train_samples": int(len(y_tr)), "test_samples": int(len(y_te)), "seed": cfg.seed}
-
-
 def prepare(cfg: ExperimentConfig) -> Prepared:
-    from raysplit.data import partition_counts, partition_summary
+    from raysplit.data import load_partitioned, partition_counts, partition_summary
     from raysplit.models import MODELS, build_model
+    from raysplit.privacy import privacy_spec
 
     alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
-    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg)
+    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg.data,
+                                                                                                    cfg.seed)
     num_clients = len(train_idx)
     counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
 
@@ -158,7 +95,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         client_state_bytes=(int(cfg.runtime.placement.client_state_mb * 2**20)
                             if cfg.runtime.placement.client_state_mb else None),
         spill_dir=cfg.runtime.placement.spill_dir,
-        privacy=privacy_spec(cfg, alg, cut, tuple(spec_d.input_shape), x_te, num_clients),
+        privacy=privacy_spec(cfg.privacy, alg.name, alg.keeps_global_client_model(), cut, cfg.data.dataset,
+                             tuple(spec_d.input_shape), x_te, num_clients),
         client_rule=alg.client_rule, server_rule=alg.server_rule,
     )
     inputs = RuntimeInputs(
@@ -171,50 +109,6 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     )
     return Prepared(cfg, alg, inputs, sample_stream(cfg.seed, num_clients, m, cfg.train.rounds), eval_mode,
                     spec_d.num_classes, counts, partition_summary(counts), cut, cut_name, dataset)
-
-
-def privacy_spec(cfg: ExperimentConfig, alg, cut, input_shape: tuple, x_te, num_clients: int):
-    """The ``privacy`` section as the hosts get it (None: off), checked against the method and the data before
-    any actor starts: a defence or an attack needs a cut whose activations reach the server; the reconstruction
-    attack needs images and an auxiliary set the test set can give; the inversion attack needs images and an
-    averaged client model on the server (not psl); NoPeek needs the client's loss, which Ampere's device phase
-    (its own local loss) does not take yet."""
-    from raysplit.privacy import ATTACK_PLUGINS, PrivacySpec
-
-    d, a = cfg.privacy.defence, cfg.privacy.attack
-    if d.kind == "none" and a.kind == "none":
-        return None
-    on = "privacy.attack.kind" if a.kind != "none" else "privacy.defence.kind"
-    if cut is None:
-        raise ConfigError(f"{on}: {alg.name} sends no activations to a server (no cut); nothing to "
-                          f"{'attack' if on.endswith('attack.kind') else 'defend'} at the cut")
-    if d.kind == "nopeek" and alg.name == "ampere":
-        raise ConfigError("privacy.defence.kind=nopeek: ampere's device phase trains on its own auxiliary loss, "
-                          "which the NoPeek term is not added to (noise and quantize apply to its one-shot export)")
-    aux, plugin = None, ATTACK_PLUGINS.get(a.kind)
-    if a.kind != "none":
-        if len(input_shape) != 3:
-            raise ConfigError(f"privacy.attack.kind={a.kind} scores images (channels, height, width); "
-                              f"{cfg.data.dataset}'s inputs have shape {input_shape}")
-        if a.victims > num_clients:
-            raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
-    if plugin is not None and plugin.needs_aux:
-        if a.aux_size >= len(x_te):
-            raise ConfigError(f"privacy.attack.aux_size={a.aux_size} must be smaller than the test set "
-                              f"({len(x_te)} inputs): the auxiliary set is the test set's last aux_size inputs")
-        aux = np.ascontiguousarray(x_te[len(x_te) - a.aux_size:])
-    input_range = None
-    if plugin is not None and plugin.needs_held_model:
-        if not alg.keeps_global_client_model():
-            raise ConfigError(f"privacy.attack.kind={a.kind} works through the averaged client model the server "
-                              f"holds; {alg.name} never averages client models (each client keeps its own), so the "
-                              f"server has none to invert (privacy.attack.kind=reconstruction needs no client model)")
-        axes = (0, *range(2, x_te.ndim))  # the input range it keeps to: the test set's, per channel
-        input_range = np.ascontiguousarray(np.stack([
-            np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:]),
-            np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])]))
-    return PrivacySpec(defence=d, attack=a, aux_x=aux, input_range=input_range,
-                       victims=tuple(range(getattr(a, "victims", 0))))
 
 
 def _atomic_save(obj, path: Path) -> None:

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from raysplit.errors import ConfigError
+
 
 class DefenceParams(BaseModel):
     """A defence's keys under ``privacy.defence``: one model per defence, picked by ``kind`` (a key another defence
@@ -439,3 +441,47 @@ ATTACK_PLUGINS: dict[str, type[Attack]] = {a.name: a for a in (InverseNetwork, W
 ATTACKS = {"none": "no attack", **{n: a.description for n, a in ATTACK_PLUGINS.items()}}
 AttackConfig = Annotated[Union[(NoAttack, *(a.Params for a in ATTACK_PLUGINS.values()))],  # noqa: UP007
                          Field(discriminator="kind")]
+
+
+def privacy_spec(section, method: str, keeps_global: bool, cut: int | None, dataset: str, input_shape: tuple,
+                 x_te: np.ndarray, num_clients: int) -> PrivacySpec | None:
+    """The ``privacy`` config ``section`` as the hosts get it (None: off), checked against the method (its name,
+    whether it keeps a global client model, its cut) and the data (``dataset``, the per-sample ``input_shape``, the
+    test inputs ``x_te``) before any actor starts: a defence or an attack needs a cut whose activations reach the server; the reconstruction
+    attack needs images and an auxiliary set the test set can give; the inversion attack needs images and an
+    averaged client model on the server (not psl); NoPeek needs the client's loss, which Ampere's device phase
+    (its own local loss) does not take yet."""
+    d, a = section.defence, section.attack
+    if d.kind == "none" and a.kind == "none":
+        return None
+    on = "privacy.attack.kind" if a.kind != "none" else "privacy.defence.kind"
+    if cut is None:
+        raise ConfigError(f"{on}: {method} sends no activations to a server (no cut); nothing to "
+                          f"{'attack' if on.endswith('attack.kind') else 'defend'} at the cut")
+    if d.kind == "nopeek" and method == "ampere":
+        raise ConfigError("privacy.defence.kind=nopeek: ampere's device phase trains on its own auxiliary loss, "
+                          "which the NoPeek term is not added to (noise and quantize apply to its one-shot export)")
+    aux, plugin = None, ATTACK_PLUGINS.get(a.kind)
+    if a.kind != "none":
+        if len(input_shape) != 3:
+            raise ConfigError(f"privacy.attack.kind={a.kind} scores images (channels, height, width); "
+                              f"{dataset}'s inputs have shape {input_shape}")
+        if a.victims > num_clients:
+            raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
+    if plugin is not None and plugin.needs_aux:
+        if a.aux_size >= len(x_te):
+            raise ConfigError(f"privacy.attack.aux_size={a.aux_size} must be smaller than the test set "
+                              f"({len(x_te)} inputs): the auxiliary set is the test set's last aux_size inputs")
+        aux = np.ascontiguousarray(x_te[len(x_te) - a.aux_size:])
+    input_range = None
+    if plugin is not None and plugin.needs_held_model:
+        if not keeps_global:
+            raise ConfigError(f"privacy.attack.kind={a.kind} works through the averaged client model the server "
+                              f"holds; {method} never averages client models (each client keeps its own), so the "
+                              f"server has none to invert (privacy.attack.kind=reconstruction needs no client model)")
+        axes = (0, *range(2, x_te.ndim))  # the input range it keeps to: the test set's, per channel
+        input_range = np.ascontiguousarray(np.stack([
+            np.broadcast_to(x_te.min(axis=axes, keepdims=True)[0], x_te.shape[1:]),
+            np.broadcast_to(x_te.max(axis=axes, keepdims=True)[0], x_te.shape[1:])]))
+    return PrivacySpec(defence=d, attack=a, aux_x=aux, input_range=input_range,
+                       victims=tuple(range(getattr(a, "victims", 0))))

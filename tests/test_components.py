@@ -129,7 +129,7 @@ def test_the_cut_counts_noised_releases_and_keeps_nopeeks_inputs_until_the_gradi
 
 
 def test_the_executor_runs_a_list_of_clients_in_order_with_their_flops():
-    ex = Executor()
+    ex = Executor(seed=0)
     assert ex.device == torch.device("cpu")
     a, b = torch.nn.Linear(3, 5), torch.nn.Linear(3, 5)
     xa, xb = torch.randn(4, 3), torch.randn(2, 3)
@@ -142,3 +142,20 @@ def test_the_executor_runs_a_list_of_clients_in_order_with_their_flops():
     assert torch.allclose(a.weight.grad, ga.T @ xa)
     value, flops = ex.run(("own",), lambda: a(xa).sum())
     assert flops == fa and value.ndim == 0
+
+
+def test_the_executor_draws_each_clients_randomness_from_its_own_stream():
+    """A client's stream depends on (run seed, client, salt) only, and leaves the caller's generator as it was."""
+    def draw(ex, cid, *salt):
+        with ex.seeded(cid, *salt):
+            return torch.rand(3)
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    ex = Executor(seed=1)
+    first = draw(ex, 3, 0, 2)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(7)  # what ran before on the host changes nothing
+    assert torch.equal(draw(Executor(seed=1), 3, 0, 2), first)
+    assert not torch.equal(draw(ex, 4, 0, 2), first) and not torch.equal(draw(ex, 3, 0, 3), first)
+    assert not torch.equal(draw(Executor(seed=2), 3, 0, 2), first)

@@ -267,11 +267,14 @@ def test_a_host_error_caused_by_a_dead_peer_is_an_actor_failure(ray_session):
     error is raised as it is."""
     from raysplit.runtime.ray_backend import RayBackend
 
+    from raysplit.runtime.ray_crew import Crew
+
     b = RayBackend.__new__(RayBackend)
     b.get_timeout = 60.0
-    b.server, b.workers = _Peer.remote(), [_Peer.remote(), _Peer.remote()]
-    b.roles = {b.server._actor_id.hex(): "the server actor",
-               **{w._actor_id.hex(): f"client actor {i}" for i, w in enumerate(b.workers)}}
+    b.crew = Crew(None)
+    b.crew.server, b.crew.workers = _Peer.remote(), [_Peer.remote(), _Peer.remote()]
+    b.crew.roles = {b.server._actor_id.hex(): "the server actor",
+                    **{w._actor_id.hex(): f"client actor {i}" for i, w in enumerate(b.workers)}}
     with pytest.raises(RuntimeError, match="never got a gradient"):
         b.get(b.workers[0].fail.remote())
     ray.kill(b.workers[1])

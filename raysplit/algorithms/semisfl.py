@@ -530,7 +530,7 @@ class SemiFLRule(SemiRule):
         losses = []
         for step in range(steps):
             idx = host.data.draw(cid)
-            with host.seeded(cid, 2, host.round, step):
+            with host.executor.seeded(cid, 2, host.round, step):
                 xw, xs = self.augment(host.data.x[idx], "weak"), self.augment(host.data.x[idx], "strong")
                 lam = float(np.random.default_rng([host.spec.seed, cid, host.round, step]).beta(mixup_alpha,
                                                                                                  mixup_alpha))

@@ -23,6 +23,7 @@ from .partition import (
     partition_summary,
     plot_partition,
 )
+from .split import load_partitioned, provenance
 
 __all__ = [
     "DATASETS",
@@ -38,6 +39,8 @@ __all__ = [
     "PARTITIONERS",
     "client_train_test_split",
     "labeled_split",
+    "load_partitioned",
+    "provenance",
     "natural_partition",
     "partition",
     "partition_counts",

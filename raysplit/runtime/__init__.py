@@ -1,7 +1,7 @@
 """Runtime layer: hosts (what runs in actors), the algorithm-facing API, drivers and the backends.
 
-Only ``raysplit.runtime.ray_backend`` and its ``ray_actors``, ``ray_pool`` and ``ray_resources`` import Ray; they
-are loaded when a Ray backend is requested.
+Only ``raysplit.runtime.ray_backend`` and its ``ray_actors``, ``ray_crew``, ``ray_pool`` and ``ray_resources``
+import Ray; they are loaded when a Ray backend is requested.
 """
 
 from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs

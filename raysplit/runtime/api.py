@@ -124,11 +124,8 @@ class Runtime:
         server_ref = self.server.end_round()
         refs = self.workers.end_round()
         server = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
-        parts = b.get(refs)
+        clients = merged(b.get(refs))
         b.round_done()
-        clients: dict[int, dict] = {}
-        for part in parts:
-            clients.update(part)
         t_end = max([server["t_end"]] + [c["t_end"] for c in clients.values()] + [self._t0])
         return RoundStats(self.round, self._t0, t_end, time.perf_counter() - self._wall0, clients, server,
                           list(self._clients))
@@ -151,10 +148,9 @@ class Runtime:
         gradient. Every (client, stream)'s first forward is submitted at once, so they run in parallel on the
         client workers; a client's next forward goes together with its backward, so it is ready by its next turn.
 
-        Where the backend offers it (the local backend; ``RayBackend`` with ``runtime.transport.direct_steps``), the whole
-        sequence is one call to the server, which runs :func:`stepping.drive_steps` and calls the client hosts
-        itself (actor to actor with Ray): the driver is off the per-step path. Each client host executes the same
-        calls in the same order as in the driver-chained loop below, and the server serves in the same order, so
+        Where the backend offers it (in process; Ray with ``runtime.transport.direct_steps``), the sequence is one
+        call to the server, which runs :func:`stepping.drive_steps` and calls the client hosts itself: the driver is
+        off the per-step path. Hosts run the same calls in the same order as the driver-chained loop below, so
         results are bit-identical (tests/test_direct_steps.py)."""
         method = step_name(method, self.inputs.server_host, self.server_rule)  # a stranger: refused here
         plan = stepping.plan_steps(seq, self.round, keys or {})
@@ -227,16 +223,10 @@ class Runtime:
     def reconstruction(self, clients: list[int], rnd: int, client_state_handle=None) -> dict[int, dict]:
         """``privacy.attack`` against ``clients`` (``ClientHost.reconstruction``), per client;
         ``client_state_handle``: the averaged client model the inversion attack inverts through."""
-        out: dict[int, dict] = {}
-        for part in self.backend.get(self.workers.reconstruction(clients, rnd, client_state_handle)):
-            out.update(part)
-        return out
+        return merged(self.backend.get(self.workers.reconstruction(clients, rnd, client_state_handle)))
 
     def client_totals(self) -> dict[int, dict]:
-        out: dict[int, dict] = {}
-        for part in self.backend.get(self.workers.client_totals()):
-            out.update(part)
-        return out
+        return merged(self.backend.get(self.workers.client_totals()))
 
     def restart(self) -> None:
         """Fresh hosts for the whole run (after an actor died); the caller restores their state
@@ -247,13 +237,9 @@ class Runtime:
     def state_dict(self, changed_only: bool = False) -> dict:
         """Every host's state (``changed_only``: the client hosts report only the clients changed since the last
         such call, for :class:`~raysplit.runtime.drivers.RoundGuard`'s incremental snapshots)."""
-        b = self.backend
-        if changed_only:
-            workers = [b.call(w, "state_dict", ch) for w, ch in zip(b.workers, self.workers.changed_clients())]
-        else:
-            workers = self.workers.state_dict()
-        states = b.get([self.server.state_dict()] + workers)
-        return {"server": states[0], "workers": states[1:], "holders": self.holders.copy()}
+        server, workers, holders = self.snapshot_parts(changed_only)
+        states = self.backend.get([server] + workers)
+        return {"server": states[0], "workers": states[1:], "holders": holders}
 
     def snapshot_parts(self, changed_only: bool) -> tuple:
         """The hosts' state as handles, for ``RoundGuard``'s keeper: ``(server, [client hosts], holders)``; the
@@ -270,25 +256,25 @@ class Runtime:
         hosts without passing through here)."""
         b = self.backend
         self.holders = np.asarray(holders, dtype=np.int64).copy()
-        refs = [self.server.load_state_dict(server)]
-        refs += [b.call(w, "load_state_dict", s) for w, s in zip(b.workers, workers)]
-        b.get(refs)
+        b.get([self.server.load_state_dict(server)]
+              + [b.call(w, "load_state_dict", s) for w, s in zip(b.workers, workers)])
 
     def load_state_dict(self, st: dict) -> None:
-        b = self.backend
-        if len(st["workers"]) != len(b.workers):
-            raise ValueError(f"checkpoint has {len(st['workers'])} workers, runtime has {len(b.workers)}; resume "
-                             "with the same runtime.num_workers")
+        if len(st["workers"]) != len(self.backend.workers):
+            raise ValueError(f"checkpoint has {len(st['workers'])} workers, runtime has {len(self.backend.workers)}; "
+                             "resume with the same runtime.num_workers")
         if "holders" not in st or any("held" not in w for w in st["workers"]):
             raise ValueError("checkpoint from an older raysplit (its client hosts' state has no 'held' clients): "
                              "resume it with the version that wrote it")
-        self.holders = np.asarray(st["holders"], dtype=np.int64).copy()
-        refs = [self.server.load_state_dict(st["server"])]
-        refs += [b.call(w, "load_state_dict", s) for w, s in zip(b.workers, st["workers"])]
-        b.get(refs)
+        self.load_state_parts(st["server"], st["workers"], st["holders"])
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+def merged(parts: list[dict]) -> dict:
+    """The client hosts' per-client answers as one mapping."""
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def with_threads(spec: HostSpec, threads: int) -> HostSpec:

@@ -7,24 +7,22 @@ client rule (:class:`~raysplit.runtime.rules.ClientRule`), whose hooks the host 
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from raysplit.clock import ClientProfile
 from raysplit.runtime import transport
-from raysplit.runtime.aggregation import weighted_sum
 from raysplit.runtime.client_data import ClientData
 from raysplit.runtime.client_jobs import ClientJobs
 from raysplit.runtime.client_moves import ClientMoves
 from raysplit.runtime.client_states import ClientStates
+from raysplit.runtime.client_transfers import ModelTransfers
 from raysplit.runtime.cut import ClientCut, reconstruction_attack
-from raysplit.runtime.evaluation import EvalTally, predict_batches
+from raysplit.runtime.evaluation import evaluate_own
 from raysplit.runtime.executor import Executor, Forward
-from raysplit.runtime.hostspec import HostSpec, ModelSlot, _bad_input, build_parts, check_finite, limit_threads
+from raysplit.runtime.hostspec import HostSpec, ModelSlot, _bad_input, build_parts, limit_threads
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 from raysplit.runtime.meter import CostMeter
 from raysplit.runtime.optim import round_lr
@@ -36,8 +34,7 @@ class ClientHost(ClientJobs, ClientMoves):
     """Hosts a set of virtual clients on one worker; ``data.train_idx``'s keys are the clients it holds now.
     Methods do not subclass it: they give a client rule (``spec.client_rule``), made here as ``self.rule``."""
 
-    # per-client mappings of the host's own that move with a client (``export_clients``), beside its components'
-    # and its rule's
+    # the host's own per-client mappings that move with a client (``export_clients``; its components' move too)
     client_fields: tuple[str, ...] = ("job_round", "job_loss")
 
     def __init__(self, spec: HostSpec, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
@@ -52,22 +49,19 @@ class ClientHost(ClientJobs, ClientMoves):
         self.data = ClientData(data, train_idx, test_idx, spec.data_spec, batch_size=spec.batch_size,
                                seed=spec.seed, drop_last=spec.drop_last, changed=self.changed)
         self.meter = CostMeter(profiles, self.data.train_idx, charge_server=spec.charge_server, changed=self.changed)
-        self.states = ClientStates(self.build_module, transport.unpack_state(init_state), spec.client_optimizer,
+        self.states = ClientStates(lambda: self.rule.build_module(), transport.unpack_state(init_state), spec.client_optimizer,
                                    persist=spec.persist_client_models, state_bytes=spec.client_state_bytes,
                                    spill_dir=spec.spill_dir, changed=self.changed)
         self.cut = ClientCut(spec.privacy)
-        self.executor = Executor()
+        self.executor = Executor(spec.seed)
+        self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
+        self.transfers = ModelTransfers(self.data, self.states, self.meter, self.dropped)
         self.pending: dict[Tag, torch.Tensor] = {}  # forwards awaiting their gradient
         self._replay: dict[Tag, tuple[np.ndarray, dict]] = {}  # event driver: what rebuilds a pending forward
         self.round = -1
         self.job_round: dict[int, int] = {}  # event driver: the global round each active client's job began in
         self.job_loss: dict[int, float] = {}  # event driver: mean loss of a local job, sent with the model
-        self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
         self.rule: ClientRule = (spec.client_rule or ClientRule)(self)
-
-    def build_module(self) -> torch.nn.Module:
-        """A fresh client model (the rule's; its weights are loaded after)."""
-        return self.rule.build_module()
 
     # ---- a client's round ----------------------------------------------------------------------------------------
     def activate(self, cid: int, state: dict | None = None, rnd: int | None = None) -> ModelSlot:
@@ -87,14 +81,6 @@ class ClientHost(ClientJobs, ClientMoves):
         before the round), then the rule's ``on_release``."""
         self.states.release(cid, keep_weights, keep_state=cid not in self.dropped)
         self.rule.on_release(cid)
-
-    @contextlib.contextmanager
-    def seeded(self, cid: int, *salt: int):
-        """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,
-        augmentation) does not depend on which worker hosts the client or what ran before on it."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(np.random.default_rng([self.spec.seed, 0xC11, cid, *salt]).integers(2**62)))
-            yield
 
     def begin_round(self, rnd: int, cids: list[int], t0: float) -> None:
         self.round = rnd
@@ -122,7 +108,7 @@ class ClientHost(ClientJobs, ClientMoves):
         idx = rule.batch_indices(tag, batch_size)
         if self.spec.asynchronous:  # what a checkpoint needs to rebuild this forward's graph (load_state_dict)
             self._replay[tag] = (idx, {k: b.detach().clone() for k, b in slot.module.named_buffers()})
-        with self.seeded(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+        with self.executor.seeded(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
             x, y = rule.inputs(tag, idx)
             [(out, fl)] = self.executor.forward([Forward(("fwd", tuple(x.shape)), rule.encoder(tag, slot), x)])
         nbytes = None
@@ -138,13 +124,12 @@ class ClientHost(ClientJobs, ClientMoves):
 
     def defend(self, tag: Tag, x: torch.Tensor, out: torch.Tensor,
                count: bool = True, rate: float | None = None) -> tuple[torch.Tensor, int | None]:
-        """``privacy.defence`` on the client side of the cut: what leaves instead of ``out`` (noise drawn from its
-        own per-step stream, so the encoder's randomness is unchanged), and its bytes (None: the tensor's own).
-        A noised release is counted against the client's budget at rate batch / its samples (``count``: not when
-        a checkpoint rebuilds it; ``rate``: another sampling rate, 1 for a transfer of every sample once)."""
+        """``privacy.defence`` at the cut (:meth:`ClientCut.release`): what leaves instead of ``out``, drawn from its
+        own per-step stream, and its bytes (None: the tensor's own). Counted against the client's budget at rate
+        batch / its samples (``count``: not when a checkpoint rebuilds it; ``rate``: another rate)."""
         cid = tag.client
         rate = None if not count else rate if rate is not None else round(len(x) / self.data.size(cid), 12)
-        with self.seeded(cid, 2, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+        with self.executor.seeded(cid, 2, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
             return self.cut.release(tag, x, out, rate)
 
     def forward_many(self, tags: list[Tag], batch_size: int | None = None) -> list[Activation]:
@@ -202,64 +187,22 @@ class ClientHost(ClientJobs, ClientMoves):
             self.dropped[cid] = why
             self.meter.count(cid, dropped=1)
 
-    def local_train(self, cid: int, steps: int) -> float:
-        """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss."""
-        slot = self.activate(cid)
-        with self.seeded(cid, 1, self.round):
-            return float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
-
-    def _local_step(self, cid: int, slot: ModelSlot) -> float:
-        x, y = self.data.batch(self.data.draw(cid))
-
-        def fwd_bwd():
-            slot.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(slot.module(x), y)
-            loss.backward()
-            return loss
-
-        loss, fl = self.executor.run(("train", tuple(x.shape)), fwd_bwd)
-        check_finite(loss.item(), self.spec.stop_on_nonfinite, f"round {self.round}, client {cid}")
-        self._update(cid, slot)
-        self.meter.charge_compute(cid, fl)
-        self.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
-        return loss.item()
-
-    # ---- model movement ------------------------------------------------------------------------------------
+    # ---- model transfers (ModelTransfers) ---------------------------------------------------------------------
     def partial_sum(self, weights: dict[int, float]) -> StateMsg | None:
-        """Weighted sum of the hosted clients' current weights (upload counted per client)."""
-        mine = [(int(c), w) for c, w in weights.items() if int(c) in self.data and int(c) not in self.dropped]
-        if not mine:
-            return None
-        states = [self.states.state_of(c) for c, _ in mine]
-        t = max(self.meter.charge_upload(c, transport.state_nbytes(st), "model") for (c, _), st in zip(mine, states))
-        acc = weighted_sum(states, [w for _, w in mine])
-        return StateMsg(transport.pack_state(acc), t_sent=t, weight=float(sum(w for _, w in mine)))
+        """FedAvg's weighted sum of the hosted clients' weights (upload counted per client)."""
+        return self.transfers.partial_sum(weights)
 
     def set_global(self, msg: StateMsg, receivers: list[int] | None = None, only: list[int] | None = None) -> None:
-        """Install an aggregate: for all clients (``only`` None) or as the own model of the clients in ``only``.
-        Download bytes and time are charged to ``receivers`` (the round's clients) that this host holds."""
-        state = transport.unpack_state(msg.state)
-        self.states.install(state, None if only is None else [int(c) for c in only if int(c) in self.data])
-        nb = transport.state_nbytes(state)
-        for c in (int(c) for c in receivers or []):
-            if c in self.data:
-                if c in self.states.slots:
-                    self.states.slots[c].module.load_state_dict(state)
-                self.meter.charge_download(c, nb, msg.t_sent, "model")
+        """An aggregate installed for all clients, or as the own model of those in ``only``."""
+        self.transfers.install(msg, receivers, only)
 
     def get_state(self, cid: int) -> StateMsg:
-        """Client ``cid`` sends its current model (upload charged)."""
-        st = self.states.state_of(cid)
-        t = self.meter.charge_upload(cid, transport.state_nbytes(st), "model")
-        return StateMsg(transport.pack_state(st), t_sent=t, weight=float(self.data.size(cid)))
+        """Client ``cid`` sends its current model."""
+        return self.transfers.send(cid)
 
     def load_state(self, cid: int, msg: StateMsg) -> None:
-        """Receive a model (hand-over in sequential split learning) as this client's own."""
-        state = transport.unpack_state(msg.state)
-        self.states.install(state, [cid])
-        if cid in self.states.slots:
-            self.states.slots[cid].module.load_state_dict(state)
-        self.meter.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
+        """Client ``cid`` receives a model as its own (a hand-over)."""
+        self.transfers.receive(cid, msg)
 
     def end_round(self) -> dict[int, dict]:
         for tag in [t for t in self.pending if t.client in self.dropped]:  # never answered: its tag was forged
@@ -283,18 +226,7 @@ class ClientHost(ClientJobs, ClientMoves):
         """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
         return reconstruction_attack(self, cids, rnd, global_state)
 
-    @torch.no_grad()
     def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """Each client's own test split through its own client model and the given server model."""
-        client, server = build_parts(self.spec)
-        server.load_state_dict(transport.unpack_state(server_state.state))
-        client.eval(), server.eval()
-        tally = EvalTally()
-        for c in (int(c) for c in cids):
-            idx = self.data.test_idx.get(c)
-            if idx is None or len(idx) == 0:
-                continue
-            client.load_state_dict(self.states.state_of(c))
-            predict_batches(self.data.x[idx], self.data.y[idx], self.spec.data_spec, self.spec.eval_batch_size,
-                            lambda x: server(client(x)), tally)
-        return tally.result()
+        return evaluate_own(build_parts(self.spec), self.data, self.states.state_of, cids,
+                            transport.unpack_state(server_state.state), self.spec)

@@ -92,7 +92,8 @@ class ClientMoves:
             getattr(owner, name).clear()
         self.data.forget()
         self.import_clients(st["clients"])
-        self.dropped = dict(st.get("dropped", {}))
+        self.dropped.clear()  # the same mapping the host's components hold
+        self.dropped.update(st.get("dropped", {}))
         self.rule.load_own_state(st.get("own", {}))
         for c, (weights, opt) in st.get("slots", {}).items():
             self.states.restore_slot(c, weights, opt)
@@ -101,7 +102,7 @@ class ClientMoves:
             after = {k: b.detach().clone() for k, b in module.named_buffers()}
             module.load_state_dict(buffers, strict=False)
             x, _ = self.data.batch(idx)
-            with self.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+            with self.executor.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
                 self.pending[tag] = module(x)
             if self.cut.defence is not None:  # the same release (its noise stream is seeded per step), not counted
                 self.pending[tag] = self.defend(tag, x, self.pending[tag], count=False)[0]

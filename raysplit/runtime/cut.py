@@ -71,14 +71,14 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
     mine = [int(c) for c in cids if int(c) in host.data]
     held = lo = hi = None
     if attack.needs_held_model and mine:
-        held = host.build_module()
+        held = host.rule.build_module()
         held.load_state_dict(global_state.tensors())
         held.eval()
         lo, hi = to_tensor(priv.input_range, spec.data_spec).split(1)
     aux = to_tensor(priv.aux_x, spec.data_spec) if mine and attack.needs_aux else None
     out = {}
     for c in mine:
-        module = host.build_module()
+        module = host.rule.build_module()
         module.load_state_dict(states.state_of(c))
         module.eval()
         encode = host.rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
@@ -88,7 +88,7 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
 
         order = np.random.default_rng([spec.seed, 0xA77, c]).permutation(host.data.train_idx[c])
         victim = to_tensor(host.data.x[np.sort(order[:priv.attack.samples])], spec.data_spec)
-        with torch.no_grad(), host.seeded(c, 3, rnd):
+        with torch.no_grad(), host.executor.seeded(c, 3, rnd):
             z_aux = sent(aux) if aux is not None else None
             z_vic = sent(victim)
         rec = attack.reconstruct(AttackView(

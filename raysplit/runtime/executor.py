@@ -4,14 +4,16 @@ of the server's gradients, local training steps) and counts their FLOPs once per
 
 It takes the work of several clients at once (:meth:`Executor.forward` and :meth:`Executor.backward` take lists),
 so that an executor on an accelerator can pack many clients into one kernel; this one runs them one at a time, in
-order, on the CPU, which is what every result of raysplit so far was computed with. Randomness is the caller's:
-a client's computation runs inside its own random stream (``ClientHost.seeded``)."""
+order, on the CPU, which is what every result of raysplit so far was computed with. A client's computation runs
+inside its own random stream (:meth:`Executor.seeded`), so where it runs changes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from raysplit.clock import FlopCache
@@ -36,11 +38,21 @@ class Backward:
 
 
 class Executor:
-    """Runs client computations on ``device`` (the CPU) one client at a time and counts their FLOPs."""
+    """Runs client computations on ``device`` (the CPU) one client at a time and counts their FLOPs; ``seed``: the
+    run's, from which each client's random streams are drawn."""
 
-    def __init__(self):
+    def __init__(self, seed: int):
         self.device = torch.device("cpu")
         self.flops = FlopCache()
+        self.seed = seed
+
+    @contextlib.contextmanager
+    def seeded(self, cid: int, *salt: int):
+        """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,
+        augmentation) does not depend on which worker hosts the client or what ran before on it."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(np.random.default_rng([self.seed, 0xC11, cid, *salt]).integers(2**62)))
+            yield
 
     def forward(self, work: list[Forward]) -> list[tuple[torch.Tensor, int]]:
         """Each client's activation and the FLOPs of computing it, in the order of ``work``."""

@@ -4,8 +4,9 @@ The rooms: ``hostspec`` (spec, model slot, shared helpers), ``screening`` (bad i
 evaluation loop), ``client_host`` (assembled from its components: ``client_data``, the clients' samples and data
 cursors; ``meter``, the cost meter; ``client_states``, the client-state store; ``cut``, the privacy plug-ins at the
 cut; ``executor``, which runs the clients' computations; with ``client_jobs``: the event driver's jobs, and
-``client_moves``: placement moves and checkpoints) and ``server_host`` (with ``server_copies``: the per-client
-copies of the server model; ``screening.Screen``: what arrives); this module gathers them.
+``client_moves``: placement moves and checkpoints; ``client_transfers``: models in and out) and ``server_host``
+(with ``server_steps``: the one training step and its tallies; ``server_copies``: the per-client copies of the
+server model; ``screening.Screen``: what arrives); this module gathers them.
 
 The Ray backend wraps these classes in actors; the local backend calls them in-process. Algorithms do not subclass
 them: other client behaviour is a client rule (``Algorithm.client_rule``), other server behaviour a server rule
@@ -25,7 +26,7 @@ runs changes nothing. A client being trained in the current round holds a module
 :class:`ModelSlot`), so a forward's autograd graph stays alive in the host until the gradient with the same tag
 arrives; slots are released at the end of the round.
 
-Every server-side training computation goes through :meth:`ServerHost.step_through` (one forward, loss, backward,
+Every server-side training computation goes through :meth:`ServerHost.step_through` (``server_steps``: one forward, loss, backward,
 finite check, optimizer steps, FLOPs on the clock, busy time), whatever the family: split steps, CycleSL's pooled
 resampling and frozen-server gradients, SGLR's concatenated step, Hydra's heads. The one exception is
 :meth:`ServerHost.train_copies` under ``algorithm.batched_copies``: the forward and backward of several per-client

@@ -1,5 +1,5 @@
-"""The actors of a driver's finished runs, kept ``runtime.keep_actors_s`` seconds for its next run (with
-ray_backend.py and ray_actors.py, the only code that imports Ray).
+"""The actors of a driver's finished runs, kept ``runtime.keep_actors_s`` seconds for its next run (with the
+other ray_* files, the only code that imports Ray).
 
 :meth:`HostActor.reset <raysplit.runtime.ray_actors.HostActor.reset>` gives a kept actor a new host: a driver that
 runs many small experiments one after another (a notebook on a running cluster, a test session) saves each actor's

@@ -90,18 +90,18 @@ def prepare_data(work: Path) -> Path:
 
 
 def raysplit_partition(labels: int, seed: int, num_clients: int, partition: str, alpha: float) -> list[np.ndarray]:
-    """[labelled set, client 0, ..., client V-1]: what raysplit's own data path (experiment.load_partitioned)
+    """[labelled set, client 0, ..., client V-1]: what raysplit's own data path (data.load_partitioned)
     draws for configs/semisfl/fmnist.yaml with these overrides; the labelled set is every training index no client
     holds (the config has no subsample and no client test split)."""
     sys.path.insert(0, str(ROOT))
     from raysplit.config import load_config
-    from raysplit.experiment import load_partitioned
+    from raysplit.data import load_partitioned
 
     part = {"name": partition, **({"alpha": alpha} if partition == "dirichlet" else {})}
     cfg = load_config(ROOT / "configs" / "semisfl" / "fmnist.yaml", {
         "seed": seed, "data.n_labeled": labels, "data.num_clients": num_clients, "data.partition": part})
     assert not cfg.data.max_train_samples and not cfg.data.test_fraction, "the indices must be the file's"
-    _, (_, y, _, _), train_idx, _, _, _ = load_partitioned(cfg)
+    _, (_, y, _, _), train_idx, _, _, _ = load_partitioned(cfg.data, cfg.seed)
     clients = [np.asarray(p, dtype=np.int64) for p in train_idx]
     lab = np.setdiff1d(np.arange(len(y)), np.concatenate(clients)).astype(np.int64)
     assert len(lab) == labels

@@ -107,14 +107,14 @@ def raysplit_setting(config: str, seed: int, max_train: int | None):
     from raysplit.algorithms import orders
     from raysplit.config import load_config
     from raysplit.data import load_dataset, partition_counts
-    from raysplit.experiment import load_partitioned
+    from raysplit.data import load_partitioned
 
     overrides = [f"seed={seed}"] + ([f"data.max_train_samples={max_train}"] if max_train else [])
     cfg = load_config(config, overrides)
     d = cfg.data
     if d.dataset != "fashion_mnist" or d.partition.name != "dominant_label" or d.n_labeled:
         raise SystemExit(f"{config}: the runner supports fashion_mnist, dominant_label, n_labeled 0 only")
-    spec, (x_tr, y_tr, _, _), train_idx, _, _, prov = load_partitioned(cfg)
+    spec, (x_tr, y_tr, _, _), train_idx, _, _, prov = load_partitioned(cfg.data, cfg.seed)
     full = load_dataset(d.dataset, d.root, **d.options)
     n = len(full.y_train)
     if d.max_train_samples and d.max_train_samples < n:  # experiment.py: the same draw, before the partition
