@@ -264,6 +264,61 @@ def write_fake_cifar10(root, per_batch: int, test: int = 40, seed: int = 0) -> N
                          b"labels": np.tile(np.arange(10), n // 10).tolist()}, f)
 
 
+def write_fake_cifar100(root, train: int, test: int, seed: int = 0) -> None:
+    """CIFAR-100's python pickles in the real layout under ``root/cifar-100-python`` (random images and labels)."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    d = root / "cifar-100-python"
+    d.mkdir(parents=True)
+    for fname, n in (("train", train), ("test", test)):
+        with open(d / fname, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                         b"fine_labels": rng.integers(0, 100, n).tolist(),
+                         b"coarse_labels": rng.integers(0, 20, n).tolist()}, f)
+
+
+def write_fake_svhn(root, train: int, test: int, seed: int = 0) -> None:
+    """SVHN's ``train_32x32.mat`` / ``test_32x32.mat`` (X as HWCN, label 10 for digit 0) under ``root/svhn``."""
+    import numpy as np
+    from scipy.io import savemat
+
+    rng = np.random.default_rng(seed)
+    d = root / "svhn"
+    d.mkdir(parents=True)
+    for split, n in (("train", train), ("test", test)):
+        savemat(d / f"{split}_32x32.mat", {"X": rng.integers(0, 256, (32, 32, 3, n), dtype=np.uint8),
+                                           "y": (np.arange(n) % 10 + 1).astype(np.uint8).reshape(n, 1)})
+
+
+def write_fake_leaf(root, name: str, users: int, per_user: int, seed: int = 0) -> None:
+    """LEAF's JSON files (``train/``, ``test/``) of ``femnist`` (784 floats k/255, 62 classes) or ``shakespeare``
+    (80-character strings and the next character) under ``root/name/data``, ``users`` writers or roles."""
+    import json
+
+    import numpy as np
+
+    from raysplit.data import LEAF_ALL_LETTERS
+
+    rng = np.random.default_rng(seed)
+
+    def samples(n):
+        if name == "femnist":
+            return {"x": (rng.integers(0, 256, (n, 784)) / 255.0).tolist(), "y": rng.integers(0, 62, n).tolist()}
+        letters = list(LEAF_ALL_LETTERS)
+        return {"x": ["".join(rng.choice(letters, 80)) for _ in range(n)],
+                "y": [str(rng.choice(letters)) for _ in range(n)]}
+
+    for split, n in (("train", per_user), ("test", max(1, per_user // 4))):
+        d = root / name / "data" / split
+        d.mkdir(parents=True)
+        data = {f"u{i:04d}": samples(n) for i in range(users)}
+        blob = {"users": list(data), "num_samples": [n] * users, "user_data": data}
+        (d / f"all_data_0_niid_{split}.json").write_text(json.dumps(blob))
+
+
 class Touch:
     """Unpickling this runs ``marker.touch()``: what a malicious pickle (a "CIFAR batch", a "checkpoint") from the
     internet would do. Tests check it is refused and ``marker`` never appears."""

@@ -87,7 +87,8 @@ class Screen:
             mode = enc.training
             enc.eval()
             with torch.no_grad():
-                out = transport.pack(enc(torch.zeros((2, *self.spec.input_shape), device=self.device)))
+                kind = torch.long if self.spec.data_spec.kind == "tokens" else torch.float32  # token ids: integers
+                out = transport.pack(enc(torch.zeros((2, *self.spec.input_shape), dtype=kind, device=self.device)))
             enc.train(mode)
             self._form = (tuple(out.shape[1:]), out.dtype)
         return self._form
