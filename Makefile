@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-ray-run bench-gpu bench-cg-crossnode flower-venv doc-figures check-docs check-docs-full check-results config-doc check-ui
+	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-cg-crossnode flower-venv doc-figures check-docs check-docs-full check-results config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -64,8 +64,13 @@ bench-spill:
 bench-ray-run:
 	$(PY) benchmarks/ray_run_cost.py
 
-# A GPU server (needs a machine with a GPU and Ray; none was available where RESULTS.md was written).
+# Clients and server on a GPU against the layouts beside them and a plain PyTorch loop (issue 53; needs a GPU,
+# about 8 minutes; `$(PY) benchmarks/bench_gpu.py --dry-run` is the same on the CPU at toy size).
 bench-gpu:
+	cd benchmarks && ../$(PY) bench_gpu.py --workers 7 --rounds 3
+
+# The GPU server alone, both transports interleaved (issue 15).
+bench-gpu-server:
 	$(PY) benchmarks/gpu_server.py --workers 7 --rounds 5
 
 # Batched per-client server copies (algorithm.batched_copies), server side in process and a local-backend round.

@@ -55,7 +55,7 @@ def make_cfg(model: str, clients: int, batched: bool, batch: int | None, threads
         "train.rounds": 1000, "train.batch_size": batch or m["batch"], "train.local_steps": 1,
         "train.optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
         "runtime.backend": "local", "runtime.num_workers": 1, "runtime.torch_threads": threads,
-        "runtime.device": device, "algorithm.batched_copies": batched,
+        "runtime.server.device": device, "algorithm.batched_copies": batched,
         "tracking.enabled": False, "tracking.progress": False, **m["data"]})
 
 

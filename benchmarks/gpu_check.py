@@ -28,7 +28,7 @@ def run(device: str):
     cfg = load_config(None, {"algorithm.name": "sflv2", "data.dataset": "digits", "data.num_clients": 4,
                              "data.partition.name": "iid", "data.test_fraction": 0.0, "model.cut": "conv1",
                              "train.rounds": 5, "train.local_steps": 10, "train.batch_size": 32,
-                             "train.optimizer.lr": 0.1, "runtime.backend": "local", "runtime.device": device})
+                             "train.optimizer.lr": 0.1, "runtime.backend": "local", "runtime.server.device": device})
     p = prepare(cfg)
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """A busy GPU server (issue 15 item 6): SFLV2 and SFLV1 with 16 clients, ResNet18 cut after layer1 on 32x32 inputs,
-the server actor on the GPU (``runtime.server.num_gpus: 1``, ``runtime.device: cuda``) and the client actors on
+the server actor on the GPU (``runtime.server.num_gpus: 1``, ``runtime.server.device: cuda``) and the client actors on
 the CPUs; round time and the GPU's utilisation during the timed rounds (``nvidia-smi`` sampled every 100 ms),
 for each transport (compiled graphs, actor calls) in the same run, rounds interleaved.
 
@@ -63,7 +63,7 @@ def make(algorithm: str, transport: str, a):
         "data.num_clients": 16, "data.partition.name": "iid", "data.test_fraction": 0.0,
         "model.name": "resnet18", "model.cut": "layer1", "train.rounds": 1000, "train.batch_size": a.batch,
         "train.local_steps": a.steps, "train.optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "runtime.num_workers": a.workers, "runtime.client.num_cpus": 1, "runtime.device": a.device,
+        "runtime.num_workers": a.workers, "runtime.client.num_cpus": 1, "runtime.server.device": a.device,
         # Both transports' runtimes live side by side (their rounds interleave), so each server takes its share of
         # the one GPU: whole GPUs for both would leave the second server pending for ever.
         "runtime.server": {"num_cpus": 1, "num_gpus": 1 / len(a.transports) if a.device == "cuda" else 0},

@@ -195,7 +195,13 @@ class EvalConfig(_Strict):
 
 class ActorResources(_Strict):
     num_cpus: float = Field(default=0.0, ge=0, description="logical CPUs the actor holds")
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs the actor holds")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs the actor holds (a fraction: actors share one, "
+                            "e.g. 0.25: four client actors to a GPU)")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the actor's host computes "
+                                                   "(its model, optimizer state, data and evaluation): auto: a GPU "
+                                                   "where the host sees one (under Ray an actor sees one only where "
+                                                   "it holds num_gpus; the local backend: the process's), else the "
+                                                   "CPU; cuda: an error where there is none")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources the actor "
                                         "needs (pins it to nodes offering them)")
     memory: int | None = Field(default=None, ge=0, description="bytes")
@@ -280,7 +286,7 @@ MOVED_RUNTIME_KEYS = {"placement": "placement.strategy", "transport": "transport
                       "spill_dir": "placement.spill_dir", "direct_steps": "transport.direct_steps",
                       "max_in_flight": "transport.max_in_flight", "window": "transport.window",
                       "max_retries": "faults.max_retries", "inject_fault": "faults.inject_fault",
-                      "on_bad_client": "faults.on_bad_client"}
+                      "on_bad_client": "faults.on_bad_client", "device": "server.device"}
 
 
 def _config_warning(message: str) -> None:
@@ -358,8 +364,11 @@ class RuntimeConfig(_Strict):
                                  "run (a driver that called ray.init or joins runtime.address); 0: killed at the "
                                  "run's end. Idle ones hold their resources until then, or until a run asking for "
                                  "others or a sweep starts")
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="the server host's torch device "
-                                                   "(auto: cuda where one is visible)")
+    deterministic: bool | Literal["auto"] = Field(default="auto", description="deterministic kernels "
+                                                  "(torch.use_deterministic_algorithms, cuDNN's deterministic "
+                                                  "algorithms, a fixed cuBLAS workspace): auto: on in each host "
+                                                  "that computes on a GPU (CPU kernels at a fixed thread count "
+                                                  "already are); true: in every host")
     placement: PlacementConfig = Field(default=PlacementConfig(), description="which client actor serves a "
                                        "client, and where client state is kept (PlacementConfig)")
     transport: TransportConfig = Field(default=TransportConfig(), description="how split steps travel "
@@ -379,6 +388,11 @@ class RuntimeConfig(_Strict):
                              f"actors (client0..client{self.num_workers - 1}, runtime.num_workers)")
         if f is not None and self.backend != "ray":
             raise ValueError("runtime.faults.inject_fault kills an actor: it needs runtime.backend=ray")
+        for role in ("server", "client"):
+            res = getattr(self, role)
+            if self.backend == "ray" and res.device == "cuda" and not res.num_gpus:
+                raise ValueError(f"runtime.{role}.device=cuda: Ray gives an actor a GPU only where it holds one; set "
+                                 f"runtime.{role}.num_gpus (a fraction shares a GPU: 0.25 puts four actors on one)")
         return self
 
 

@@ -125,7 +125,7 @@ class AmpereRule(AuxRule):
         if chunk == 0:
             host.meter.wait_until(cid, t_start)
         if self._export_of is not host.states.global_state:  # the global device block, once per transfer
-            self._export_model = aux_parts(host.spec)[0]
+            self._export_model = aux_parts(host.spec)[0].to(host.executor.device)
             self._export_model.load_state_dict(host.states.global_state)
             self._export_model.eval()
             self._export_of = host.states.global_state
@@ -139,9 +139,9 @@ class AmpereRule(AuxRule):
             out, nbytes = host.defend(Tag(cid, host.round, chunk, f"export_{split}"), x, out,
                                       count=split == "train" and chunk == 0, rate=1.0)
         feats = out.cpu().contiguous().numpy()  # to the server's activation store
-        t = host.meter.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + y.numpy().nbytes,
-                                     "activations")
-        return feats, y.numpy(), cid, split, t
+        labels = y.cpu().numpy()
+        t = host.meter.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + labels.nbytes, "activations")
+        return feats, labels, cid, split, t
 
 
 class AmpereServer(AuxServer):

@@ -185,7 +185,7 @@ class SemiRule(ClientRule):
     def __init__(self, host):
         super().__init__(host)
         self.augment = Augmenter(host.spec.data_spec)
-        self.teacher, _ = build_parts(host.spec)
+        self.teacher = build_parts(host.spec)[0].to(host.executor.device)
         self._batch_of: dict[tuple, np.ndarray] = {}
 
     def set_teacher(self, msg: StateMsg, receivers: list[int]) -> None:
@@ -531,7 +531,9 @@ class SemiFLRule(SemiRule):
         for step in range(steps):
             idx = host.data.draw(cid)
             with host.executor.seeded(cid, 2, host.round, step):
-                xw, xs = self.augment(host.data.x[idx], "weak"), self.augment(host.data.x[idx], "strong")
+                dev = host.executor.device
+                xw = self.augment(host.data.x[idx], "weak").to(dev)
+                xs = self.augment(host.data.x[idx], "strong").to(dev)
                 lam = float(np.random.default_rng([host.spec.seed, cid, host.round, step]).beta(mixup_alpha,
                                                                                                  mixup_alpha))
                 perm = torch.randperm(len(idx))

@@ -90,7 +90,7 @@ class SplitGPRule(AuxRule):
     def inputs(self, tag: Tag, idx):
         x, y = self.host.data.batch(idx)
         self._labels[tag] = y
-        return x, y.numpy()
+        return x, y.cpu().numpy()
 
     def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
         lam = self.host.params.lambda_local
@@ -151,7 +151,7 @@ class ScaffoldRule(ClientRule):
 
     def set_control(self, msg: StateMsg, receivers: list[int]) -> None:
         """The server's control variate for the round (download charged to the round's clients)."""
-        state = msg.tensors()
+        state = msg.tensors(self.host.executor.device)
         self.c_global = [state[str(i)] for i in range(len(state))] if state else None
         for c in receivers:
             if int(c) in self.host.data:

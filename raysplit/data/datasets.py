@@ -153,19 +153,25 @@ def _root(root: str | os.PathLike | None) -> Path:
     return Path(default_data_root() if root is None else os.path.expanduser(str(root)))
 
 
-def to_tensor(x: np.ndarray, spec: DataSpec) -> torch.Tensor:
-    """Convert stored arrays to model inputs.
+def to_tensor(x: np.ndarray | torch.Tensor, spec: DataSpec) -> torch.Tensor:
+    """Convert stored arrays to model inputs (a tensor of stored values, e.g. already on a GPU, is converted where
+    it is).
 
     image: float32 ``x / 255`` then ``(x - mean) / std`` per channel (channel axis is the
     first axis of ``spec.input_shape``; works for a batch ``(N, C, H, W)`` or a single
     sample ``(C, H, W)``); float: float32 as is; tokens: ``torch.long``.
     """
-    a = np.asarray(x)
-    if not a.flags.writeable:  # read-only views straight from Ray's object store
-        a = a.copy()
-    if spec.kind == "tokens":
-        return torch.as_tensor(a, dtype=torch.long)
-    t = torch.from_numpy(a)
+    if isinstance(x, torch.Tensor):
+        t = x
+        if spec.kind == "tokens":
+            return t.to(torch.long)
+    else:
+        a = np.asarray(x)
+        if not a.flags.writeable:  # read-only views straight from Ray's object store
+            a = a.copy()
+        if spec.kind == "tokens":
+            return torch.as_tensor(a, dtype=torch.long)
+        t = torch.from_numpy(a)
     if spec.kind == "float":
         return t.to(torch.float32)
     # image
@@ -173,8 +179,8 @@ def to_tensor(x: np.ndarray, spec: DataSpec) -> torch.Tensor:
     if spec.mean is not None or spec.std is not None:
         c = spec.input_shape[0]
         bshape = (c,) + (1,) * (len(spec.input_shape) - 1)
-        mean = torch.tensor(spec.mean if spec.mean is not None else (0.0,) * c, dtype=torch.float32)
-        std = torch.tensor(spec.std if spec.std is not None else (1.0,) * c, dtype=torch.float32)
+        mean = torch.tensor(spec.mean if spec.mean is not None else (0.0,) * c, dtype=torch.float32, device=t.device)
+        std = torch.tensor(spec.std if spec.std is not None else (1.0,) * c, dtype=torch.float32, device=t.device)
         t = (t - mean.view(bshape)) / std.view(bshape)
     return t
 

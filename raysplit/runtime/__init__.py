@@ -5,14 +5,18 @@ import Ray; they are loaded when a Ray backend is requested.
 """
 
 from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs
+from raysplit.runtime.hostspec import host_device
 from raysplit.runtime.hosts import Checkpointed, ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
 from raysplit.runtime.rules import AsyncRule, ClientRule, ServerRule
 from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
 
 def make_backend(rcfg):
-    """Backend for a RuntimeConfig: ``ray`` (actors) or ``local`` (in-process)."""
+    """Backend for a RuntimeConfig: ``ray`` (actors) or ``local`` (in-process; a device this process lacks is
+    refused here, before any host is built)."""
     if rcfg.backend == "local":
+        for role in ("server", "client"):
+            host_device(getattr(rcfg, role).device, f"runtime.{role}.device")
         return LocalBackend(rcfg.num_workers)
     from raysplit.runtime.ray_backend import RayBackend
 

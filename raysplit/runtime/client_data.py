@@ -33,8 +33,14 @@ class ClientData:
     client_fields = ("train_idx", "test_idx", "cursor")  # per-client state that moves with a client
 
     def __init__(self, data: dict, train_idx: dict, test_idx: dict, spec: DataSpec, *, batch_size: int, seed: int,
-                 drop_last: bool, changed: set[int]):
+                 drop_last: bool, changed: set[int], device: torch.device = torch.device("cpu")):
         self.x, self.y = data["x"], data["y"]
+        self.device = device
+        # on a GPU the samples are copied there once, as stored (uint8 images stay uint8), and batches are cut and
+        # converted there; on the CPU they are read from the worker's copy of the dataset
+        self._on_device = None if device.type == "cpu" else (
+            torch.from_numpy(np.array(self.x, copy=True)).to(device),
+            torch.as_tensor(np.asarray(self.y), dtype=torch.long).to(device))
         self.spec = spec
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.train_idx = {int(c): np.asarray(v) for c, v in train_idx.items()}
@@ -65,7 +71,10 @@ class ClientData:
         return cached[1][start:stop]
 
     def batch(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples ``idx`` as model input and labels."""
+        """The samples ``idx`` as model input and labels (on the host's device)."""
+        if self._on_device is not None:
+            at = torch.as_tensor(np.asarray(idx), dtype=torch.long, device=self.device)
+            return to_tensor(self._on_device[0][at], self.spec), self._on_device[1][at]
         x = to_tensor(self.x[idx], self.spec)
         y = torch.as_tensor(np.asarray(self.y[idx]), dtype=torch.long)
         return x, y

@@ -22,7 +22,8 @@ from raysplit.runtime.client_transfers import ModelTransfers
 from raysplit.runtime.cut import ClientCut, reconstruction_attack
 from raysplit.runtime.evaluation import evaluate_own
 from raysplit.runtime.executor import Executor, Forward
-from raysplit.runtime.hostspec import HostSpec, ModelSlot, _bad_input, build_parts, limit_threads
+from raysplit.runtime.hostspec import (HostSpec, ModelSlot, _bad_input, build_parts, host_device, limit_threads,
+                                       set_determinism)
 from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
 from raysplit.runtime.meter import CostMeter
 from raysplit.runtime.optim import round_lr
@@ -31,8 +32,8 @@ from raysplit.runtime.screening import gradient_fault, screens_nonfinite, where_
 
 
 class ClientHost(ClientJobs, ClientMoves):
-    """Hosts a set of virtual clients on one worker; ``data.train_idx``'s keys are the clients it holds now.
-    Methods do not subclass it: they give a client rule (``spec.client_rule``), made here as ``self.rule``."""
+    """Hosts a set of virtual clients on one worker (``data.train_idx``'s keys: those it holds now), computing on
+    ``runtime.client.device``. Methods give a client rule (``spec.client_rule``), made here as ``self.rule``."""
 
     # the host's own per-client mappings that move with a client (``export_clients``; its components' move too)
     client_fields: tuple[str, ...] = ("job_round", "job_loss")
@@ -41,19 +42,21 @@ class ClientHost(ClientJobs, ClientMoves):
                  test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
         if spec.torch_threads:
             limit_threads(spec.torch_threads)
+        device = host_device(spec.client_device, "runtime.client.device")
+        set_determinism(spec.deterministic, device)
         torch.manual_seed(spec.seed * 1009 + worker_index)
         self.spec = spec
         self.params = spec.params
         self.worker_index = worker_index
         self.changed: set[int] = {int(c) for c in train_idx}  # clients changed since the last changed_clients()
         self.data = ClientData(data, train_idx, test_idx, spec.data_spec, batch_size=spec.batch_size,
-                               seed=spec.seed, drop_last=spec.drop_last, changed=self.changed)
+                               seed=spec.seed, drop_last=spec.drop_last, changed=self.changed, device=device)
         self.meter = CostMeter(profiles, self.data.train_idx, charge_server=spec.charge_server, changed=self.changed)
-        self.states = ClientStates(lambda: self.rule.build_module(), transport.unpack_state(init_state), spec.client_optimizer,
-                                   persist=spec.persist_client_models, state_bytes=spec.client_state_bytes,
-                                   spill_dir=spec.spill_dir, changed=self.changed)
+        self.states = ClientStates(lambda: self.rule.build_module().to(device), transport.unpack_state(init_state),
+                                   spec.client_optimizer, persist=spec.persist_client_models, device=device,
+                                   state_bytes=spec.client_state_bytes, spill_dir=spec.spill_dir, changed=self.changed)
         self.cut = ClientCut(spec.privacy)
-        self.executor = Executor(spec.seed)
+        self.executor = Executor(spec.seed, device)
         self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
         self.transfers = ModelTransfers(self.data, self.states, self.meter, self.dropped)
         self.pending: dict[Tag, torch.Tensor] = {}  # forwards awaiting their gradient
@@ -100,8 +103,7 @@ class ClientHost(ClientJobs, ClientMoves):
 
     # ---- split-learning steps -------------------------------------------------------------------------------
     def forward(self, tag: Tag, batch_size: int | None = None) -> Activation:
-        """Client ``tag.client`` forwards its next batch; the graph stays here until the gradient for ``tag``
-        (whatever its stream) arrives."""
+        """Client ``tag.client`` forwards its next batch; the graph waits here for the gradient for ``tag``."""
         cid, rule = tag.client, self.rule
         t_start = self.meter.now(cid)
         slot = self.activate(cid)
@@ -109,7 +111,8 @@ class ClientHost(ClientJobs, ClientMoves):
         if self.spec.asynchronous:  # what a checkpoint needs to rebuild this forward's graph (load_state_dict)
             self._replay[tag] = (idx, {k: b.detach().clone() for k, b in slot.module.named_buffers()})
         with self.executor.seeded(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
-            x, y = rule.inputs(tag, idx)
+            x, y = rule.inputs(tag, idx)  # x to the host's device: a rule's own inputs (views) may not be there
+            x = x.to(self.executor.device)
             [(out, fl)] = self.executor.forward([Forward(("fwd", tuple(x.shape)), rule.encoder(tag, slot), x)])
         nbytes = None
         if self.cut.defence is not None:
@@ -137,8 +140,7 @@ class ClientHost(ClientJobs, ClientMoves):
         return [self.forward(tag, batch_size) for tag in tags]
 
     def backward(self, grad: Gradient) -> float:
-        """Apply the gradient for the activation with the same tag; returns the client's clock (the rule's
-        ``after_backward`` may replace it)."""
+        """Apply the gradient for the activation of its tag; the client's clock (or the rule's ``after_backward``'s)."""
         tag, cid = grad.tag, grad.tag.client
         if grad.rejected and tag not in self.pending:  # withheld for a tag that was not ours (a forged round)
             self.drop(cid, grad.rejected)
@@ -172,7 +174,7 @@ class ClientHost(ClientJobs, ClientMoves):
             self.drop(cid, why)
         if grad.g is None or cid in self.dropped:
             return self.meter.now(cid)
-        g = transport.unpack(grad.g)
+        g = transport.unpack(grad.g, self.executor.device)
         slot.optimizer.zero_grad(set_to_none=True)
         if leak is not None:  # NoPeek's term first (its graph is the activation's), then the server's gradient
             self.cut.nopeek_loss(leak).backward(retain_graph=True)
@@ -187,7 +189,7 @@ class ClientHost(ClientJobs, ClientMoves):
             self.dropped[cid] = why
             self.meter.count(cid, dropped=1)
 
-    # ---- model transfers (ModelTransfers) ---------------------------------------------------------------------
+    # ---- model transfers (ModelTransfers) and evaluation ------------------------------------------------------
     def partial_sum(self, weights: dict[int, float]) -> StateMsg | None:
         """FedAvg's weighted sum of the hosted clients' weights (upload counted per client)."""
         return self.transfers.partial_sum(weights)
@@ -215,13 +217,11 @@ class ClientHost(ClientJobs, ClientMoves):
             self.release(c)
         out = self.meter.close_round()
         for c, row in out.items():
+            row.update(self.cut.round_row(c))
             if c in self.dropped:
                 row["drop_reason"] = self.dropped[c]
-            if self.cut.accounted:
-                row["dp_epsilon"] = self.cut.epsilon(c)
         return out
 
-    # ---- evaluation ----------------------------------------------------------------------------------------
     def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
         """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
         return reconstruction_attack(self, cids, rnd, global_state)
@@ -229,4 +229,4 @@ class ClientHost(ClientJobs, ClientMoves):
     def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """Each client's own test split through its own client model and the given server model."""
         return evaluate_own(build_parts(self.spec), self.data, self.states.state_of, cids,
-                            transport.unpack_state(server_state.state), self.spec)
+                            transport.unpack_state(server_state.state), self.spec, self.executor.device)

@@ -29,8 +29,10 @@ class ClientStates:
     client_fields = ("own", "opt_state")  # per-client state that moves with a client
 
     def __init__(self, build: Callable[[], torch.nn.Module], init_state: dict, optimizer: dict, *,
-                 persist: bool, state_bytes: int | None, spill_dir: str | None, changed: set[int]):
+                 persist: bool, state_bytes: int | None, spill_dir: str | None, changed: set[int],
+                 device: torch.device | None = None):
         self.build = build
+        self.device = device  # where ``build``'s modules are (None: not said)
         self.global_state = init_state
         self.optimizer = optimizer
         self.persist = persist
@@ -46,7 +48,11 @@ class ClientStates:
         return self._pool.pop() if self._pool else self.build()
 
     def give_back(self, module: torch.nn.Module) -> None:
-        self._pool.append(module)
+        """A module :meth:`module` lent, or one built alike, pooled for reuse (one on another device than the
+        pool's, e.g. an attack's on the CPU beside a GPU host's, is not)."""
+        p = next(module.parameters(), None)
+        if p is None or self.device is None or p.device == self.device:
+            self._pool.append(module)
 
     def state_of(self, cid: int) -> dict:
         """Client ``cid``'s current weights: its slot's, its own, or the global ones."""

@@ -52,6 +52,10 @@ class ClientCut:
         """NoPeek's loss term on a forward's (inputs, activation)."""
         return self.defence.loss(*leak)
 
+    def round_row(self, cid: int) -> dict:
+        """What the cut adds to client ``cid``'s row of the round: its epsilon so far where releases are counted."""
+        return {"dp_epsilon": self.epsilon(cid)} if self.accounted else {}
+
     def epsilon(self, cid: int) -> float:
         """Client ``cid``'s privacy spent so far (the accountant's epsilon at ``privacy.delta``)."""
         return self.defence.epsilon(self.dp_releases.get(cid, {}))

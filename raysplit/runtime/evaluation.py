@@ -43,11 +43,11 @@ def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_siz
 
 @torch.no_grad()
 def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of: Callable[[int], dict],
-                 cids: list[int], server_state: dict, spec) -> tuple[np.ndarray, np.ndarray, float]:
+                 cids: list[int], server_state: dict, spec, device="cpu") -> tuple[np.ndarray, np.ndarray, float]:
     """Each of ``cids`` that ``data`` (a :class:`~raysplit.runtime.client_data.ClientData`) holds test samples of:
     its own test split through its own client model (``state_of(cid)``) and the server model ``server_state``;
-    ``parts``: fresh (client, server) modules to load them into."""
-    client, server = parts
+    ``parts``: fresh (client, server) modules to load them into, run on ``device``."""
+    client, server = (m.to(device) for m in parts)
     server.load_state_dict(server_state)
     client.eval(), server.eval()
     tally = EvalTally()
@@ -57,5 +57,5 @@ def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of:
             continue
         client.load_state_dict(state_of(c))
         predict_batches(data.x[idx], data.y[idx], spec.data_spec, spec.eval_batch_size, lambda x: server(client(x)),
-                        tally)
+                        tally, device)
     return tally.result()

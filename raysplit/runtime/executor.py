@@ -38,11 +38,11 @@ class Backward:
 
 
 class Executor:
-    """Runs client computations on ``device`` (the CPU) one client at a time and counts their FLOPs; ``seed``: the
-    run's, from which each client's random streams are drawn."""
+    """Runs client computations on ``device`` one client at a time and counts their FLOPs; ``seed``: the run's,
+    from which each client's random streams are drawn."""
 
-    def __init__(self, seed: int):
-        self.device = torch.device("cpu")
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu")):
+        self.device = device
         self.flops = FlopCache()
         self.seed = seed
 
@@ -50,7 +50,7 @@ class Executor:
     def seeded(self, cid: int, *salt: int):
         """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,
         augmentation) does not depend on which worker hosts the client or what ran before on it."""
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
             torch.manual_seed(int(np.random.default_rng([self.seed, 0xC11, cid, *salt]).integers(2**62)))
             yield
 

@@ -49,7 +49,9 @@ class HostSpec:
     drop_last: bool  # train.drop_last: a pass over a client's data skips its last short batch
     eval_batch_size: int
     torch_threads: int | str | None  # runtime.torch_threads; "auto" is resolved by the backend before any host
-    device: str
+    server_device: str  # runtime.server.device (auto, cpu, cuda)
+    client_device: str  # runtime.client.device
+    deterministic: bool | str  # runtime.deterministic (auto: on where a host computes on a GPU)
     server_flops: float
     persist_client_models: bool  # no global client model: every client keeps its own
     stop_on_nonfinite: bool  # train.stop_on_nonfinite, on the client and the server path alike
@@ -151,6 +153,29 @@ def invoke(host: Any, method: str, *args, **kwargs) -> Any:
 def method_of(host: Any, name: str) -> Any:
     """A host's method ``name``, or else its rule's (a method's own client and server calls, its server steps)."""
     return getattr(host if hasattr(type(host), name) or not hasattr(host, "rule") else host.rule, name)
+
+
+def host_device(want: str, key: str) -> torch.device:
+    """The torch device a host computes on: ``want`` (``key``'s value: auto, cpu, cuda) against the GPUs this
+    process sees (under Ray: the actor's own); ``cuda`` where there is none is a ConfigError naming ``key``."""
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}=cuda: this process sees no CUDA device (torch {torch.__version__}, CUDA "
+                          f"{torch.version.cuda or 'not built in'}); use auto or cpu")
+    return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+
+
+def set_determinism(want: bool | str, device: torch.device) -> bool:
+    """``runtime.deterministic`` in this process: deterministic kernels (``torch.use_deterministic_algorithms``,
+    cuDNN's deterministic algorithms and no autotuning, a fixed cuBLAS workspace) where ``want`` is true, or
+    ``auto`` and the host computes on a GPU; on the CPU at a fixed thread count the kernels already are, and
+    ``auto`` leaves them alone. Returns whether it is on."""
+    on = want is True or (want == "auto" and device.type == "cuda")
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts its first handle
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True)
+    return on
 
 
 def machine_cores() -> int:

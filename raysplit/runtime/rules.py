@@ -62,7 +62,7 @@ class ClientRule(Checkpointed):
     def inputs(self, tag: Tag, idx: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """Model input and the labels sent with the activation."""
         x, y = self.host.data.batch(idx)
-        return x, y.numpy()
+        return x, y.cpu().numpy()
 
     def encoder(self, tag: Tag, slot: ModelSlot) -> Callable[[torch.Tensor], torch.Tensor]:
         """The module that encodes this forward: the client's model."""

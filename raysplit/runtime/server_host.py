@@ -20,7 +20,8 @@ from raysplit.runtime.server_steps import ServerSteps
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
 from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError,
-                                       build_parts, limit_threads, method_of)
+                                       build_parts, host_device, limit_threads, method_of,
+                                       set_determinism)
 from raysplit.runtime.rules import ServerRule
 from raysplit.runtime.screening import Screen
 from raysplit.runtime.evaluation import EvalTally, predict_batches
@@ -38,8 +39,8 @@ class ServerHost(ServerSteps, ServerCopies, Checkpointed):
         torch.manual_seed(spec.seed * 1009 + 7919)
         self.spec = spec
         self.params = spec.params
-        want = spec.device
-        self.device = torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        self.device = host_device(spec.server_device, "runtime.server.device")
+        set_determinism(spec.deterministic, self.device)
         client, server = build_parts(spec)
         server.load_state_dict(transport.unpack_state(init_state))
         server.to(self.device).train()

@@ -1,0 +1,140 @@
+"""Where hosts compute (issue 53): ``runtime.server.device`` / ``runtime.client.device``, the determinism switch,
+GPU shares under Ray. This machine has no GPU: the CUDA paths are checked where a CPU can check them (the data
+path's device branch on CPU tensors, errors naming their keys, Ray's logical GPUs), and on a GPU machine by
+``make bench-gpu``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import golden  # noqa: E402
+
+from raysplit.config import load_config  # noqa: E402
+from raysplit.data import DataSpec, to_tensor  # noqa: E402
+from raysplit.errors import ConfigError  # noqa: E402
+from raysplit.runtime import make_backend  # noqa: E402
+from raysplit.runtime.client_data import ClientData  # noqa: E402
+from raysplit.runtime.hostspec import host_device, set_determinism  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _cfg(**over):
+    return load_config(None, {"data.dataset": "digits", "model.name": "cnn_small", **over})
+
+
+def test_runtime_device_is_now_the_server_actors_and_the_old_key_moves_with_a_warning():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = _cfg(**{"runtime.device": "cpu"})
+    assert cfg.runtime.server.device == "cpu" and cfg.runtime.client.device == "auto"
+    assert any("runtime.server.device" in str(x.message) for x in w), [str(x.message) for x in w]
+    from raysplit.config import validate
+
+    with pytest.raises(Exception, match="runtime.device and runtime.server.device are the same setting"):
+        validate({"data": {"dataset": "digits"}, "runtime": {"device": "cpu", "server": {"device": "cpu"}}})
+
+
+@pytest.mark.parametrize("role", ["server", "client"])
+def test_cuda_under_ray_without_a_gpu_share_is_one_error_naming_both_keys(role):
+    with pytest.raises(Exception) as e:
+        _cfg(**{f"runtime.{role}.device": "cuda"})
+    assert f"runtime.{role}.device=cuda" in str(e.value) and f"runtime.{role}.num_gpus" in str(e.value)
+    cfg = _cfg(**{f"runtime.{role}.device": "cuda", f"runtime.{role}.num_gpus": 0.25})  # a share is enough
+    assert getattr(cfg.runtime, role).num_gpus == 0.25
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+@pytest.mark.parametrize("role", ["server", "client"])
+def test_cuda_in_process_on_a_machine_without_one_is_refused_before_any_host(role):
+    cfg = _cfg(**{"runtime.backend": "local", f"runtime.{role}.device": "cuda"})
+    with pytest.raises(ConfigError, match=rf"^runtime\.{role}\.device=cuda: this process sees no CUDA device"):
+        make_backend(cfg.runtime)
+    assert host_device("auto", "k") == torch.device("cpu") == host_device("cpu", "k")
+
+
+def test_determinism_is_left_alone_on_the_cpu_unless_asked_for():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert set_determinism("auto", torch.device("cpu")) is False
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert set_determinism(False, torch.device("cuda")) is False
+        assert set_determinism("auto", torch.device("cuda")) is True  # the flags only: no CUDA call is made
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(before)
+        torch.backends.cudnn.deterministic = False
+
+
+def test_a_tensor_of_stored_values_converts_as_the_array_does():
+    x = np.random.default_rng(0).integers(0, 256, (5, 1, 8, 8), dtype=np.uint8)
+    for spec in (DataSpec("t", "image", (1, 8, 8), 10, mean=(0.3,), std=(0.2,)), DataSpec("t", "image", (1, 8, 8), 10),
+                 DataSpec("t", "float", (1, 8, 8), 10)):
+        assert torch.equal(to_tensor(torch.from_numpy(x), spec), to_tensor(x, spec))
+
+
+def test_the_device_branch_of_the_data_cuts_the_same_batches():
+    """A host on a GPU keeps the samples there once and cuts each batch there; the branch, run on CPU tensors,
+    gives the batches the array path gives."""
+    rng = np.random.default_rng(1)
+    data = {"x": rng.integers(0, 256, (40, 1, 8, 8), dtype=np.uint8), "y": rng.integers(0, 10, 40)}
+    spec = DataSpec("t", "image", (1, 8, 8), 10, mean=(0.5,), std=(0.25,))
+    kw = dict(batch_size=6, seed=3, drop_last=False, changed=set())
+    plain = ClientData(data, {0: np.arange(20)}, {0: np.arange(20, 25)}, spec, **kw)
+    staged = ClientData(data, {0: np.arange(20)}, {0: np.arange(20, 25)}, spec, **kw)
+    staged._on_device = (torch.from_numpy(data["x"].copy()), torch.as_tensor(data["y"], dtype=torch.long))
+    for _ in range(5):
+        (xa, ya), (xb, yb) = plain.batch(plain.draw(0)), staged.batch(staged.draw(0))
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and yb.dtype == torch.long
+
+
+def test_hosts_on_an_explicit_cpu_device_reproduce_the_fingerprint():
+    """``runtime.server.device`` / ``client.device`` / ``deterministic`` given explicitly: sflv2's golden run
+    unchanged (the CPU path is the one every result was computed with)."""
+    got = golden.run("sflv2", **{"runtime.server.device": "cpu", "runtime.client.device": "cpu",
+                                 "runtime.deterministic": True})
+    assert not golden.differences(golden.load("sflv2"), got)
+
+
+GPU_SHARES = textwrap.dedent("""
+    import sys, ray
+    from pathlib import Path
+    sys.path.insert(0, "tests")
+    from helpers import make_config
+    from raysplit.experiment import run_experiment
+    from raysplit.runtime.ray_backend import ResourceError
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    over = {"runtime.address": "auto", "runtime.num_workers": 4, "runtime.client.num_gpus": 0.5,
+            "runtime.client.num_cpus": 0.25, "runtime.server.num_cpus": 0.25, "runtime.keep_actors_s": 0,
+            "train.rounds": 1, "tracking.enabled": False}
+    tmp = Path(sys.argv[1])
+    out = run_experiment(make_config(tmp, f"sqlite:///{tmp}/m.db", **over))
+    print("ran", out["eval/accuracy"] > 0)
+    try:
+        run_experiment(make_config(tmp, f"sqlite:///{tmp}/m.db", **{**over, "runtime.client.num_gpus": 0.75}))
+    except ResourceError as e:
+        print("refused", e)
+""")
+
+
+@pytest.mark.subprocess
+def test_client_actors_share_ray_gpus_and_a_share_no_cluster_has_is_refused(tmp_path):
+    """Four client actors on two of Ray's logical GPUs (0.5 each: two to a GPU) run; 0.75 each (3 GPUs) is one
+    ResourceError naming the GPUs, before any actor starts. With no CUDA here, ``device: auto`` computes on the CPU."""
+    r = subprocess.run([sys.executable, "-c", GPU_SHARES, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
+    out = r.stdout + r.stderr[-3000:]
+    assert r.returncode == 0 and "ran True" in r.stdout, out
+    assert "refused" in r.stdout and "GPU: need 3 (server 0 + 4 client actors x 0.75), cluster has 2" in r.stdout, out
