@@ -13,6 +13,7 @@ COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"
            ("dataset", "params.data.dataset"), ("seed", "params.seed")]
 # params that differ between runs without being a choice of the user's: where each run wrote, and what was derived
 DERIVED = ("tracking.", "resolved.", "partition.", "name")
+SHORT = {"algorithm.name": "algorithm"}  # in a legend; a method's own parameters go without "algorithm."
 
 
 def _metric(run_metrics: dict, name: str) -> str:
@@ -51,10 +52,12 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accu
 
 
 def differing(rows: list[dict]) -> list[str]:
-    """The params (dotted config keys) whose values are not the same in every run, derived ones left out."""
+    """The params (dotted config keys) whose values are not the same in every run, derived ones left out, and so
+    are those that differ only by being there: a method's own parameter (``algorithm.order`` of SFLV2 beside an
+    SFLV1 run) with one value in every run that has it is told apart by ``algorithm.name`` already."""
     keys = sorted({k for r in rows for k in r["_params"]})
     return [k for k in keys if not k.startswith(DERIVED)
-            and len({r["_params"].get(k) for r in rows}) > 1]
+            and len({r["_params"][k] for r in rows if k in r["_params"]}) > 1]
 
 
 def _fmt(v) -> str:
@@ -90,27 +93,42 @@ def comparison(experiment: str, uri: str | None = None, metric: str = "eval/accu
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)) for t in table]
     if plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in rows if against else []:
-            if r[against] is not None and r[metric] is not None:
-                label = ", ".join(f"{k}={r['_params'].get(k, '-')}" for k in varied) or f"{r['algorithm']} {r['name']}"
-                ax.scatter(r[against], r[metric], label=f"{label} ({r['run_id']})")
-        for r in [] if against else rows:
-            if r["_history"]:
-                xs, ys = zip(*r["_history"])
-                label = ", ".join(f"{k}={r['_params'].get(k, '-')}" for k in varied) or f"{r['algorithm']} {r['name']}"
-                ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=f"{label} ({r['run_id']})")
-        if not against:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
-        ax.set_xlabel(against or "round"), ax.set_ylabel(metric), ax.legend(fontsize=7), ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(plot, dpi=110)
-        plt.close(fig)
+        plot_rows(rows, metric, against, varied, plot)
         lines.append(f"plot written to {plot}")
     return "\n".join(lines), rows
+
+
+def plot_rows(rows: list[dict], metric: str, against: str | None, varied: list[str], path: str):
+    """The overlay of :func:`comparison`: ``metric`` per round of each run (or, with ``against``, each run's final
+    ``metric`` against its final ``against``), labelled by the ``varied`` params. The legend goes under the axes, in
+    as many columns as fit, so that it never covers a run's points however many runs a sweep has; returns the
+    figure's (axes, legend) extents in pixels, for a check."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    def label(r):
+        named = ", ".join(f"{SHORT.get(k, k.removeprefix('algorithm.'))}={r['_params'].get(k, '-')}" for k in varied)
+        return f"{named or r['algorithm'] + ' ' + r['name']} ({r['run_id']})"
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows if against else []:
+        if r[against] is not None and r[metric] is not None:
+            ax.scatter(r[against], r[metric], label=label(r))
+    for r in [] if against else rows:
+        if r["_history"]:
+            xs, ys = zip(*r["_history"])
+            ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=label(r))
+    if not against:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
+    ax.set_xlabel(against or "round"), ax.set_ylabel(metric), ax.grid(alpha=0.3)
+    longest = max((len(h) for h in ax.get_legend_handles_labels()[1]), default=1)
+    legend = ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                       ncol=max(1, min(3, 90 // max(longest, 1))), frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the figure grows to hold the legend
+    renderer = fig.canvas.get_renderer()
+    extents = (ax.get_window_extent(renderer), legend.get_window_extent(renderer))
+    plt.close(fig)
+    return extents

@@ -101,6 +101,32 @@ def test_compare_labels_a_sweeps_runs_by_what_was_swept(tmp_path, capsys):
     assert seen["ticks"]._integer  # whole rounds on the axis
 
 
+def test_a_sweeps_legend_stays_off_the_runs_and_names_no_method_only_param(tmp_path):
+    """Issue 57: a sweep over methods (SFLV2 with its own order/phi beside SFLV1 and SFLV1 with batched copies):
+    neither the table nor the legend names a method's own parameter that only tells its method apart; twelve runs'
+    legend lies under the axes (never over a run's points) and inside the saved figure."""
+    from raysplit.comparison import differing, plot_rows
+
+    def row(i, params):
+        hist = [(r, 0.3 + 0.05 * r + 0.01 * i) for r in range(10)]
+        return {"run_id": f"{i:08d}", "name": f"trainable_{i:05d}", "algorithm": params["algorithm.name"],
+                "_params": params, "_history": hist, "eval/accuracy": hist[-1][1]}
+
+    rows = [row(i, {"algorithm.name": alg, "train.optimizer.lr": lr, "seed": 0,
+                    **({"algorithm.order": "cyclic", "algorithm.phi": 1} if alg == "sflv2" else
+                       {"algorithm.batched_copies": False})})
+            for i, (alg, lr) in enumerate((a, lr) for a in ("sflv2", "sflv1") for lr in (0.1, 0.03, 0.01, 0.003,
+                                                                                         0.001, 0.0003))]
+    varied = differing(rows)
+    assert varied == ["algorithm.name", "train.optimizer.lr"], varied
+    axes, legend = plot_rows(rows, "eval/accuracy", None, varied, str(tmp_path / "sweep.png"))
+    assert legend.y1 <= axes.y0 and legend.width > 0, (axes, legend)  # wholly below the axes
+    from PIL import Image
+
+    w, h = Image.open(tmp_path / "sweep.png").size
+    assert h > 4 * 110 * 0.9, (w, h)  # the saved figure grew to hold the legend
+
+
 def test_cluster_yaml_passes_rays_validator():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
