@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import math
 import os
 import sys
@@ -205,6 +206,12 @@ def trial_bundles(cfg) -> list[dict]:
 CHECKPOINT_FILE = "checkpoint.pt"  # the raysplit checkpoint inside a trial's Tune checkpoint
 
 
+# what a trial reports to Tune when it logs to MLflow itself (mlflow: trial): the headline metrics, which Tune prints
+# when a trial ends; with mlflow: callback Tune's callback logs every metric, so every one is reported
+HEADLINE = ("eval/accuracy", "eval/best_accuracy", "eval/loss", "eval/f1_macro", "eval/mcc", "train/loss", "time/sim",
+            "comm/bytes_up")
+
+
 class Trial:
     """One trial of a sweep: one raysplit run of the base config with the trial's ``params``, reporting every
     evaluated round to Tune and, every ``checkpoint_every`` rounds, its raysplit checkpoint as the trial's Tune
@@ -220,6 +227,8 @@ class Trial:
         from raysplit.config import validate
 
         self.name = tune.get_context().get_trial_name()
+        # one line per reported checkpoint is noise in a sweep's output (Tune lists checkpoints itself)
+        logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)
         self.metric, self.log_in_trial, self.every = metric, log_in_trial, checkpoint_every
         self.cfg = validate(apply_overrides(base_raw, {
             **params, "tracking.uri": uri, "tracking.experiment": experiment, "tracking.progress": False,
@@ -291,7 +300,8 @@ class Trial:
         if rnd <= self.reported:  # reported by an earlier attempt of this trial (or a round redone)
             return
         self.reported = rnd
-        result = {**{k: v for k, v in m.items() if isinstance(v, (int, float))}, "round": rnd + 1,
+        keep = (lambda k: True) if not self.log_in_trial else (lambda k: k in HEADLINE or k == self.metric)
+        result = {**{k: v for k, v in m.items() if isinstance(v, (int, float)) and keep(k)}, "round": rnd + 1,
                   "start_round": self.start}
         pending, self.pending = self.pending, None
         if pending is None or final:  # a finished trial needs no checkpoint
@@ -384,6 +394,9 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
     with store_lock(uri):  # another sweep or run may be creating the same store now
         ensure_experiment(mlflow.MlflowClient(uri), experiment)  # tables and experiment made once, on the driver
 
+    # Tune warns at every forced snapshot of its experiment state, which CheckpointConfig(num_to_keep=1) forces at
+    # each trial checkpoint (every round by default): cheap on local storage, nine warnings in a small sweep
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     bundles = trial_bundles(cfg0)
     per_trial = sum(b.get("CPU", 0) for b in bundles)
     if not ray.is_initialized():

@@ -9,8 +9,9 @@ server` serves it on a free local port; headless Chromium renders three pages an
    (``?workflowType=machine_learning``) its runs page lists the run with its dataset (name and digest);
 2. the same runs page in the UI's default "GenAI" view lists it under "Training runs";
 3. the run's "Model metrics" tab shows one section per metric group (eval, train, comm, compute, time, ...), the
-   sections together holding every metric the run logged, the eval section one chart per eval/ metric, and the
-   run's overview lists eval/accuracy with its value.
+   sections together holding every metric the run logged, the eval section one chart per eval/ metric, the
+   accuracy chart drawn (its line in the page, not a loading spinner: the page is reloaded until it is, at most six
+   times), and the run's overview lists eval/accuracy with its value.
 
 Screenshots go to outputs/ui/ (ignored by git). Exit status 0 when every check passes; each failure is printed.
 MLflow 3.17's UI opens an experiment in whichever view (GenAI or Model training) the browser last used (stored in
@@ -40,15 +41,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def page_text(browser: str, url: str, shot: Path, budget_ms: int = 20000, height: int = 1000) -> str:
+def page_text(browser: str, url: str, shot: Path, budget_ms: int = 20000, height: int = 1000,
+              drawn: str | None = None, tries: int = 1) -> str:
     """The rendered page's visible text (scripts and styles removed), and a screenshot of it. MLflow draws only the
-    charts in view: a taller window (``height``) draws more of them."""
+    charts in view: a taller window (``height``) draws more of them. ``drawn``: the metric whose chart must have
+    drawn its line (:func:`chart_drawn`); the page is loaded up to ``tries`` times until it has (headless, MLflow
+    3.17 draws a page's charts on some loads and none on others, leaving spinners), and the text is empty if it
+    never did."""
     args = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             f"--virtual-time-budget={budget_ms}", f"--window-size=1400,{height}"]
+    for _ in range(tries):
+        dom = subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+        if drawn is None or chart_drawn(dom, drawn):
+            break
+    else:
+        return ""
     subprocess.run(args + [f"--screenshot={shot}", url], capture_output=True, timeout=180)
-    dom = subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
     text = re.sub(r"<(style|script)\b.*?</\1>", " ", dom, flags=re.S)
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text))
+
+
+def chart_drawn(dom: str, metric: str) -> bool:
+    """Whether the chart of ``metric`` (its heading carries the metric's name as its title) has drawn a line of at
+    least two points, a plotted trace rather than a spinner: a line path after its heading and before the next
+    chart's."""
+    at = dom.find(f'title="{metric}"')
+    if at < 0:
+        return False
+    line = re.search(r'class="js-line" d="M[-\d.,]+L[-\d.,]+', dom[at:])
+    other = re.search(r'<h4 [^>]*title="', dom[at + 1:])
+    return line is not None and (other is None or line.start() < other.start() + 1)
 
 
 def main() -> int:
@@ -98,7 +120,10 @@ def main() -> int:
                 failures.append("GenAI view: the runs page has no 'Training runs'")
             n = len(run.data.metrics)
             metrics = page_text(browser, f"{base}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/"
-                                f"model-metrics?workflowType=machine_learning", OUT / "run_metrics.png", height=4000)
+                                f"model-metrics?workflowType=machine_learning", OUT / "run_metrics.png", height=4000,
+                                drawn="eval/accuracy", tries=6)
+            if not metrics:
+                failures.append("Model metrics tab: the eval/accuracy chart drew no line in 6 loads (spinners)")
             # one collapsible section per group, "eval (7)", "eval/label_acc (10)", ... together every metric
             sections = {g: int(k) for g, k in re.findall(r"\b([a-z_]+(?:/[a-z_]+)?) \((\d+)\)", metrics)}
             missing = {"eval", "train", "comm", "compute", "time"} - set(sections)

@@ -282,3 +282,35 @@ def test_a_host_error_caused_by_a_dead_peer_is_an_actor_failure(ray_session):
         b.get(b.workers[0].fail.remote())
     for a in (b.server, b.workers[0]):
         ray.kill(a)
+
+
+def test_an_actors_death_is_said_in_one_clause_and_its_pending_calls_make_no_noise():
+    """Issue 57: after a replaced server actor the log carried Ray's OOM boilerplate cut mid-word in raysplit's own
+    message, and some 85 "Unhandled error ... ActorDiedError" blocks of the dead actor's pending calls."""
+    import logging
+
+    from raysplit.runtime.ray_crew import GONE, why_died
+
+    oom = ("The actor died unexpectedly before finishing this task.\n\tclass_name: HostActor\n\tactor_id: 3f8e01\n"
+           "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+           "detail: Worker unexpectedly exits with a connection error code 2. End of file. There are some potential "
+           "root causes. (1) The process is killed by SIGKILL by OOM killer due to high memory usage. (2) ray stop "
+           "--force is called. (3) The worker is crashed unexpectedly due to SIGSEGV or other unexpected errors.")
+    said = why_died(oom)
+    assert said.startswith("SYSTEM_ERROR, Worker unexpectedly exits with a connection error code 2")
+    assert "SIGKILL" not in said and "out of memory" in said and len(said) < 200
+    assert why_died("The actor is dead because it was killed by `ray.kill`.") == \
+        "The actor is dead because it was killed by `ray.kill`"
+    assert why_died("x " * 400).endswith(" ...")  # shortened at a word, never mid-word
+
+    def record(msg):
+        return logging.LogRecord("ray._private.worker", logging.ERROR, __file__, 1, msg, None, None)
+
+    GONE.ids.add("3f8e01")
+    try:
+        assert not GONE.filter(record(f"Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): {oom}"))
+        assert GONE.filter(record("Unhandled error (suppress with ...): actor_id: 9999aa, ValueError: mine"))
+        assert GONE.filter(record(f"something else about {oom}"))
+        assert GONE in logging.getLogger("ray._private.worker").filters
+    finally:
+        GONE.ids.discard("3f8e01")

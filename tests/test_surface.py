@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import mlflow
@@ -187,3 +188,20 @@ def test_gpus_this_machine_lacks_are_refused_before_ray_starts(tmp_path):
     assert r.returncode == 2, out[-2000:]
     assert "runtime.server.num_gpus=64" in out and "GPU(s); this machine has" in out, out[-2000:]
     assert "Started a local Ray instance" not in out and not (tmp_path / "m.db").exists()
+
+
+def test_check_ui_counts_a_chart_only_once_it_has_drawn_its_line():
+    """Issue 57: `make check-ui` passed while the charts were loading spinners; it now needs eval/accuracy's line."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from check_ui import chart_drawn
+
+    def chart(metric, body):
+        return f'<div><h4 class="t" title="{metric}">{metric.split("/")[1]}</h4></div><div>{body}</div>'
+
+    line = '<g class="lines"><path class="js-line" d="M12.95,195.75L171.05,14.25" style="x"></path></g>'
+    spinner = '<div class="spinner" aria-label="loading"></div>'
+    drawn = chart("eval/accuracy", line) + chart("eval/loss", line)
+    waiting = chart("eval/accuracy", spinner) + chart("eval/loss", line)  # the next chart's line is not its own
+    assert chart_drawn(drawn, "eval/accuracy") and not chart_drawn(waiting, "eval/accuracy")
+    assert not chart_drawn(chart("eval/accuracy", '<path class="js-line" d="M1,2"></path>'), "eval/accuracy")
+    assert not chart_drawn(drawn, "eval/mcc")

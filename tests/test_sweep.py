@@ -43,7 +43,7 @@ def write_sweep(tmp_path, **extra):
 
 
 @pytest.mark.slow
-def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_path):
+def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_path, capfd):
     from raysplit.tuning import run_sweep
 
     uri = f"sqlite:///{tmp_path / 'sweep.db'}"
@@ -54,6 +54,10 @@ def test_a_grid_sweep_lands_in_mlflow_and_asha_stops_a_trial(ray_session, tmp_pa
                         [f"tracking.uri={uri}", "algorithm.name=sflv1", "runtime.num_workers=1"])
     df = results.get_dataframe()
     assert len(df) == 2 and not results.errors
+    said = "".join(capfd.readouterr())
+    # issue 57: a sweep printed 355 lines: nine snapshot warnings and every metric in each trial's closing table
+    assert "snapshotting" not in said and "bytes_down" not in said, said[-3000:]
+    assert "eval/accuracy" in df.columns and not any(c.startswith("comm/bytes_down") for c in df.columns)
     assert (df["training_iteration"] < 2).any() and (df["training_iteration"] == 2).any()
     assert (df["start_round"] == 0).all()  # trials that did not die began at round index 0
     client = MlflowClient(uri)

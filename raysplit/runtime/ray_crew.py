@@ -4,6 +4,9 @@ this module and the backend's other ray_* files are the only code that imports R
 
 from __future__ import annotations
 
+import logging
+import re
+import textwrap
 from collections import Counter
 
 import ray
@@ -13,6 +16,24 @@ from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.ray_actors import HostActor
 from raysplit.runtime.ray_pool import POOL, answering, pool_key
 from raysplit.runtime.ray_resources import bundle, placed_node, visible
+
+
+class _Gone(logging.Filter):
+    """Drops Ray's "Unhandled error" reports of calls to actors this driver killed or replaced: the calls a dead
+    actor had pending when the run gave it up (80 lines and more after one restart), whose failure the run has
+    already handled. Every other unhandled error is still reported."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("Unhandled error") and any(i in msg for i in self.ids))
+
+
+GONE = _Gone()
+logging.getLogger("ray._private.worker").addFilter(GONE)
 
 
 class Crew:
@@ -139,12 +160,9 @@ class Crew:
         return None
 
     def failure(self, e: RayActorError) -> ActorFailure:
-        """An actor's death as an ActorFailure naming its role."""
+        """An actor's death as an ActorFailure naming its role and, in one clause, how it died (:func:`why_died`)."""
         role = self.roles.get(getattr(e, "actor_id", None) or "", "an actor of this run")
-        why = str(e).strip().splitlines()
-        detail = "; ".join(ln.strip() for ln in why if "died because" in ln or "node" in ln.lower()
-                           or "killed" in ln)[:500]
-        return ActorFailure(f"{role} died ({type(e).__name__}): {detail or why[0]}")
+        return ActorFailure(f"{role} died ({type(e).__name__}): {why_died(str(e))}")
 
     # ---- the end of a run --------------------------------------------------------------------------------
     def keep(self, seconds: float) -> bool:
@@ -168,8 +186,26 @@ class Crew:
                 pass
             self.group = None
         for a in self.actors:
+            GONE.ids.add(a._actor_id.hex())
             try:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead
                 pass
         self.workers, self.server = [], None
+
+
+def why_died(text: str) -> str:
+    """How an actor died, in one clause, from Ray's error text: the worker's exit type and the first sentence of its
+    exit detail (Ray's list of "potential root causes" left out), or the first sentence saying why; never cut in
+    the middle of a word."""
+    flat = " ".join(text.split())
+    kind = re.search(r"Worker exit type: (\w+)", flat)
+    detail = re.search(r"Worker exit detail: (.+?)(?:\. |$)", flat)
+    if kind or detail:
+        why = ", ".join(x for x in ((kind and kind.group(1)), (detail and detail.group(1).rstrip("."))) if x)
+        if "potential root causes" in flat:
+            why += " (killed, out of memory or crashed: the actor's log says which)"
+    else:
+        sentences = re.split(r"(?<=\.)\s+", flat)
+        why = next((x for x in sentences if re.search(r"\b(?:died|dead|killed)\b", x)), sentences[0]).rstrip(".")
+    return textwrap.shorten(why, width=300, placeholder=" ...")
