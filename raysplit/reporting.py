@@ -115,7 +115,7 @@ class Reporter:
             from tqdm.auto import tqdm  # a notebook's progress bar where one runs (raysplit.run), else the terminal's
 
             self.progress = tqdm(total=self.cfg.train.rounds, initial=len(self.hist.curves.get("train_loss", [])),
-                                 desc=self.cfg.algorithm_name, unit="round", dynamic_ncols=True)
+                                 desc=f"{self.cfg.algorithm_name}, rounds done", unit="round", dynamic_ncols=True)
 
     def start(self) -> None:
         """Params (config flattened, resolved values, partition statistics) and the start-of-run artifacts."""

@@ -113,8 +113,8 @@ def test_an_actor_killed_mid_round_leaves_every_metric_of_every_round_unchanged(
         "actor": victim, "round": kill_round, "call": call, "method": method}})
     experiment.run_experiment(cfg, on_round=lambda r, m: rounds.append((r, m)))
     err = capfd.readouterr().err
-    restarts = re.findall(r"raysplit: (.*) in round (\d+); every actor replaced and the round redone \(restart (\d)",
-                          err)
+    restarts = re.findall(r"raysplit: (.*) in round (\d+) \([^)]*\); every actor replaced and the round redone "
+                          r"\(restart (\d)", err)
     assert len(restarts) == 1, f"expected one restart, stderr: {err[-2000:]}"
     why, rnd, _ = restarts[0]
     assert int(rnd) == kill_round and ("server actor" in why) == (victim == "server"), why

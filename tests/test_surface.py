@@ -205,3 +205,24 @@ def test_check_ui_counts_a_chart_only_once_it_has_drawn_its_line():
     assert chart_drawn(drawn, "eval/accuracy") and not chart_drawn(waiting, "eval/accuracy")
     assert not chart_drawn(chart("eval/accuracy", '<path class="js-line" d="M1,2"></path>'), "eval/accuracy")
     assert not chart_drawn(drawn, "eval/mcc")
+
+
+def test_rounds_are_named_one_way_the_bar_counts_rounds_done(tmp_path, capfd):
+    """Issue 57: the bar counted from 1 and everything else from 0 ("in round 2" right after the bar showed 2/6).
+    Rounds are named from 0 everywhere; the bar says it counts the rounds done."""
+    from helpers import make_config
+
+    from raysplit.experiment import run_experiment
+
+    run_experiment(make_config(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", **{
+        "runtime.backend": "local", "train.rounds": 2, "tracking.progress": True}))
+    err = capfd.readouterr().err
+    assert "sflv2, rounds done" in err and "2/2" in err, err[-1500:]
+    from raysplit.errors import ActorFailure
+    from raysplit.runtime.drivers import RoundGuard
+
+    guard = RoundGuard.__new__(RoundGuard)
+    guard.keeper, guard.restarts, guard.max_retries = None, 0, 0
+    with pytest.raises(ActorFailure, match=r"^client actor 1 died in round 2 \(2 done before it; rounds count "
+                                           r"from 0\); not restarted"):
+        guard.recover(ActorFailure("client actor 1 died"), 2)

@@ -130,30 +130,33 @@ class RoundGuard:
             del self.local[old]
 
     def recover(self, error: ActorFailure, rnd: int) -> int:
-        """Replace the actors and restore the last complete snapshot; returns the round to redo (the snapshot's)."""
+        """Replace the actors and restore the last complete snapshot; returns the round to redo (the snapshot's).
+        Messages name rounds as everything a user sees does: counted from 0 (MLflow's steps, ``raysplit compare``),
+        with how many were done before (what the progress bar counts)."""
+        where = f"in round {rnd} ({rnd} done before it; rounds count from 0)"
         if self.keeper is None or self.restarts >= self.max_retries:
-            raise ActorFailure(f"{error} in round {rnd}; not restarted: the retry budget (runtime.faults.max_retries="
+            raise ActorFailure(f"{error} {where}; not restarted: the retry budget (runtime.faults.max_retries="
                                f"{self.max_retries}) is spent") from None
         self.restarts += 1
         if self.on_restart is not None:
-            self.on_restart(self.restarts, f"{error} in round {rnd}")
+            self.on_restart(self.restarts, f"{error} {where}")
         try:
             self.rt.restart()
             try:
                 redo, holders, server, workers, global_handle = self.keeper.restore(len(self.rt.backend.workers))
             except LookupError:  # no snapshot was complete: only the run's first round, on fresh hosts, is redone
                 if self.start != 0 or 0 not in self.local:
-                    raise ActorFailure(f"{error} in round {rnd}; not restarted: no complete snapshot of the hosts' "
+                    raise ActorFailure(f"{error} {where}; not restarted: no complete snapshot of the hosts' "
                                        "state was kept") from None
                 redo, global_handle = 0, self.local[0][0]["global_handle"]
                 self.based = False  # fresh hosts: the next snapshot is a full one
             else:
                 if redo not in self.local:
-                    raise ActorFailure(f"{error} in round {rnd}; not restarted: the keeper's snapshot (round "
+                    raise ActorFailure(f"{error} {where}; not restarted: the keeper's snapshot (round "
                                        f"{redo}) is older than the driver's ({sorted(self.local)})") from None
                 self.rt.load_state_parts(server, workers, holders)
         except ResourceError as e:
-            raise ActorFailure(f"{error} in round {rnd}; the cluster can no longer host the run: {e}") from None
+            raise ActorFailure(f"{error} {where}; the cluster can no longer host the run: {e}") from None
         except ActorFailure as again:  # a replacement died too: another restart, if the budget allows
             if "not restarted" in str(again):
                 raise
