@@ -306,8 +306,11 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
     assert params["runtime.transport.kind"] == "auto"
     assert params["resolved.transport"] == "compiled-steps"
     assert "2 CPU cores for 4 processes" in params["resolved.transport_reason"]
+    # where the hosts computed, as each actor resolved runtime.<role>.device (issue 53): no GPU here
+    assert params["resolved.server_device"] == "cpu" and params["resolved.client_device"] == "cpu"
     local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
-    assert MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params["resolved.transport"] == "in-process"
+    lp = MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params
+    assert lp["resolved.transport"] == "in-process" and lp["resolved.client_device"] == "cpu"
 
 
 def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():

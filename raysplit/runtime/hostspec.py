@@ -164,6 +164,12 @@ def host_device(want: str, key: str) -> torch.device:
     return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
 
 
+def host_device_of(host) -> str:
+    """The device a built host computes on: a server host's ``device``, a client host's executor's."""
+    device = getattr(host, "device", None)
+    return str(device if device is not None else host.executor.device)
+
+
 def set_determinism(want: bool | str, device: torch.device) -> bool:
     """``runtime.deterministic`` in this process: deterministic kernels (``torch.use_deterministic_algorithms``,
     cuDNN's deterministic algorithms and no autotuning, a fixed cuBLAS workspace) where ``want`` is true, or

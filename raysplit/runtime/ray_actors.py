@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysplit.errors import ActorFailure
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.hosts import invoke
+from raysplit.runtime.hostspec import host_device_of
 from raysplit.runtime.messages import Activation, Gradient
 from raysplit.runtime.snapshots import SnapshotStore
 
@@ -167,6 +168,10 @@ class HostActor:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def device(self) -> str:
+        """Where this actor's host computes (``runtime.server.device`` / ``client.device`` as it resolved here)."""
+        return host_device_of(self.host)
 
     def call_after(self, _barrier, method: str, *args, **kwargs):
         """``call`` once ``_barrier`` (an ObjectRef passed top-level, so Ray resolves it before dispatch and this

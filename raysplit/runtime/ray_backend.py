@@ -79,7 +79,8 @@ class RayBackend:
         threads = self.threads if self.threads is None or self.threads["server"] != self.threads["client"] else \
             self.threads["server"]
         return {"transport": self.transport, "transport_reason": self.transport_reason, "torch_threads": threads,
-                "torch_threads_reason": self.threads_reason}
+                "torch_threads_reason": self.threads_reason,
+                **{f"{role}_device": d for role, d in self.crew.devices.items()}}
 
     def start(self, inputs: RuntimeInputs, ready_timeout: float | None = None) -> None:
         """Create the server and client actors and wait until they are constructed (``ready_timeout``: at most

@@ -49,6 +49,7 @@ class Crew:
         self.worker_ids: set = set()
         self.made_with: dict = {}  # role (server, client) -> what its actors were made with (ray_pool.pool_key)
         self.group = None  # runtime.transport.kind rdt's gloo group over the run's actors
+        self.devices: dict[str, str] = {}  # role -> the device(s) its hosts compute on (logged as resolved.*)
 
     @property
     def actors(self) -> list:
@@ -100,6 +101,8 @@ class Crew:
             # every one placed, some still constructing (a loaded node): get() below waits up to its timeout
         for a, node in zip(actors, get(refs)):
             self.roles[a._actor_id.hex()] += f" on node {node}"
+        on = get([a.device.remote() for a in actors])  # where each host computes, as it resolved there
+        self.devices = {"server": on[0], "client": ",".join(sorted(set(on[1:])))}
         if actor_cls is not HostActor:  # rdt: one gloo group over the run's actors (replacements get a new one)
             from ray.experimental.collective import create_collective_group
 
