@@ -364,6 +364,12 @@ class RuntimeConfig(_Strict):
                                  "run (a driver that called ray.init or joins runtime.address); 0: killed at the "
                                  "run's end. Idle ones hold their resources until then, or until a run asking for "
                                  "others or a sweep starts")
+    pack_clients: bool | Literal["auto"] = Field(default="auto", description="train a client host's clients' "
+                                                 "steps together where they are independent (FedAvg's and "
+                                                 "Ampere's local training): parameters stacked, one vmapped "
+                                                 "computation per step, equal to one client after another within "
+                                                 "float rounding; auto: on where client hosts compute on a GPU "
+                                                 "(on a CPU it is slower), true: everywhere")
     deterministic: bool | Literal["auto"] = Field(default="auto", description="deterministic kernels "
                                                   "(torch.use_deterministic_algorithms, cuDNN's deterministic "
                                                   "algorithms, a fixed cuBLAS workspace): auto: on in each host "

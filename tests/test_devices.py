@@ -138,3 +138,74 @@ def test_client_actors_share_ray_gpus_and_a_share_no_cluster_has_is_refused(tmp_
     out = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0 and "ran True" in r.stdout, out
     assert "refused" in r.stdout and "GPU: need 3 (server 0 + 4 client actors x 0.75), cluster has 2" in r.stdout, out
+
+
+# ---- packed clients (issue 53 item 3) -------------------------------------------------------------------------------
+
+def _close(expected: dict, got: dict, rel: float) -> list[str]:
+    """The metrics of two runs' rounds that differ by more than ``rel`` (wall-clock ones aside)."""
+    out = []
+    for want, have in zip(expected["rounds"], got["rounds"]):
+        for k, a in want.items():
+            b = have.get(k)
+            if b is not None and a != a and b != b:  # NaN in both (no gradient norms in FedAvg's rounds)
+                continue
+            if not (b is not None and abs(a - b) <= rel * max(1.0, abs(a))):
+                out.append(f"{k} at round {want['round']}: {a!r} against {b!r}")
+    return out
+
+
+def _packed_steps(name, **extra) -> tuple[dict, int]:
+    """``name``'s golden run with ``extra``, and how many client steps its hosts ran packed."""
+    from raysplit import experiment
+
+    made = []
+    build = experiment.runtime_for
+
+    def keep(*a, **k):
+        rt = build(*a, **k)
+        made.append(list(rt.backend.workers))  # the hosts (the backend forgets them at shutdown)
+        return rt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experiment, "runtime_for", keep)
+        got = golden.run(name, **extra)
+    return got, sum(w.executor.packed_steps for w in made[-1])
+
+
+@pytest.mark.parametrize("name", ["fedavg", "ampere"])
+def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name):
+    """FedAvg's local training and Ampere's device phase with ``runtime.pack_clients`` on: the clients' steps ran
+    batched (counted), and every metric of every round equals the golden run's (one client after another) within
+    1e-6; off (auto on a CPU), the golden run bit for bit (tests/test_golden.py)."""
+    got, packed = _packed_steps(name, **{"runtime.pack_clients": True})
+    assert packed > 0
+    assert not _close(golden.load(name), got, 1e-6), _close(golden.load(name), got, 1e-6)[:8]  # 5e-8 seen
+
+
+def test_packed_runs_on_one_or_two_client_hosts_agree_within_float_rounding():
+    """Packing changes which clients share a computation with the number of client hosts: the guarantee across
+    actor counts becomes equality within float rounding (bit for bit only with packing off)."""
+    one, p1 = _packed_steps("fedavg", **{"runtime.pack_clients": True, "runtime.num_workers": 1})
+    two, p2 = _packed_steps("fedavg", **{"runtime.pack_clients": True, "runtime.num_workers": 2})
+    assert p1 > 0 and p2 > 0 and not _close(one, two, 1e-6)
+
+
+def test_a_model_vmap_refuses_trains_one_client_after_another():
+    """Dropout draws per client from its own stream one at a time; batched, vmap refuses it (randomness='error'):
+    the executor says so once and the caller trains the clients alone."""
+    from raysplit.runtime.executor import Executor
+
+    ex = Executor(seed=0, pack=True)
+    torch.manual_seed(0)
+    mods = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)) for _ in range(2)]
+    xs, ys = [torch.randn(5, 4) for _ in mods], [torch.randint(0, 3, (5,)) for _ in mods]
+    assert ex.train_together(("t",), mods, xs, ys) is None and "random" in ex.unpackable.lower()
+    assert all(p.grad is None for m in mods for p in m.parameters()) and ex.packed_steps == 0
+    plain = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)) for _ in range(2)]
+    fresh = Executor(seed=0, pack=True)
+    out = fresh.train_together(("t",), plain, xs, ys)
+    assert out is not None and fresh.packed_steps == 2 and all(p.grad is not None for p in plain[1].parameters())
+    want = torch.nn.functional.cross_entropy(plain[1](xs[1]), ys[1]).item()
+    assert out[1][0] == pytest.approx(want, rel=1e-6) and out[1][1] > 0
+    assert Executor(0, pack="auto").pack is False and Executor(0, torch.device("cuda"), "auto").pack is True

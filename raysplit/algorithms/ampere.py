@@ -341,8 +341,7 @@ class Ampere(Algorithm):
         p = self.params
         self.round_phase = self.phase  # what this round trained (and is evaluated on)
         if self.phase == "device":
-            for c in clients:
-                rt.client(c).local_train(self.steps_for(rt, c))
+            rt.workers.local_train_many({int(c): self.steps_for(rt, c) for c in clients})  # packed where it pays
             agg = rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
             self.device_rounds += 1
             parts = rt.get(rt.workers.validate())

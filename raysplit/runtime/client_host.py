@@ -56,7 +56,7 @@ class ClientHost(ClientJobs, ClientMoves):
                                    spec.client_optimizer, persist=spec.persist_client_models, device=device,
                                    state_bytes=spec.client_state_bytes, spill_dir=spec.spill_dir, changed=self.changed)
         self.cut = ClientCut(spec.privacy)
-        self.executor = Executor(spec.seed, device)
+        self.executor = Executor(spec.seed, device, spec.pack_clients)
         self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
         self.transfers = ModelTransfers(self.data, self.states, self.meter, self.dropped)
         self.pending: dict[Tag, torch.Tensor] = {}  # forwards awaiting their gradient

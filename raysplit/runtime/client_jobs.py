@@ -21,8 +21,44 @@ class ClientJobs:
         with self.executor.seeded(cid, 1, self.round):
             return float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
 
-    def _local_step(self, cid: int, slot: ModelSlot) -> float:
-        x, y = self.data.batch(self.data.draw(cid))
+    def local_train_many(self, steps: dict[int, int]) -> dict[int, float]:
+        """:meth:`local_train` for each client of ``steps`` this host holds (``steps[c]`` batches); returns each
+        one's mean loss. With packing on (``runtime.pack_clients``, :attr:`Executor.pack`), at each step the
+        clients whose batches have equal shapes train as one batched computation
+        (:meth:`~raysplit.runtime.executor.Executor.train_together`), each client's own optimizer then stepping on
+        its own gradients (the rule's ``before_step`` and clipping first, as always); a batch of its own shape (a
+        short last one) or a model vmap refuses trains alone, its randomness drawn per step. Packed, a client's
+        result equals its one-at-a-time result within float rounding, not bit for bit, and so does a run on another
+        number of client actors (which changes which clients share a computation)."""
+        mine = [int(c) for c in steps if int(c) in self.data]
+        if not self.executor.pack or len(mine) < 2:
+            return {c: self.local_train(c, steps[c]) for c in mine}
+        slots = {c: self.activate(c) for c in mine}
+        losses: dict[int, list[float]] = {c: [] for c in mine}
+        for s in range(max(steps[c] for c in mine)):
+            batch = {c: self.data.batch(self.data.draw(c)) for c in mine if s < steps[c]}
+            shapes: dict[tuple, list[int]] = {}
+            for c, (x, y) in batch.items():
+                shapes.setdefault((tuple(x.shape), tuple(y.shape)), []).append(c)
+            for shape, cs in shapes.items():
+                done = None if len(cs) < 2 else self.executor.train_together(
+                    ("train", shape[0]), [slots[c].module for c in cs], [batch[c][0] for c in cs],
+                    [batch[c][1] for c in cs])
+                for i, c in enumerate(cs):
+                    if done is None:
+                        with self.executor.seeded(c, 1, self.round, s):
+                            losses[c].append(self._local_step(c, slots[c], batch[c]))
+                        continue
+                    lv, fl = done[i]
+                    check_finite(lv, self.spec.stop_on_nonfinite, f"round {self.round}, client {c}")
+                    self._update(c, slots[c])
+                    self.meter.charge_compute(c, fl)
+                    self.meter.count(c, steps=1, loss_sum=lv, loss_n=1)
+                    losses[c].append(lv)
+        return {c: float(np.mean(v)) for c, v in losses.items()}
+
+    def _local_step(self, cid: int, slot: ModelSlot, batch: tuple | None = None) -> float:
+        x, y = batch if batch is not None else self.data.batch(self.data.draw(cid))
 
         def fwd_bwd():
             slot.optimizer.zero_grad(set_to_none=True)

@@ -52,6 +52,7 @@ class HostSpec:
     server_device: str  # runtime.server.device (auto, cpu, cuda)
     client_device: str  # runtime.client.device
     deterministic: bool | str  # runtime.deterministic (auto: on where a host computes on a GPU)
+    pack_clients: bool | str  # runtime.pack_clients (auto: on where client hosts compute on a GPU)
     server_flops: float
     persist_client_models: bool  # no global client model: every client keeps its own
     stop_on_nonfinite: bool  # train.stop_on_nonfinite, on the client and the server path alike
