@@ -3,8 +3,9 @@ of the server's gradients, local training steps) and counts their FLOPs once per
 (``torch.utils.flop_counter`` through :class:`~raysplit.clock.FlopCache`), which the cost meter then charges.
 
 It takes the work of several clients at once (:meth:`Executor.forward` and :meth:`Executor.backward` take lists),
-so that an executor on an accelerator can pack many clients into one kernel; this one runs them one at a time, in
-order, on the CPU, which is what every result of raysplit so far was computed with. A client's computation runs
+so that an executor on an accelerator can pack many clients into one kernel; forwards and backwards run one client
+at a time, in order, on the host's device (on the CPU, what every result of raysplit so far was computed with), and
+clients' own training steps run packed where ``runtime.pack_clients`` is on (:meth:`Executor.train_together`). A client's computation runs
 inside its own random stream (:meth:`Executor.seeded`), so where it runs changes nothing."""
 
 from __future__ import annotations
