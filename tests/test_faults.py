@@ -303,10 +303,16 @@ def test_an_actors_death_is_said_in_one_clause_and_its_pending_calls_make_no_noi
            "root causes. (1) The process is killed by SIGKILL by OOM killer due to high memory usage. (2) ray stop "
            "--force is called. (3) The worker is crashed unexpectedly due to SIGSEGV or other unexpected errors.")
     said = why_died(oom)
-    assert said.startswith("SYSTEM_ERROR, Worker unexpectedly exits with a connection error code 2")
-    assert "SIGKILL" not in said and "out of memory" in said and len(said) < 200
+    assert said.startswith("The actor is dead because its worker process has died: SYSTEM_ERROR, Worker "
+                           "unexpectedly exits with a connection error code 2 (killed, out of memory"), said
+    assert "SIGKILL" not in said and len(said) < 250
     assert why_died("The actor is dead because it was killed by `ray.kill`.") == \
         "The actor is dead because it was killed by `ray.kill`"
+    node = "56efbe98808ed54d59d4418868682ed2c9bc0c53116443a81c48410e"
+    lost = why_died(f"The actor died unexpectedly before finishing this task.\n\tclass_name: HostActor\n\tactor_id: "
+                    f"3f8e01\nThe actor died because its node has died. Node Id: {node}\n\tthe actor's node was "
+                    "terminated: expected termination")
+    assert lost == f"The actor died because its node has died (node {node})", lost  # the lost node is named
     assert why_died("x " * 400).endswith(" ...")  # shortened at a word, never mid-word
 
     def record(msg):

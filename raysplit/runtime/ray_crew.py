@@ -198,17 +198,23 @@ class Crew:
 
 
 def why_died(text: str) -> str:
-    """How an actor died, in one clause, from Ray's error text: the worker's exit type and the first sentence of its
-    exit detail (Ray's list of "potential root causes" left out), or the first sentence saying why; never cut in
-    the middle of a word."""
+    """How an actor died, in one clause, from Ray's error text: the sentence that says why ("... because its node
+    has died"), the worker's exit type and the first sentence of its exit detail (Ray's list of "potential root
+    causes" left out), and the node Ray names, if it names one; never cut in the middle of a word."""
     flat = " ".join(text.split())
+    sentences = [x for line in text.splitlines() for x in re.split(r"(?<=\.)\s+", " ".join(line.split())) if x]
+    said = (next((x for x in sentences if " because " in x), None)
+            or next((x for x in sentences if re.search(r"\b(?:died|dead|killed)\b", x)), sentences[0]))
+    why = textwrap.shorten(said.rstrip("."), width=200, placeholder=" ...")
     kind = re.search(r"Worker exit type: (\w+)", flat)
     detail = re.search(r"Worker exit detail: (.+?)(?:\. |$)", flat)
     if kind or detail:
-        why = ", ".join(x for x in ((kind and kind.group(1)), (detail and detail.group(1).rstrip("."))) if x)
-        if "potential root causes" in flat:
-            why += " (killed, out of memory or crashed: the actor's log says which)"
-    else:
-        sentences = re.split(r"(?<=\.)\s+", flat)
-        why = next((x for x in sentences if re.search(r"\b(?:died|dead|killed)\b", x)), sentences[0]).rstrip(".")
-    return textwrap.shorten(why, width=300, placeholder=" ...")
+        exit_ = ", ".join(x for x in ((kind and kind.group(1)), (detail and detail.group(1).rstrip("."))) if x)
+        why += ": " + textwrap.shorten(exit_, width=200, placeholder=" ...")
+    if "potential root causes" in flat:
+        why += " (killed, out of memory or crashed: the actor's log says which)"
+    node = (re.search(r"node\b.{0,24}?\b([0-9a-f]{56})\b", flat, re.IGNORECASE)
+            or re.search(r"\b([0-9a-f]{56})\b", flat))  # a node's id is 56 hex digits (an actor's 32)
+    if node and node.group(1) not in why:
+        why += f" (node {node.group(1)})"
+    return why
