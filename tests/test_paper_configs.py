@@ -12,7 +12,7 @@ import pytest
 from helpers import write_fake_cifar10, write_fake_cifar100, write_fake_leaf, write_fake_svhn
 
 from raysplit.config import load_config
-from raysplit.experiment import run_experiment
+from raysplit.experiment import prepare, run_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +36,16 @@ WRITE = {"cifar10": lambda r: write_fake_cifar10(r, per_batch=200, test=50),
          "shakespeare": lambda r: write_fake_leaf(r, "shakespeare", users=40, per_user=8)}
 
 
+# what a config's one round must show beyond accuracy and bytes (these were the checks of test_gas's and
+# test_semisfl's own one-round runs of the same configs, folded in here so that CI runs each config once)
+CHECKS = {
+    "gas/cifar10.yaml": lambda p, out: (p.cut_name == "conv2" and p.inputs.spec.clip_grad_norm == 10.0
+                                        and out["method/server_updates"] >= 1 and out["time/sim"] > 0),
+    "semisfl/cifar10.yaml": lambda p, out: out["method/ks"] == 2,
+    "semisfl/svhn.yaml": lambda p, out: out["method/ks"] == 2,
+}
+
+
 def test_every_paper_scale_config_is_listed():
     have = {str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.yaml")}
     paper = {p for p in have if not p.startswith("privacy/") and "fmnist" not in p}
@@ -54,3 +64,5 @@ def test_a_paper_scale_config_runs_one_round_on_files_in_the_real_format(name, t
         **LIGHTER[name]})
     out = run_experiment(cfg)
     assert 0.0 <= out["eval/accuracy"] <= 1.0 and out["comm/bytes_up"] > 0, out
+    if name in CHECKS:
+        assert CHECKS[name](prepare(cfg), out), out

@@ -12,7 +12,9 @@ from raysplit.privacy import GaussianAccountant, clip_and_noise, distance_correl
 
 @pytest.mark.parametrize("shape_x, shape_z, dependent", [((50, 3), (50, 2), True), ((40, 1, 8, 8), (40, 16), True),
                                                         ((60, 5), (60, 4), False)])
-def test_distance_correlation_equals_dcor(shape_x, shape_z, dependent):
+def test_distance_correlation_equals_dcor(shape_x, shape_z, dependent, monkeypatch):
+    # dcor compiles its numba kernels when imported (12 s here); its plain numpy path below needs none of them
+    monkeypatch.setenv("NUMBA_DISABLE_JIT", "1")
     dcor = pytest.importorskip("dcor")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape_x, generator=g, dtype=torch.float64)
