@@ -8,6 +8,11 @@ table of final accuracy, macro-F1 and MCC (median [min, max] over seeds) plus ro
 the gradient norms sent to clients, then each Cycle variant's accuracy minus its original's, paired by seed.
 ``--backend local`` runs the same hosts in-process (identical results to the Ray backend, tested in
 tests/test_semantics.py) to fit the sweep on 2 cores.
+
+``--ladder`` (issue 55 item 2) runs CycleSFL (E = 1) and SFLV2 instead at raysplit's setting and with each of the
+paper's settings that differ from it (``LADDER``: the paper's FEMNIST learning rate, its participation, its client
+test split, its model and cut), then with all four, then with all four at the paper's FEMNIST round count, and
+prints CycleSFL minus SFLV2 for each, paired by seed: which difference turns the E = 1 sign, or that none does.
 """
 
 from __future__ import annotations
@@ -30,20 +35,52 @@ PAIRS = [("cyclepsl", "psl"), ("cyclesglr", "sglr"), ("cyclesfl", "sflv1"), ("cy
          ("cyclesfl E=2", "sflv2"), ("cyclesfl E=4", "sflv2"), ("cyclesfl E=8", "sflv2")]
 
 
-def one(method, extra, seed, backend, out_dir):
+# the paper's settings that differ from configs/cyclesl/fmnist.yaml (cyclesl.md's table, Appendix G: FEMNIST with
+# Adam 3e-4, -C 0.05, LEAF's 90/10 sample-wise split, CNN_femnist cut after its two conv blocks, 601 rounds), one
+# at a time, then together
+PAPER = {"lr 3e-4": {"train.optimizer.lr": 3e-4},
+         "5 of 100 a round": {"train.participation.count": 5},
+         "test split 10 %": {"data.test_fraction": 0.1},
+         "LEAF CNN, cut 2": {"model.name": "femnist_cnn", "model.cut": 2}}
+LADDER = {"raysplit's setting": {}, **PAPER, "all four": {k: v for o in PAPER.values() for k, v in o.items()},
+          "all four, 600 rounds": {**{k: v for o in PAPER.values() for k, v in o.items()}, "train.rounds": 600}}
+
+
+def one(method, extra, seed, backend, out_dir, setting=None):
     label = method + (f" E={extra['server_epochs']}" if extra else "")
-    out = out_dir / f"{label.replace(' ', '_').replace('=', '')}_s{seed}.json"
+    over = LADDER[setting] if setting else {}
+    tag = label + (f" [{setting}]" if setting else "")
+    stem = tag.replace(" ", "_").replace("=", "").replace("[", "").replace("]", "").replace("'", "").replace(",", "")
+    out = out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json"
     code = f"""
 import json, sys
 from raysplit.config import load_config
 from raysplit.experiment import run_experiment
 cfg = load_config({str(ROOT / 'configs/cyclesl/fmnist.yaml')!r}, {{"algorithm": {{"name": {method!r}, **{extra!r}}},
       "seed": {seed}, "runtime.backend": {backend!r}, "tracking.progress": False,
-      "tracking.run_name": {f'{label} seed {seed}'!r}}})
+      "tracking.run_name": {f'{tag} seed {seed}'!r}, **{over!r}}})
 res = run_experiment(cfg)
 print("RESULT" + json.dumps({{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}))
 """
-    return label, seed, run_cached(code, out, f"{label} seed {seed}")
+    return label, seed, run_cached(code, out, f"{tag} seed {seed}")
+
+
+def ladder(a, out_dir):
+    """CycleSFL (E = 1) minus SFLV2 at each setting of ``LADDER``, paired by seed."""
+    jobs = [(m, s, st) for st in LADDER for s in a.seeds for m in ("cyclesfl", "sflv2")]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        done = list(pool.map(lambda j: (j[2], *one(j[0], {}, j[1], a.backend, out_dir, setting=j[2])), jobs))
+    acc = {(st, label, seed): 100 * res["eval/accuracy"] for st, label, seed, res in done}
+    print("| setting | changed from raysplit's | cyclesfl (E=1) accuracy % | sflv2 accuracy % | "
+          "cyclesfl - sflv2 (points), paired by seed | per seed |")
+    print("|---|---|---|---|---|---|")
+    for st, over in LADDER.items():
+        c = [acc[(st, "cyclesfl", s)] for s in a.seeds]
+        v = [acc[(st, "sflv2", s)] for s in a.seeds]
+        d = [x - y for x, y in zip(c, v)]
+        changed = ", ".join(f"{k.split('.')[-1]} {val}" for k, val in over.items()) or "-"
+        print(f"| {st} | {changed} | {median_range(c)} | {median_range(v)} | {median_range(d, '+.2f')} | "
+              f"{' '.join(f'{x:+.2f}' for x in d)} |")
 
 
 def main():
@@ -53,12 +90,16 @@ def main():
     ap.add_argument("--backend", default="local", choices=["local", "ray"])
     ap.add_argument("--out", default=str(ROOT / "outputs" / "cyclesl_table"))
     ap.add_argument("--methods", nargs="*", default=None, help="only these algorithm names (e.g. psl sglr sflv1)")
+    ap.add_argument("--ladder", action="store_true", help="CycleSFL (E = 1) and SFLV2 from raysplit's setting toward "
+                                                          "the paper's (LADDER), instead of the table")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # create the MLflow store once before parallel runs (sqlite schema race)
     subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
                     "mlflow.set_experiment('cyclesl-fmnist')"], cwd=ROOT, check=True, capture_output=True)
+    if a.ladder:
+        return ladder(a, out_dir)
     jobs = [(m, e, s) for m, e in METHODS for s in a.seeds if a.methods is None or m in a.methods]
     with ThreadPoolExecutor(a.jobs) as pool:
         results = list(pool.map(lambda j: one(*j, a.backend, out_dir), jobs))
