@@ -24,6 +24,7 @@ from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.algorithms.base import config_error
 from raysplit.data.partition import DirichletPartition, PartitionConfig
 from raysplit.errors import ConfigError
+from raysplit.label_privacy import LabelAttackConfig, LabelDefenceConfig, NoLabelAttack, NoLabelDefence
 from raysplit.privacy import AttackConfig, DefenceConfig, NoAttack, NoDefence
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -113,6 +114,10 @@ class ModelConfig(_Strict):
     name: str = Field(default="cnn_small", description="a model of raysplit/models (listed by `raysplit list`)")
     cut: int | str | None = Field(default=None, description="where the model is split: a block name or index "
                                   "(null: the model's default cut); blocks before it run on the clients")
+    tail_cut: int | str | None = Field(default=None, description="a U-shaped split (null: none): the blocks after "
+                                       "this one (a block name or index, after cut) run on the clients too, with "
+                                       "the loss; the server trains the blocks between and never sees a label "
+                                       "(splitnn, psl, sflv1, sflv2)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model's builder "
                                     "(e.g. cifar_stem), checked against its signature (docs/config.md lists them)")
 
@@ -422,8 +427,15 @@ class PrivacyConfig(_Strict):
     attack: AttackConfig = Field(default=NoAttack(), description="honest-but-curious server's attack, scored at "
                                  "every evaluation (privacy/ metrics): kind picks the attack, the other keys are its "
                                  "own")
+    label_defence: LabelDefenceConfig = Field(default=NoLabelDefence(), description="U-shaped split "
+                                              "(model.tail_cut): the client's defence on the gradient it returns to "
+                                              "the server (raysplit/label_privacy.py): kind none, noise (scale) or "
+                                              "max_norm")
+    label_attack: LabelAttackConfig = Field(default=NoLabelAttack(), description="U-shaped split: the server's "
+                                            "label-leakage attack on the returned gradients, scored per round "
+                                            "(privacy/label_* metrics): kind none or gradient_scoring")
 
-    @field_validator("defence", "attack", mode="before")
+    @field_validator("defence", "attack", "label_defence", "label_attack", mode="before")
     @classmethod
     def _default_kind(cls, v):
         """A section without ``kind`` is the default's (none), so a key it does not take is an error naming it."""

@@ -48,6 +48,7 @@ def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> n
 def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.data import load_partitioned, partition_counts, partition_summary
     from raysplit.models import MODELS, build_model
+    from raysplit.label_privacy import ushape_spec
     from raysplit.privacy import privacy_spec
 
     alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
@@ -65,6 +66,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         raise ConfigError(f"model: cannot build {cfg.model.name!r} for {cfg.data.dataset}: {e}") from None
     want = cfg.model.cut if cfg.model.cut is not None else MODELS[cfg.model.name].default_cut
     cut, client, server = alg.split_model(model, want)
+    ushape, u_client, u_server = ushape_spec(model, cut, cfg.model.tail_cut, cfg.privacy, alg.name, alg.u_shape,
+                                             getattr(alg.params, "batched_copies", False), spec_d.num_classes)
+    if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
+        client, server = u_client, u_server
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
 
     m = clients_per_round(cfg, num_clients)
@@ -99,6 +104,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         spill_dir=cfg.runtime.placement.spill_dir,
         privacy=privacy_spec(cfg.privacy, alg.name, alg.keeps_global_client_model(), cut, cfg.data.dataset,
                              tuple(spec_d.input_shape), x_te, num_clients),
+        ushape=ushape,
         client_rule=alg.client_rule, server_rule=alg.server_rule,
     )
     inputs = RuntimeInputs(

@@ -18,6 +18,8 @@ from raysplit.config import dump, flatten
 
 CLIENT_KEYS = ("bytes_up", "bytes_down", "flops", "steps", "t_end")
 BYTE_KINDS = ("bytes_up_activations", "bytes_up_model", "bytes_up_labels", "bytes_down_gradients", "bytes_down_model")
+U_BYTE_KINDS = ("bytes_down_middle", "bytes_up_tail_gradients")  # a U-shaped split's extra exchange (only then)
+LABEL_SCORES = ("label_auc_norm", "label_auc_direction", "label_acc_direction", "label_acc_norm")
 
 
 @dataclass
@@ -60,6 +62,10 @@ def round_metrics(stats) -> dict:
         **{k: sum(c.get(k, 0) for c in cl) for k in BYTE_KINDS},  # the traffic by what it carries
         **({"privacy/epsilon": max(c["dp_epsilon"] for c in cl if "dp_epsilon" in c)}  # the round's most spent
            if any("dp_epsilon" in c for c in cl) else {}),
+        **{k: sum(c.get(k, 0) for c in cl) for k in U_BYTE_KINDS if any(k in c for c in cl)},
+        # the label attack's scores of the round, averaged over the clients that were scored
+        **{f"privacy/{k}": float(np.mean([c[k] for c in cl if k in c])) for k in LABEL_SCORES
+           if any(k in c for c in cl)},
     }
 
 

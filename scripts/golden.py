@@ -85,6 +85,13 @@ PLUGINS: dict[str, dict] = {
     "privacy_quantize": {"algorithm.name": "gas", "privacy.defence.kind": "quantize", "privacy.defence.bits": 4},
     "privacy_inversion": {"algorithm.name": "gas", "privacy.attack.kind": "inversion", "privacy.attack.samples": 16,
                           "privacy.attack.steps": 30},
+    # the U-shaped split (model.tail_cut) with the label attack and each label defence
+    "ushape_label_noise": {"algorithm.name": "sflv2", "model.tail_cut": "fc1",
+                           "privacy.label_attack": {"kind": "gradient_scoring"},
+                           "privacy.label_defence": {"kind": "noise", "scale": 1.0}},
+    "ushape_max_norm": {"algorithm.name": "psl", "model.tail_cut": "conv2",
+                        "privacy.label_attack": {"kind": "gradient_scoring"},
+                        "privacy.label_defence": {"kind": "max_norm"}},
 }
 
 

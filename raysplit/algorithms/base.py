@@ -78,6 +78,9 @@ class Algorithm(Checkpointed):
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     client_rule: ClassVar[type] = ClientRule  # what its clients change around a step (runtime/rules.py)
     server_rule: ClassVar[type] = ServerRule  # what its server keeps and does beyond plain steps (runtime/rules.py)
+    # why a U-shaped split (model.tail_cut) is refused for it ("" where it runs U-shaped); {name}: the method's
+    u_shape: ClassVar[str] = ("a U-shaped split is built for the plain split step of splitnn, psl, sflv1 and sflv2; "
+                              "{name} changes its steps in ways it does not cover yet")
     driver: ClassVar[type] = RoundDriver
 
     def __init__(self, params: AlgorithmParams, cfg):

@@ -37,6 +37,7 @@ class SplitNN(Algorithm):
 
     name = "splitnn"
     description = "sequential split learning, client model handed on"
+    u_shape = ""
     Params = SequentialParams
 
     def run_round(self, rt, rnd, clients, rng):
@@ -58,6 +59,7 @@ class PSL(Algorithm):
 
     name = "psl"
     description = "parallel SL: per-client server copies averaged, client models kept"
+    u_shape = ""
     Params = CopiesParams
 
     def keeps_global_client_model(self) -> bool:
@@ -95,6 +97,7 @@ class SFLV1(PSL):
 
     name = "sflv1"
     description = "SplitFed V1: per-client server copies averaged + FedAvg of client models"
+    u_shape = ""
 
     def keeps_global_client_model(self) -> bool:
         return True
@@ -112,6 +115,7 @@ class SFLV2(Algorithm):
 
     name = "sflv2"
     description = "SplitFed V2: one server model, sequential processing in a chosen order, FedAvg of clients"
+    u_shape = ""
     Params = OrderedParams
 
     def setup(self, info: SetupInfo) -> None:
@@ -145,6 +149,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     description = "federated averaging, whole model on clients"
+    u_shape = "{name} has no split: the whole model and the labels stay on the clients"
 
     def split_model(self, model, cut):
         return None, model, torch.nn.Identity()

@@ -233,6 +233,8 @@ class GAS(AsyncAlgorithm):
     per-label Gaussians, logit adjustment on the clients' gradients."""
 
     name = "gas"
+    u_shape = ("{name}'s server needs the labels: its per-label activation statistics generate activations of "
+               "each label, and its logit adjustment reads the label distribution")
     description = "GAS: async SFL, activation/model buffers, generated activations, logit adjustment"
     Params = GASParams
     server_rule = GASServer

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from .base import AlgorithmParams, SetupInfo, register
+from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
@@ -211,6 +211,7 @@ class Hydra(SFLV2):
     round (see the module docstring)."""
 
     name = "hydra"
+    u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
     client_rule = LabelRule
@@ -280,6 +281,7 @@ class SplitFedV3(PSL):
     global-test inference by the most confident client model (module docstring)."""
 
     name = "sflv3"
+    u_shape = Algorithm.u_shape  # not built for it yet
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
     server_rule = ConfidentServer
@@ -299,6 +301,7 @@ class MultiHead(SFLV1):
     global-test inference by the most confident head (module docstring)."""
 
     name = "multihead"
+    u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies
     server_rule = ConfidentServer

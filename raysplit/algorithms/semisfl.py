@@ -451,6 +451,7 @@ class SemiSFL(Algorithm):
     adaptive K_s."""
 
     name = "semisfl"
+    u_shape = "{name}'s server trains supervised steps on its labelled data and pseudo-labels the clients' features"
     description = "Semi-SFL: labelled server, unlabelled clients, teacher pseudo-labels, clustering regularisation"
     Params = SemiSFLParams
     client_rule = SemiRule

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from .base import CopiesParams, register
+from .base import Algorithm, CopiesParams, register
 from .baselines import SFLV1
 from ..runtime import ClientRule
 
@@ -50,6 +50,7 @@ class SplitFedProx(SFLV1):
     """SplitFed V1 + FedProx's proximal term on the client part (module docstring)."""
 
     name = "sflv1_prox"
+    u_shape = Algorithm.u_shape  # not built for it yet
     description = "SplitFed V1 + FedProx: a proximal term mu/2 ||w - w_t||^2 pulls each client part to the global"
     Params = ProxParams
     client_rule = ProxRule

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .ampere import AuxRule, AuxServer, with_auxiliary
-from .base import AlgorithmParams, CopiesParams, register
+from .base import Algorithm, AlgorithmParams, CopiesParams, register
 from .baselines import SFLV1
 from ..runtime import ClientRule, ServerRule
 from ..runtime.messages import Activation, Gradient, StateMsg, Tag
@@ -74,6 +74,7 @@ class PiPar(SFLV1):
     """PiPar: SplitFed V1's updates with a pipelined clock (module docstring)."""
 
     name = "pipar"
+    u_shape = "{name}'s pipelined clock models one exchange per step, not the U-shape's two"
     description = "PiPar: SplitFed with micro-batch pipelining (same updates, pipelined simulated time)"
     Params = PiParParams
     client_rule = PiParRule
@@ -115,6 +116,7 @@ class SplitGP(SFLV1):
     """SplitGP: SplitFed V1 with a local head and a local loss on every device (module docstring)."""
 
     name = "splitgp"
+    u_shape = "{name}'s clients train their own classifier on their labels beside the server's"
     description = "SplitGP: SplitFed with a local head and lambda * local + (1 - lambda) * global device loss"
     Params = SplitGPParams
     client_rule = SplitGPRule
@@ -252,6 +254,7 @@ class SplitFedScaffold(SFLV1):
     """SplitFed V1 + SCAFFOLD's control variates on the device block (module docstring)."""
 
     name = "sflv1_scaffold"
+    u_shape = Algorithm.u_shape  # not built for it yet
     description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
     Params = ScaffoldParams  # its own loop, one client after another: no batched copies
     client_rule = ScaffoldRule

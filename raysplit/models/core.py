@@ -20,6 +20,8 @@ from torch import nn
 
 __all__ = [
     "SplitModel",
+    "UClient",
+    "end_to_end",
     "ModelInfo",
     "MODELS",
     "register_model",
@@ -107,6 +109,29 @@ def flat_dim(layers: Sequence[nn.Module], input_shape: Sequence[int]) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # SplitModel
 # ----------------------------------------------------------------------------------------------------------------
+class UClient(nn.Module):
+    """The client's part of a U-shaped split: its first blocks (``head``, what ``forward`` runs: the activation it
+    sends) and its last blocks (``tail``: from the middle's output to the logits, where the loss and the labels
+    stay). One module, so its weights, optimizer state, averaging and hand-over carry both."""
+
+    def __init__(self, head: nn.Module, tail: nn.Module):
+        super().__init__()
+        self.head, self.tail = head, tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def end_to_end(client: nn.Module, server: nn.Module, encoder: nn.Module | None = None) -> Callable:
+    """The logits of inputs through a client part (``encoder``: the module that encodes, default the client's
+    own) and a server part, and through the client's tail where the split is U-shaped (:class:`UClient`)."""
+    enc = encoder if encoder is not None else client
+    tail = client.tail if isinstance(client, UClient) else None
+    if tail is None:
+        return lambda x: server(enc(x))
+    return lambda x: tail(server(enc(x)))
+
+
 class SplitModel(nn.Module):
     """An ordered list of blocks with named cut points.
 
@@ -225,6 +250,12 @@ class SplitModel(nn.Module):
         if not a < b:
             raise ValueError(f"split3 needs cut_a < cut_b, got {cut_a!r} -> {a} and {cut_b!r} -> {b}")
         return self.segment(0, a), self.segment(a, b), self.segment(b, len(self.blocks))
+
+    def split_u(self, cut: int | str, tail_cut: int | str) -> tuple["UClient", nn.Sequential]:
+        """A U-shaped split: ``(client, middle)``, the client holding ``blocks[:cut]`` and ``blocks[tail_cut:]``
+        (:class:`UClient`), the server the middle; ``client.tail(middle(client(x)))`` equals ``self(x)``."""
+        head, middle, tail = self.split3(cut, tail_cut)
+        return UClient(head, tail), middle
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def example_input(self, batch_size: int = 2, *, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -152,7 +152,7 @@ class Runtime:
         call to the server, which runs :func:`stepping.drive_steps` and calls the client hosts itself: the driver is
         off the per-step path. Hosts run the same calls in the same order as the driver-chained loop below, so
         results are bit-identical (tests/test_direct_steps.py)."""
-        method = step_name(method, self.inputs.server_host, self.server_rule)  # a stranger: refused here
+        method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.spec.ushape)
         plan = stepping.plan_steps(seq, self.round, keys or {})
         route = self.route([s.client for s in plan])
         if self.backend.direct_steps:
@@ -168,7 +168,7 @@ class Runtime:
         one gradient per activation (CycleSL-style pooling, MiniBatch-SFL's groups, Semi-SFL's two streams,
         batched server copies). Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise
         the same loop chained through the driver (:class:`DriverPort`)."""
-        method = step_name(method, self.inputs.server_host, self.server_rule)  # a stranger: refused here
+        method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.spec.ushape, pooled=True)
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
         route = self.route(clients)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from raysplit.runtime.ushape import u_shaped
+
 
 class HostCalls:
     """Calls of one host class's methods, checked against the class when the attribute is looked up.
@@ -46,12 +48,13 @@ class HostCalls:
         return call
 
 
-def step_name(step: Callable, host: type, rule: type) -> str:
+def step_name(step: Callable, host: type, rule: type, ushape=None, pooled: bool = False) -> str:
     """The name a server step travels under: ``step`` must be a method of the server ``host`` class or of the
     method's server ``rule``, given by reference (``ServerHost.train_copies``, ``CycleServer.cycle_step``), not by
-    name (a TypeError says so, naming both classes)."""
+    name (a TypeError says so, naming both classes). Under a U-shaped split (``ushape``) the step a loop runs
+    instead (:func:`~raysplit.runtime.ushape.u_shaped`; ``pooled``: for pooled steps, which it refuses)."""
     name = step if isinstance(step, str) else getattr(step, "__name__", "")
     if not any(vars(k).get(name) is step for k in (*host.__mro__, *rule.__mro__)):  # its own or inherited
         raise TypeError(f"server step {step!r}: give a method of {host.__name__} or {rule.__name__} by reference "
                         f"(e.g. {rule.__name__}.{name or 'my_step'}), not its name")
-    return name
+    return u_shaped(name, ushape, pooled)

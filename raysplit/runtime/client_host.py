@@ -19,7 +19,7 @@ from raysplit.runtime.client_jobs import ClientJobs
 from raysplit.runtime.client_moves import ClientMoves
 from raysplit.runtime.client_states import ClientStates
 from raysplit.runtime.client_transfers import ModelTransfers
-from raysplit.runtime.cut import ClientCut, reconstruction_attack
+from raysplit.runtime.cut import ClientCut, CutCalls
 from raysplit.runtime.evaluation import evaluate_own
 from raysplit.runtime.executor import Executor, Forward
 from raysplit.runtime.hostspec import (HostSpec, ModelSlot, _bad_input, build_parts, host_device, limit_threads,
@@ -29,9 +29,10 @@ from raysplit.runtime.meter import CostMeter
 from raysplit.runtime.optim import round_lr
 from raysplit.runtime.rules import ClientRule
 from raysplit.runtime.screening import gradient_fault, screens_nonfinite, where_of
+from raysplit.runtime.ushape import ClientTail, TailCalls
 
 
-class ClientHost(ClientJobs, ClientMoves):
+class ClientHost(ClientJobs, ClientMoves, CutCalls, TailCalls):
     """Hosts a set of virtual clients on one worker (``data.train_idx``'s keys: those it holds now), computing on
     ``runtime.client.device``. Methods give a client rule (``spec.client_rule``), made here as ``self.rule``."""
 
@@ -56,6 +57,7 @@ class ClientHost(ClientJobs, ClientMoves):
                                    spec.client_optimizer, persist=spec.persist_client_models, device=device,
                                    state_bytes=spec.client_state_bytes, spill_dir=spec.spill_dir, changed=self.changed)
         self.cut = ClientCut(spec.privacy)
+        self.tail = ClientTail(self, spec.ushape) if spec.ushape is not None else None  # U-shaped: labels stay here
         self.executor = Executor(spec.seed, device, spec.pack_clients)
         self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
         self.transfers = ModelTransfers(self.data, self.states, self.meter, self.dropped)
@@ -114,6 +116,7 @@ class ClientHost(ClientJobs, ClientMoves):
             x, y = rule.inputs(tag, idx)  # x to the host's device: a rule's own inputs (views) may not be there
             x = x.to(self.executor.device)
             [(out, fl)] = self.executor.forward([Forward(("fwd", tuple(x.shape)), rule.encoder(tag, slot), x)])
+        y = self.tail.keep(tag, y) if self.tail is not None else y  # U-shaped: an empty array leaves
         nbytes = None
         if self.cut.defence is not None:
             out, nbytes = self.defend(tag, x, out)
@@ -175,7 +178,8 @@ class ClientHost(ClientJobs, ClientMoves):
         if grad.g is None or cid in self.dropped:
             return self.meter.now(cid)
         g = transport.unpack(grad.g, self.executor.device)
-        slot.optimizer.zero_grad(set_to_none=True)
+        if self.tail is None:  # U-shaped: zeroed before the tail's gradients (ClientTail.step), stepped with them
+            slot.optimizer.zero_grad(set_to_none=True)
         if leak is not None:  # NoPeek's term first (its graph is the activation's), then the server's gradient
             self.cut.nopeek_loss(leak).backward(retain_graph=True)
         fl = self.rule.backward_pass(tag, out, g)
@@ -220,11 +224,9 @@ class ClientHost(ClientJobs, ClientMoves):
             row.update(self.cut.round_row(c))
             if c in self.dropped:
                 row["drop_reason"] = self.dropped[c]
+        if self.tail is not None:
+            self.tail.end_round(out)  # the label attack's scores into the clients' rows
         return out
-
-    def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
-        """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
-        return reconstruction_attack(self, cids, rnd, global_state)
 
     def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """Each client's own test split through its own client model and the given server model."""

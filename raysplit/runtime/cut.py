@@ -105,3 +105,11 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
     if held is not None:
         states.give_back(held)
     return out
+
+
+class CutCalls:
+    """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: the privacy plug-ins' call on a client host."""
+
+    def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
+        """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
+        return reconstruction_attack(self, cids, rnd, global_state)

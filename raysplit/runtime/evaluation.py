@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from raysplit.data import DataSpec, to_tensor
+from raysplit.models import end_to_end
 
 
 
@@ -56,6 +57,6 @@ def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of:
         if idx is None or len(idx) == 0:
             continue
         client.load_state_dict(state_of(c))
-        predict_batches(data.x[idx], data.y[idx], spec.data_spec, spec.eval_batch_size, lambda x: server(client(x)),
+        predict_batches(data.x[idx], data.y[idx], spec.data_spec, spec.eval_batch_size, end_to_end(client, server),
                         tally, device)
     return tally.result()

@@ -67,6 +67,7 @@ class HostSpec:
     spill_dir: str | None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
     batched_copies: bool  # algorithm.batched_copies: per-client server copies step in one batched computation
     privacy: Any  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
+    ushape: Any  # model.tail_cut: a raysplit.label_privacy.UShapeSpec (None: not U-shaped, labels go to the server)
     client_rule: Any  # the method's raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
     server_rule: Any  # its raysplit.runtime.rules.ServerRule subclass (None: ServerRule)
 
@@ -80,12 +81,16 @@ class ModelSlot:
 
 
 def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Client part and server part of the configured model (random init; callers load states)."""
+    """Client part and server part of the configured model (random init; callers load states); U-shaped
+    (``ushape``), the client part is a :class:`~raysplit.models.UClient` (head and tail) and the server's the
+    middle."""
     from raysplit.models import build_model
 
     model = build_model(spec.model, spec.num_classes, tuple(spec.input_shape), **spec.model_options)
     if spec.cut is None:
         return model, torch.nn.Identity()
+    if spec.ushape is not None:  # the client: head and tail (a UClient); the server: the middle
+        return model.split_u(spec.cut, spec.ushape.tail_cut)
     return model.split(spec.cut)
 
 

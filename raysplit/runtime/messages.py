@@ -63,6 +63,34 @@ class Gradient:
 
 
 @dataclass
+class MiddleOut:
+    """U-shaped split: the server's middle output for the activation of ``tag``, on its way to the client's tail."""
+
+    tag: Tag
+    z: np.ndarray  # the middle's output (transport.pack)
+    t_sent: float  # simulated time at which the server finished and sent it
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.z.nbytes)
+
+
+@dataclass
+class TailGradient:
+    """U-shaped split: the gradient of the client's loss with respect to the middle output of ``tag`` (what the
+    client releases, after its label defence), its loss and when it left the client."""
+
+    tag: Tag
+    g: np.ndarray  # transport.pack
+    t_sent: float
+    loss: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.g.nbytes)
+
+
+@dataclass
 class StateMsg:
     """A model state moving between hosts (aggregation, hand-over); ``t_sent`` is when it left its sender."""
 

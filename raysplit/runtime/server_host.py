@@ -17,6 +17,7 @@ from raysplit.runtime.aggregation import finish_average
 from raysplit.runtime.messages import StateMsg, Tag
 from raysplit.runtime.server_copies import ServerCopies
 from raysplit.runtime.server_steps import ServerSteps
+from raysplit.runtime.ushape import MiddleSteps
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
 from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError,
@@ -24,10 +25,11 @@ from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFin
                                        set_determinism)
 from raysplit.runtime.rules import ServerRule
 from raysplit.runtime.screening import Screen
+from raysplit.models import end_to_end
 from raysplit.runtime.evaluation import EvalTally, predict_batches
 
 
-class ServerHost(ServerSteps, ServerCopies, Checkpointed):
+class ServerHost(ServerSteps, MiddleSteps, ServerCopies, Checkpointed):
     """Owns the server-side model(s) and optimizer(s). ``models['main']`` is the server model; per-client copies
     (PSL, SFLV1) are forked from it and merged back by weighted averaging. Methods do not subclass it: they give a
     server rule (``spec.server_rule``), made here as ``self.rule`` once the host is built."""
@@ -50,6 +52,7 @@ class ServerHost(ServerSteps, ServerCopies, Checkpointed):
         self.test_x, self.test_y = test["x"], test["y"]
         self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
         self.flops = FlopCache()
+        self.middle: dict[Tag, tuple] = {}  # U-shaped steps: the middle's (input, output) awaiting the tail's gradient
         self.clock = 0.0
         self.round = -1
         self.screen = Screen(spec, lambda: self.client_encoder(), self.device)  # what arrives (on_bad_client)
@@ -129,7 +132,7 @@ class ServerHost(ServerSteps, ServerCopies, Checkpointed):
         client, server, encoder = self.eval_client, self.models[key].module, self.client_encoder()
         client.load_state_dict(client_state.tensors())
         client.eval(), server.eval()
-        out = self.predict(lambda x: server(encoder(x)))
+        out = self.predict(end_to_end(client, server, encoder))  # U-shaped: through the client's tail too
         server.train()
         return out
 

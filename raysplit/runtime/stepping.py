@@ -114,6 +114,18 @@ class ClientPort(Protocol):
         """Block until every handle is computed."""
 
 
+USHAPED = "u_shaped_step"  # the split step of a U-shaped split (``u_shaped_step``), in place of train_step
+
+
+def u_shaped_step(server_host, act, s: Step, port: ClientPort):
+    """One U-shaped split step after the client's forward (runtime/ushape.py): the middle on the server, the tail
+    and the loss on the client, the middle's backward and step on the server; the activation's gradient. Every
+    value may be a handle (the driver-chained path): each call takes the one before it as its argument."""
+    mid = server_host.serve("middle_forward", act, s.key)
+    back = port.fetch(port.submit(s.client, [("tail_step", (mid,))]))
+    return server_host.serve("middle_backward", back, s.key)
+
+
 def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | None, window: int | None,
                 port: ClientPort) -> None:
     """Run a plan with the server in charge, following :func:`schedule`: forwards are submitted ahead (up to
@@ -121,7 +133,8 @@ def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | No
     ``method(activation, key)`` runs here and its gradient goes back, with that client's next forward in the same
     message where the schedule bundles them. Each client host receives the same calls in the same order as the
     driver-chained path (the same loop on the driver: ``ports.DriverPort``), so both give the same results bit for
-    bit. Activations reach ``method`` through ``ServerHost.serve`` (screened)."""
+    bit. Activations reach ``method`` through ``ServerHost.serve`` (screened). ``method`` :data:`USHAPED`: each
+    step is :func:`u_shaped_step`."""
     pending = {}
     last = []
     for action in schedule(plan, port.worker, window):
@@ -130,7 +143,8 @@ def drive_steps(server_host, plan: list[Step], method: str, batch_size: int | No
         if action[0] == "fwd":
             pending[k] = port.submit(s.client, [("forward", (s.tag, batch_size))])
             continue
-        grad = server_host.serve(method, port.fetch(pending.pop(k)), s.key)
+        act = port.fetch(pending.pop(k))
+        grad = u_shaped_step(server_host, act, s, port) if method == USHAPED else server_host.serve(method, act, s.key)
         if action[2]:
             pending[k] = port.submit(s.client, [("backward", (grad,)), ("forward", (s.next, batch_size))])
         else:
