@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-cg-crossnode flower-venv doc-figures check-docs check-docs-full check-results config-doc check-ui
+	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-cg-crossnode flower-venv doc-figures check-docs check-docs-full check-results claims check-claims config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -132,9 +132,17 @@ chaos:
 # block (run it after doc-figures; ~5 min on 2 cores). DOC_FIGURES_TIMES: a file to which check-docs appends the
 # quickstart's seconds a round (.ci/run's phase file).
 # Stamps on result pages (scripts/stamps.py): check-results (in CI, no training) names every stamped page or
-# section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed.
-check-results:
+# section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed. It also
+# runs check-claims: the claims registry (docs/results/claims.yaml) validates and docs/results/README.md's table,
+# verdicts computed by the rule in scripts/claims.py, is what it gives (make claims rewrites the table).
+check-results: check-claims
 	$(PY) scripts/stamps.py check
+
+claims:
+	$(PY) scripts/claims.py write
+
+check-claims:
+	$(PY) scripts/claims.py check
 
 # docs/config.md, the configuration reference, generated from the pydantic models (tests/test_config.py fails when
 # it is out of date): rerun after adding or changing a config field or an algorithm parameter.
