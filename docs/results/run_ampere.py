@@ -22,6 +22,15 @@ Prints the markdown tables (final accuracy median [min, max] over seeds; bytes p
 activation/gradient traffic; on-device FLOPs per device; simulated time; rounds; then each method minus SplitFed,
 paired by seed) and writes docs/results/ampere_alpha.png (accuracy against alpha, median with min-max bars). Cached
 per run under docs/results/.ampere_runs/.
+
+``--clock`` is issue 55's question of what SplitFed's simulated clock assumes. SplitFed's default step order
+(``each_client_in_turn``) serves one device's steps after another's, so a device's first gradient waits for every
+device served before it: on the virtual clock the devices train one after another. The paper's SplitFed trains
+them in parallel, each against its own server copy. ``--clock`` runs Ampere and SplitFed as in the main table and
+SplitFed with ``algorithm.batched_copies`` on: the same computation (the copies step together, equal within vmap's
+rounding), served step by step across devices, so the devices train in parallel, in lockstep (every step waits for
+the slowest device's activation); it prints each arm's simulated time and Ampere's saving against each, paired by
+seed, and SplitFed's accuracy both ways.
 """
 
 from __future__ import annotations
@@ -279,6 +288,25 @@ def figure(results, alphas) -> None:
     plt.close(fig)
 
 
+def clocks(res: dict, alphas, seeds) -> str:
+    """--clock: per alpha, each arm's simulated time (median [min, max]), Ampere's saving against SplitFed served in
+    turn and in parallel (per seed), and SplitFed's final accuracy both ways."""
+    lines = ["| alpha | arm | simulated time (s) | Ampere's saving against it (%), per seed | accuracy (%) |",
+             "|---|---|---|---|---|"]
+    for a in alphas:
+        amp = {s: res[("Ampere", a, s)]["time/sim"] for s in seeds if ("Ampere", a, s) in res}
+        for arm in ("Ampere", "SplitFed", "SplitFed, devices in parallel"):
+            got = {s: res[(arm, a, s)] for s in seeds if (arm, a, s) in res}
+            if not got:
+                continue
+            t = [r["time/sim"] for r in got.values()]
+            save = "" if arm == "Ampere" else ", ".join(
+                f"{100 * (1 - amp[s] / r['time/sim']):.1f} (seed {s})" for s, r in got.items() if s in amp)
+            acc = median_range([100 * r["eval/accuracy"] for r in got.values()])
+            lines.append(f"| {a} | {arm} | {median_range(t, '.1f')} | {save or '-'} | {acc} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.1, 0.33, 1.0])
@@ -288,6 +316,7 @@ def main() -> int:
     ap.add_argument("--paired", action="store_true", help="only the equal-epoch consolidation ablation")
     ap.add_argument("--converge", action="store_true", help="only issue 28's to-convergence study")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (table rows), e.g. SplitFed PiPar")
+    ap.add_argument("--clock", action="store_true", help="only SplitFed's clock served in turn and in parallel")
     ap.add_argument("--arms", type=int, nargs="*", default=None,
                     help="--converge: only these arms (indices into CONVERGED), run in the order given")
     args = ap.parse_args()
@@ -305,6 +334,13 @@ def main() -> int:
         todo = [(arm, alg, a, s, extra) for a in args.alphas for arm, alg, extra in arms for s in args.seeds]
         done = run_all("ampere-fmnist", todo, one, args.jobs)
         print(converged(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
+        return 0
+    if args.clock:
+        arms = [("Ampere", None, ()), ("SplitFed", {"name": "sflv1"}, ()),
+                ("SplitFed, devices in parallel", {"name": "sflv1", "batched_copies": True}, ())]
+        todo = [(arm, alg, a, s, extra) for a in args.alphas for s in args.seeds for arm, alg, extra in arms]
+        done = run_all("ampere-fmnist", todo, one, args.jobs)
+        print(clocks(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
         return 0
     if args.ablations:
         todo += [("Ampere without consolidation", None, 0.33, s, (("algorithm.consolidate", False),))
