@@ -318,11 +318,14 @@ def test_an_actors_death_is_said_in_one_clause_and_its_pending_calls_make_no_noi
     def record(msg):
         return logging.LogRecord("ray._private.worker", logging.ERROR, __file__, 1, msg, None, None)
 
-    GONE.ids.add("3f8e01")
+    GONE.add("3f8e01")
     try:
         assert not GONE.filter(record(f"Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): {oom}"))
         assert GONE.filter(record("Unhandled error (suppress with ...): actor_id: 9999aa, ValueError: mine"))
         assert GONE.filter(record(f"something else about {oom}"))
         assert GONE in logging.getLogger("ray._private.worker").filters
+        for i in range(GONE.KEEP):  # a long-lived driver keeps the last KEEP ids only
+            GONE.add(f"older{i}")
+        assert "3f8e01" not in GONE.ids and len(GONE.ids) == GONE.KEEP
     finally:
-        GONE.ids.discard("3f8e01")
+        GONE.ids.clear()

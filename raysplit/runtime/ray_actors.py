@@ -144,11 +144,11 @@ class HostActor:
         if fault is not None:
             arm_fault(self.host, *fault)
 
-    def reset(self, host_cls, *args, fault: tuple | None = None) -> str:
+    def reset(self, host_cls, *args, fault: tuple | None = None) -> tuple[str, str]:
         """Host a new run's host in this process, as a fresh actor would (``runtime.keep_actors_s``, ray_pool.py):
         the old host and any compiled graphs of its run are dropped, torch's and the BLAS libraries' thread counts
-        set back to this process's first ones; the new host seeds torch itself, as every host does. Returns the
-        node's id (the actor's readiness, as ``node_id``)."""
+        set back to this process's first ones; the new host seeds torch itself, as every host does. Returns what
+        :meth:`ready` returns (the actor's readiness)."""
         self.host = None
         self._graphs, self._graph_ids = [], None
         gc.collect()
@@ -156,7 +156,7 @@ class HostActor:
         if self._blas:
             threadpoolctl.threadpool_limits(self._blas)
         self._build(host_cls, args, fault)
-        return self.node_id()
+        return self.ready()
 
     def call(self, method: str, *args, **kwargs):
         return invoke(self.host, method, *args, **kwargs)
@@ -172,6 +172,11 @@ class HostActor:
     def device(self) -> str:
         """Where this actor's host computes (``runtime.server.device`` / ``client.device`` as it resolved here)."""
         return host_device_of(self.host)
+
+    def ready(self) -> tuple[str, str]:
+        """The node this actor runs on and where its host computes: the first call on a new actor, whose answer
+        says the host was built (a constructor's error surfaces here)."""
+        return self.node_id(), self.device()
 
     def call_after(self, _barrier, method: str, *args, **kwargs):
         """``call`` once ``_barrier`` (an ObjectRef passed top-level, so Ray resolves it before dispatch and this

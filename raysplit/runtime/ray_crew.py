@@ -21,11 +21,20 @@ from raysplit.runtime.ray_resources import bundle, placed_node, visible
 class _Gone(logging.Filter):
     """Drops Ray's "Unhandled error" reports of calls to actors this driver killed or replaced: the calls a dead
     actor had pending when the run gave it up (80 lines and more after one restart), whose failure the run has
-    already handled. Every other unhandled error is still reported."""
+    already handled. Every other unhandled error is still reported. The ids of the last ``KEEP`` actors killed are
+    kept (a long-lived driver, a sweep of thousands of runs, does not grow them without end); their reports come
+    within seconds of the kill."""
+
+    KEEP = 1024
 
     def __init__(self):
         super().__init__()
-        self.ids: set[str] = set()
+        self.ids: dict[str, None] = {}  # insertion-ordered: the oldest go first
+
+    def add(self, actor_id: str) -> None:
+        self.ids[actor_id] = None
+        while len(self.ids) > self.KEEP:
+            del self.ids[next(iter(self.ids))]
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -80,7 +89,7 @@ class Crew:
                 built[a._actor_id] = a.reset.remote(*args, fault=fault)
             else:
                 a = actor_cls.options(**options).remote(*args, fault=fault)
-                built[a._actor_id] = a.node_id.remote()
+                built[a._actor_id] = a.ready.remote()
             return a
 
         self.server = make("server", {**server_opts, "name": None}, server_args, fault.get("server"))
@@ -99,10 +108,10 @@ class Crew:
             if any(placed_node(a) is None for a in pending):  # no node took them: the cluster has no room
                 raise ResourceError(self.unplaced(pending, ready_timeout))
             # every one placed, some still constructing (a loaded node): get() below waits up to its timeout
-        for a, node in zip(actors, get(refs)):
+        where = get(refs)  # each actor's node, and where its host computes as it resolved there
+        for a, (node, _) in zip(actors, where):
             self.roles[a._actor_id.hex()] += f" on node {node}"
-        on = get([a.device.remote() for a in actors])  # where each host computes, as it resolved there
-        self.devices = {"server": on[0], "client": ",".join(sorted(set(on[1:])))}
+        self.devices = {"server": where[0][1], "client": ",".join(sorted({d for _, d in where[1:]}))}
         if actor_cls is not HostActor:  # rdt: one gloo group over the run's actors (replacements get a new one)
             from ray.experimental.collective import create_collective_group
 
@@ -189,7 +198,7 @@ class Crew:
                 pass
             self.group = None
         for a in self.actors:
-            GONE.ids.add(a._actor_id.hex())
+            GONE.add(a._actor_id.hex())
             try:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead
