@@ -180,10 +180,11 @@ def ushape_spec(model, cut: int | None, tail_cut, section, method: str, refusal:
                               f"the server, which has no need to read them from gradients; set model.tail_cut for a "
                               f"U-shaped split, where the labels stay on the clients")
         return None, None, None
+    if cut is None:
+        raise ConfigError(f"model.tail_cut={tail_cut!r}: {method} has no split: the whole model and the labels stay "
+                          f"on the clients")
     if refusal:
         raise ConfigError(f"model.tail_cut={tail_cut!r}: {refusal.format(name=method)}")
-    if cut is None:
-        raise ConfigError(f"model.tail_cut={tail_cut!r}: {method} has no cut")
     if batched_copies:
         raise ConfigError(f"model.tail_cut={tail_cut!r}: algorithm.batched_copies steps the server copies in one "
                           f"batched computation, which a U-shaped split's two exchanges per step do not take; set "

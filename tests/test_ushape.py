@@ -149,6 +149,8 @@ def test_label_defences_do_what_they_say():
     ({"model.tail_cut": "fc1", "algorithm.name": "semisfl", "data.n_labeled": 100},
      ["model.tail_cut='fc1'", "semisfl's server trains supervised steps"]),
     ({"model.tail_cut": "fc1", "algorithm.name": "hydra"}, ["model.tail_cut='fc1'", "hydra's server heads"]),
+    ({"model.tail_cut": "fc1", "algorithm.name": "cyclesfl"}, ["model.tail_cut='fc1'", "pools every client's"]),
+    ({"model.tail_cut": "fc1", "algorithm.name": "fedavg"}, ["model.tail_cut='fc1'", "fedavg has no split"]),
     ({"model.tail_cut": "fc1", "algorithm": {"name": "psl", "batched_copies": True}},
      ["algorithm.batched_copies", "set algorithm.batched_copies=false"]),
     ({"privacy.label_attack": {"kind": "gradient_scoring"}},

@@ -286,6 +286,7 @@ class Ampere(Algorithm):
     disk-backed store, server phase on the consolidated activations."""
 
     name = "ampere"
+    u_shape = "{name}'s server phase trains on the devices' exported activations with their labels"
     description = "Ampere: device block + auxiliary net to convergence, one-shot activations, server block after"
     Params = AmpereParams
     client_rule = AmpereRule

@@ -149,7 +149,6 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     description = "federated averaging, whole model on clients"
-    u_shape = "{name} has no split: the whole model and the labels stay on the clients"
 
     def split_model(self, model, cut):
         return None, model, torch.nn.Identity()

@@ -165,6 +165,7 @@ class PooledRound(Algorithm):
 
     server_rule = CycleServer
     server_method = CycleServer.cycle_step
+    u_shape = "{name}'s server pools every client's features of a step, with their labels, into batches of its own"
 
     def setup(self, info) -> None:
         if self.local_epochs:

@@ -612,6 +612,7 @@ class SemiFL(Algorithm):
     averaged. Not implemented: SemiFL's static batch normalisation (the models here have no BN)."""
 
     name = "semifl"
+    u_shape = "{name}'s server trains on its labelled data"
     description = "SemiFL: FL with the global model's pseudo-labels and mixup, labelled fine-tuning on the server"
     Params = SemiFLParams
     client_rule = SemiFLRule
