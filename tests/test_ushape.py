@@ -4,6 +4,8 @@ attacks score what they should, the defences do what they say, and bad input is 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from helpers import make_config, run_rounds
 from raysplit.errors import ConfigError
 from raysplit.label_privacy import LabelMaxNorm, LabelNoise, defend_gradient, leak_scores
 
+ROOT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 U = {"model.tail_cut": "fc1", "runtime.backend": "local", "tracking.enabled": False}
 
 
@@ -194,3 +197,23 @@ def test_through_ray_actors_a_u_shaped_run_computes_the_same_bits(ray_session, t
             "privacy.label_attack": {"kind": "gradient_scoring"}, "privacy.label_defence": {"kind": "max_norm"}}
     want = run_rounds(make_config(tmp_path, None, **over, **{"runtime.backend": "local"}))
     assert_identical_runs(want, run_rounds(make_config(tmp_path, None, **over, **PATHS[path])))
+
+
+def test_the_shipped_ushaped_config_runs_its_attack_and_defence_into_mlflow(tmp_path, mlflow_uri, fmnist_root):
+    """configs/privacy/fmnist_ushaped.yaml (its method, cuts, attack and defence; one round of two steps on a small
+    fake Fashion-MNIST in the real format) logs the label scores and the extra exchange's bytes to MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from raysplit.config import load_config
+    from raysplit.experiment import run_experiment
+
+    cfg = load_config(ROOT_CONFIGS / "privacy" / "fmnist_ushaped.yaml", {
+        "data.root": str(fmnist_root), "data.options": {"search_system": False}, "train.rounds": 1,
+        "train.local_steps": 2, "eval.every": 1, "runtime.backend": "local", "tracking.uri": mlflow_uri,
+        "tracking.output_dir": str(tmp_path / "out"), "tracking.progress": False})
+    assert cfg.model.tail_cut == "fc1" and cfg.privacy.label_defence.kind == "noise"
+    final = run_experiment(cfg)
+    logged = MlflowClient(mlflow_uri).get_run(final["run_id"]).data
+    assert {"privacy/label_auc_direction", "privacy/label_acc_direction", "comm/bytes_down_middle",
+            "comm/bytes_up_tail_gradients"} <= set(logged.metrics), sorted(logged.metrics)
+    assert logged.params["privacy.label_defence.scale"] == "1.0" and logged.params["model.tail_cut"] == "fc1"
