@@ -115,8 +115,8 @@ GPU_SHARES = textwrap.dedent("""
     from helpers import make_config
     from raysplit.experiment import run_experiment
     from raysplit.runtime.ray_backend import ResourceError
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    over = {"runtime.address": "auto", "runtime.num_workers": 4, "runtime.client.num_gpus": 0.5,
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    over = {"runtime.address": "auto", "runtime.num_workers": 2, "runtime.client.num_gpus": 0.5,
             "runtime.client.num_cpus": 0.25, "runtime.server.num_cpus": 0.25, "runtime.keep_actors_s": 0,
             "train.rounds": 1, "tracking.enabled": False}
     tmp = Path(sys.argv[1])
@@ -131,13 +131,13 @@ GPU_SHARES = textwrap.dedent("""
 
 @pytest.mark.subprocess
 def test_client_actors_share_ray_gpus_and_a_share_no_cluster_has_is_refused(tmp_path):
-    """Four client actors on two of Ray's logical GPUs (0.5 each: two to a GPU) run; 0.75 each (3 GPUs) is one
+    """Two client actors on one of Ray's logical GPUs (0.5 each: two to a GPU) run; 0.75 each (1.5 GPUs) is one
     ResourceError naming the GPUs, before any actor starts. With no CUDA here, ``device: auto`` computes on the CPU."""
     r = subprocess.run([sys.executable, "-c", GPU_SHARES, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
     out = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0 and "ran True" in r.stdout, out
-    assert "refused" in r.stdout and "GPU: need 3 (server 0 + 4 client actors x 0.75), cluster has 2" in r.stdout, out
+    assert "refused" in r.stdout and "GPU: need 1.5 (server 0 + 2 client actors x 0.75), cluster has 1" in r.stdout, out
 
 
 # ---- packed clients (issue 53 item 3) -------------------------------------------------------------------------------
