@@ -13,8 +13,8 @@ bits as Ray actors on every transport, tests/test_ushape.py), and per part:
 - ``leak``: no defence; splitnn, psl, sflv1 and sflv2 at two cut pairs: head conv1 with the tail fc2 (the server
   holds conv2 and fc1: ``conv1-fc1``), and head conv1 with the tail fc1 and fc2 (the server holds conv2 only:
   ``conv1-conv2``).
-- ``frontier``: sflv2 and psl at ``conv1-fc1`` under Gaussian noise on the returned gradient (scale 0.3, 1, 3, 10
-  times the batch's median row norm) and under Li et al.'s max-norm heuristic.
+- ``frontier``: sflv2 at ``conv1-fc1`` under Gaussian noise on the returned gradient (scale 0.3, 1, 3, 10 times the
+  batch's median row norm) and under Li et al.'s max-norm heuristic; psl under noise 1 and max norm.
 - ``inputs``: sflv2 with the reconstruction attack (a decoder fitted on the test set's last 1,000 images, scored on
   64 training inputs of clients 0 and 1, every fifth round), cut conv1, without and with the U-shape (tail fc2).
 
@@ -48,7 +48,9 @@ DEFENCES["none+rec"] = {"privacy.attack": {"kind": "reconstruction", "aux_size":
                                            "epochs": 10}}
 PARTS = {
     "leak": [(m, c, "none") for c in ("conv1-fc1", "conv1-conv2") for m in METHODS],
-    "frontier": [(m, "conv1-fc1", d) for d in DEFENCES if d.startswith(("noise", "max")) for m in ("sflv2", "psl")],
+    # every strength on sflv2; psl at the middle noise and max norm (do two families pay alike?)
+    "frontier": ([("sflv2", "conv1-fc1", d) for d in DEFENCES if d.startswith(("noise", "max"))]
+                 + [("psl", "conv1-fc1", d) for d in ("noise1", "max_norm")]),
     "inputs": [("sflv2", c, "none+rec") for c in ("conv1 (no tail)", "conv1-fc1")],
 }
 SCORES = ("privacy/label_auc_norm", "privacy/label_auc_direction", "privacy/label_acc_direction")
@@ -106,7 +108,8 @@ def report(out: Path, seeds: list[int], plot: str | None) -> None:
         order = ["none", "noise0.3", "noise1", "noise3", "noise10"]
         for m, marker in (("sflv2", "o"), ("psl", "s")):
             pts = [points[(m, d)] for d in order if (m, d) in points]
-            ax.plot(*zip(*pts), marker=marker, color="tab:red", label=f"{m}, noise (scale 0 to 10)", alpha=0.8)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, color="tab:red", label=f"{m}, noise (scale 0 to 10)", alpha=0.8)
             if (m, "max_norm") in points:
                 ax.plot(*points[(m, "max_norm")], marker=marker, color="tab:blue", linestyle="none",
                         label=f"{m}, max norm")
