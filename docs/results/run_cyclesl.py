@@ -65,9 +65,18 @@ print("RESULT" + json.dumps({{k: v for k, v in res.items() if isinstance(v, (int
     return label, seed, run_cached(code, out, f"{tag} seed {seed}")
 
 
+def _cached(method, seed, setting, out_dir) -> bool:
+    tag = method + f" [{setting}]"
+    stem = tag.replace(" ", "_").replace("=", "").replace("[", "").replace("]", "").replace("'", "").replace(",", "")
+    return (out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json").is_file()
+
+
 def ladder(a, out_dir):
-    """CycleSFL (E = 1) minus SFLV2 at each setting of ``LADDER``, paired by seed."""
+    """CycleSFL (E = 1) minus SFLV2 at each setting of ``LADDER``, paired by seed (``--cached-only``: the settings
+    whose runs are all cached, nothing run)."""
     jobs = [(m, s, st) for st in LADDER for s in a.seeds for m in ("cyclesfl", "sflv2")]
+    if a.cached_only:
+        jobs = [j for j in jobs if all(_cached(m, j[1], j[2], out_dir) for m in ("cyclesfl", "sflv2"))]
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda j: (j[2], *one(j[0], {}, j[1], a.backend, out_dir, setting=j[2])), jobs))
     acc = {(st, label, seed): 100 * res["eval/accuracy"] for st, label, seed, res in done}
@@ -75,6 +84,9 @@ def ladder(a, out_dir):
           "cyclesfl - sflv2 (points), paired by seed | per seed |")
     print("|---|---|---|---|---|---|")
     for st, over in LADDER.items():
+        if any((st, m, s) not in acc for m in ("cyclesfl", "sflv2") for s in a.seeds):
+            print(f"| {st} | not run yet | | | | |")
+            continue
         c = [acc[(st, "cyclesfl", s)] for s in a.seeds]
         v = [acc[(st, "sflv2", s)] for s in a.seeds]
         d = [x - y for x, y in zip(c, v)]
@@ -90,6 +102,7 @@ def main():
     ap.add_argument("--backend", default="local", choices=["local", "ray"])
     ap.add_argument("--out", default=str(ROOT / "outputs" / "cyclesl_table"))
     ap.add_argument("--methods", nargs="*", default=None, help="only these algorithm names (e.g. psl sglr sflv1)")
+    ap.add_argument("--cached-only", action="store_true", help="--ladder: report the settings already run, run none")
     ap.add_argument("--ladder", action="store_true", help="CycleSFL (E = 1) and SFLV2 from raysplit's setting toward "
                                                           "the paper's (LADDER), instead of the table")
     a = ap.parse_args()
