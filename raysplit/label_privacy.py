@@ -43,13 +43,15 @@ from typing import Annotated, ClassVar, Literal, Union
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from raysplit.privacy import AttackParams, DefenceParams
 
 
-class LabelDefenceParams(BaseModel):
-    """A label defence's keys under ``privacy.label_defence``, picked by ``kind``."""
+class LabelDefenceParams(DefenceParams):
+    """A label defence's keys under ``privacy.label_defence``, picked by ``kind`` (strict and frozen as every
+    privacy plug-in's section)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     KIND: ClassVar[str] = "label defence"
 
 
@@ -73,10 +75,9 @@ LABEL_DEFENCE_MODELS = (NoLabelDefence, LabelNoise, LabelMaxNorm)
 LabelDefenceConfig = Annotated[Union[LABEL_DEFENCE_MODELS], Field(discriminator="kind")]  # noqa: UP007
 
 
-class LabelAttackParams(BaseModel):
+class LabelAttackParams(AttackParams):
     """``privacy.label_attack``: which scores the server's label-leakage attack computes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     KIND: ClassVar[str] = "label attack"
 
 

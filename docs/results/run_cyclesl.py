@@ -50,8 +50,7 @@ def one(method, extra, seed, backend, out_dir, setting=None):
     label = method + (f" E={extra['server_epochs']}" if extra else "")
     over = LADDER[setting] if setting else {}
     tag = label + (f" [{setting}]" if setting else "")
-    stem = tag.replace(" ", "_").replace("=", "").replace("[", "").replace("]", "").replace("'", "").replace(",", "")
-    out = out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json"
+    out = _cache(tag, seed, out_dir)
     code = f"""
 import json, sys
 from raysplit.config import load_config
@@ -65,10 +64,10 @@ print("RESULT" + json.dumps({{k: v for k, v in res.items() if isinstance(v, (int
     return label, seed, run_cached(code, out, f"{tag} seed {seed}")
 
 
-def _cached(method, seed, setting, out_dir) -> bool:
-    tag = method + f" [{setting}]"
+def _cache(tag: str, seed: int, out_dir: Path) -> Path:
+    """Where the run of ``tag`` (a method, with its ladder setting in brackets) and ``seed`` is cached."""
     stem = tag.replace(" ", "_").replace("=", "").replace("[", "").replace("]", "").replace("'", "").replace(",", "")
-    return (out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json").is_file()
+    return out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json"
 
 
 def ladder(a, out_dir):
@@ -76,7 +75,7 @@ def ladder(a, out_dir):
     whose runs are all cached, nothing run)."""
     jobs = [(m, s, st) for st in LADDER for s in a.seeds for m in ("cyclesfl", "sflv2")]
     if a.cached_only:
-        jobs = [j for j in jobs if all(_cached(m, j[1], j[2], out_dir) for m in ("cyclesfl", "sflv2"))]
+        jobs = [j for j in jobs if all(_cache(f"{m} [{j[2]}]", j[1], out_dir).is_file() for m in ("cyclesfl", "sflv2"))]
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda j: (j[2], *one(j[0], {}, j[1], a.backend, out_dir, setting=j[2])), jobs))
     acc = {(st, label, seed): 100 * res["eval/accuracy"] for st, label, seed, res in done}
