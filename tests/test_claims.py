@@ -57,6 +57,30 @@ def test_the_registry_validates_and_the_readme_table_is_generated_from_it():
     page = claims.TABLE_PAGE.read_text()
     assert claims.generated(page, reg) == page, "docs/results/README.md's table is out of date: make claims"
     assert not claims.long_cells(reg), claims.long_cells(reg)
+    for path, text in claims.heads(reg).items():
+        assert text == path.read_text(), f"{path.name}'s head is out of date: make claims"
+    assert not claims.broken_links(reg), claims.broken_links(reg)
+
+
+def test_each_papers_page_head_lists_its_claims_with_seeds_and_verdicts():
+    reg = claims.load()
+    for paper, name in claims.PAGES.items():
+        head = claims.head(paper, reg)
+        mine = [c for c in reg.claims if c.paper == paper]
+        assert mine and all(c.claim in head and f"Verdict: **{claims.verdict(c)[0]}**" in head for c in mine), name
+        for c in mine:
+            if c.measure and not c.measure.median_only:
+                assert all(f"seed {s} {v:+g}" in head for s, v in zip(c.measure.seeds, c.measure.values)), c.id
+
+
+def test_a_link_to_a_missing_section_is_named(tmp_path, monkeypatch):
+    (tmp_path / "p.md").write_text("# Title\n\n## Where we = disagree\n\n```\n# not a heading\n```\n## Where we = disagree\n")
+    assert claims.anchors(tmp_path / "p.md") == {"title", "where-we--disagree", "where-we--disagree-1"}
+    monkeypatch.setattr(claims, "TABLE_PAGE", tmp_path / "README.md")
+    good = _claim([1.0, 2.0, 3.0], checks=[{"what": "w", "link": "p.md#where-we--disagree-1", "explains": True}])
+    bad = _claim([1.0, 2.0, 3.0], checks=[{"what": "w", "link": "p.md#not-a-heading", "explains": True}])
+    assert claims.broken_links(claims.Registry(claims=[good])) == ["planted: gas.md#x: no page gas.md"]
+    assert "p.md has no section #not-a-heading" in claims.broken_links(claims.Registry(claims=[bad]))[1]
 
 
 def test_every_claims_page_and_command_exist():
