@@ -7,7 +7,8 @@ by hand, and docs/results/README.md's table is generated from it::
                                        # of each paper's page (PAGES)
     python scripts/claims.py check     # make check-claims (in make check-results): the registry validates, the
                                        # table and the heads are what the registry gives, every cell fits, and
-                                       # every link lands on a section that exists
+                                       # every link (the registry's, the result pages') lands on a section that
+                                       # exists
 
 The rule, as docs/results/README.md states it. A claim's measure is signed so that positive values go the paper's
 way; ``values`` are its per-seed values.
@@ -306,6 +307,27 @@ def broken_links(reg: Registry) -> list[str]:
     return out
 
 
+def page_links(pages: list[Path] | None = None) -> list[str]:
+    """Relative links on the result pages (docs/results/*.md and notes/*.md) whose file or section does not exist:
+    investigations move between pages, and a link left behind must fail here, not in a reader's browser."""
+    results = TABLE_PAGE.parent
+    pages = pages if pages is not None else sorted(results.glob("*.md")) + sorted((results / "notes").glob("*.md"))
+    out = []
+    for page in pages:
+        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                out.append(f"{name}: {target}: no file {path}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                out.append(f"{name}: {target}: no section #{anchor}")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("write", "check"):
         print(__doc__)
@@ -317,7 +339,7 @@ def main(argv: list[str]) -> int:
             path.write_text(text)
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
-    problems = long_cells(reg) + broken_links(reg)
+    problems = long_cells(reg) + broken_links(reg) + page_links()
     for path, text in want.items():
         if text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "
