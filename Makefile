@@ -1,13 +1,18 @@
 # Benchmarks (issue 6). Not tests: they print tables, write benchmarks/out/*.json and log to the MLflow experiment
-# `benchmarks` (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI is set). `make bench` runs all of them (~45 min on
-# the 2-core machine); results and how to read them: benchmarks/RESULTS.md.
+# `benchmarks` (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI is set). `make bench` runs the core set (~45 min on
+# the 2-core machine); results and how to read them: benchmarks/RESULTS.md, whose table of current figures
+# `make bench-table` regenerates (benchmarks/figures.yaml, scripts/figures.py). Every script in benchmarks/ has a
+# target below, except common.py (the helpers every script imports), flower_side.py (the Flower half of
+# bench-flower, run by flower.py in the Flower venv) and setup_flower.sh (flower-venv).
 PY ?= .venv/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-cg-crossnode flower-venv doc-figures check-docs check-docs-full check-results claims check-claims config-doc check-ui
+	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
+	bench-gas-authors bench-snapshot bench-numpy-torch bench-table flower-venv doc-figures check-docs check-docs-full \
+	check-results claims check-claims config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -36,6 +41,11 @@ bench-threads:
 
 bench-gas-floor:
 	$(PY) benchmarks/gas_floor.py --authors $(GAS_AUTHORS) --rounds 3
+
+# GAS against the authors' code, covariance full/diagonal/lowrank on the local and Ray backends (~1 h on 2 cores;
+# archived figures: benchmarks/archive/RESULTS-2026-11-22-to-25.md). gas_floor.py imports its authors' side.
+bench-gas-authors:
+	$(PY) benchmarks/gas_vs_authors.py --authors $(GAS_AUTHORS) --rounds 4
 
 # Issue 29 item 4: where cnn_small's rounds go (the steps cost, a spinning neighbour's cost to a computing process);
 # item 5: the RDT prototype's round times beside compiled graphs and actor calls.
@@ -73,12 +83,33 @@ bench-gpu:
 bench-gpu-server:
 	$(PY) benchmarks/gpu_server.py --workers 7 --rounds 5
 
+# The server host on CUDA against the CPU, same SFLV2 run, local backend (needs a GPU; PASSED when the weights agree
+# within 1e-3).
+bench-gpu-check:
+	$(PY) benchmarks/gpu_check.py
+
 # Batched per-client server copies (algorithm.batched_copies), server side in process and a local-backend round.
 bench-batched:
 	$(PY) benchmarks/batched_copies.py --model cnn_small resnet18 --clients 10 50 --reps 5 --e2e-reps 3
 
 bench-store:
 	$(PY) benchmarks/store.py --rows 12000 --repeats 3
+
+# Issue 25: what runtime.faults.max_retries' round snapshots cost the driver and the round (for a "before", run it
+# from an older checkout: benchmarks/RESULTS.md, "Reliability II").
+bench-snapshot:
+	$(PY) benchmarks/snapshot_cost.py --rounds 12
+
+# numpy arrays against torch tensors through Ray's object store, one driver-chained hop (why raysplit/runtime/
+# transport.py sends numpy; archived figures: benchmarks/archive/RESULTS-2026-11-22-to-25.md).
+bench-numpy-torch:
+	$(PY) benchmarks/transport.py --repeats 15
+
+# The table of current figures at the top of benchmarks/RESULTS.md: refresh benchmarks/figures.yaml from
+# benchmarks/out/*.json where an entry names its JSON, then rewrite the table (make check-results checks it).
+bench-table:
+	$(PY) scripts/figures.py refresh
+	$(PY) scripts/figures.py write
 
 bench-scale:
 	$(PY) benchmarks/scale.py --clients 100 1000 10000 --rounds 6
@@ -134,9 +165,11 @@ chaos:
 # Stamps on result pages (scripts/stamps.py): check-results (in CI, no training) names every stamped page or
 # section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed. It also
 # runs check-claims: the claims registry (docs/results/claims.yaml) validates and docs/results/README.md's table,
-# verdicts computed by the rule in scripts/claims.py, is what it gives (make claims rewrites the table).
+# verdicts computed by the rule in scripts/claims.py, is what it gives (make claims rewrites the table); and
+# benchmarks/RESULTS.md's table of current figures is what benchmarks/figures.yaml gives (make bench-table).
 check-results: check-claims
 	$(PY) scripts/stamps.py check
+	$(PY) scripts/figures.py check
 
 claims:
 	$(PY) scripts/claims.py write

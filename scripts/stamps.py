@@ -29,7 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
-PAGES = ("docs/results/*.md", "docs/results/notes/*.md", "docs/*.md", "benchmarks/RESULTS.md")
+PAGES = ("docs/results/*.md", "docs/results/notes/*.md", "docs/*.md", "benchmarks/RESULTS.md",
+         "benchmarks/archive/*.md")
 STAMP = re.compile(r"^<!-- stamp: (\{.*\}) -->$", re.M)
 VISIBLE = re.compile(r"^\*Stamp: .*\*$", re.M)
 STALE = re.compile(r"^> \*\*Stale:\*\* .*$", re.M)

@@ -5,7 +5,8 @@ Layout: one folder per store; every arriving chunk becomes a shard, two ``.npy``
 to a temporary name and renamed, so a shard is either whole or absent. ``seal()`` writes ``manifest.json`` (shards,
 rows, the device each came from) the same way, last; a store without a manifest is incomplete and :meth:`open`
 refuses it, so a store half-written by a crash is never read as complete. Shards are ``.npy`` files rather than
-Parquet: benchmarks/store.py measured both (benchmarks/RESULTS.md).
+Parquet: benchmarks/store.py measured both (benchmarks/archive/RESULTS-2026-11-22-to-25.md, "Ampere's activation
+store").
 
 :class:`ShuffledLoader` reads an epoch in G groups, G the smallest count for which a group fits half of
 ``cache_bytes`` (a background thread loads the next group while the current one is consumed, so at most two

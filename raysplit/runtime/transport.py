@@ -1,7 +1,8 @@
 """How tensors cross the object store: one place, chosen by measurement.
 
 On this stack torch tensors cross Ray's object store as serialized copies (~150-500 MB/s, stack.md §4) while numpy
-arrays are read back zero-copy; benchmarks/transport.py measures both (see benchmarks/RESULTS.md). Activations,
+arrays are read back zero-copy; benchmarks/transport.py measures both (``make bench-numpy-torch``; figures in
+benchmarks/archive/RESULTS-2026-11-22-to-25.md, "Transport"). Activations,
 gradients and model states therefore travel as numpy arrays and become tensors again on arrival with
 ``torch.from_numpy``. Arrays that ``ray.get`` returns are read-only views of the object store, which torch cannot
 wrap safely, so :func:`unpack` copies every read-only array (and a writable one only when asked to); writable
