@@ -101,6 +101,9 @@ class FlopCache:
         self._cache[key] = int(fl)
         return out, self._cache[key]
 
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._cache
+
     def count(self, key: tuple, fn) -> int:
         """The FLOPs cached for ``key``, counted by running ``fn()`` once if there are none yet: for a computation
         charged as what it stands for (a batched step of server copies, as the per-copy steps it replaces)."""

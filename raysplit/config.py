@@ -371,10 +371,12 @@ class RuntimeConfig(_Strict):
                                  "others or a sweep starts")
     pack_clients: bool | Literal["auto"] = Field(default="auto", description="train a client host's clients' "
                                                  "steps together where they are independent (FedAvg's and "
-                                                 "Ampere's local training): parameters stacked, one vmapped "
-                                                 "computation per step, equal to one client after another within "
-                                                 "float rounding; auto: on where client hosts compute on a GPU "
-                                                 "(on a CPU it is slower), true: everywhere")
+                                                 "Ampere's local training; the forwards and backwards of pooled "
+                                                 "split steps: CycleSL, MiniBatch-SFL, batched copies): "
+                                                 "parameters stacked, one vmapped computation per step for the "
+                                                 "clients with equal batch shapes, equal to one client after "
+                                                 "another within float rounding; auto: on where client hosts "
+                                                 "compute on a GPU (on a CPU it is slower), true: everywhere")
     deterministic: bool | Literal["auto"] = Field(default="auto", description="deterministic kernels "
                                                   "(torch.use_deterministic_algorithms, cuDNN's deterministic "
                                                   "algorithms, a fixed cuBLAS workspace): auto: on in each host "

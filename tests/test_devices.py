@@ -173,14 +173,28 @@ def _packed_steps(name, **extra) -> tuple[dict, int]:
     return got, sum(w.executor.packed_steps for w in made[-1])
 
 
-@pytest.mark.parametrize("name", ["fedavg", "ampere"])
-def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name):
-    """FedAvg's local training and Ampere's device phase with ``runtime.pack_clients`` on: the clients' steps ran
-    batched (counted), and every metric of every round equals the golden run's (one client after another) within
-    1e-6; off (auto on a CPU), the golden run bit for bit (tests/test_golden.py)."""
-    got, packed = _packed_steps(name, **{"runtime.pack_clients": True})
+@pytest.mark.parametrize("name, extra", [
+    ("fedavg", {}), ("ampere", {}),  # local training, the device phase
+    ("cyclesfl", {}), ("cyclepsl", {}), ("cyclesglr", {}), ("minibatch_sfl", {}),  # pooled split steps
+    ("psl", {"algorithm.batched_copies": True}),  # pooled split steps into batched server copies
+])
+def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name, extra):
+    """FedAvg's local training, Ampere's device phase and the pooled split steps (CycleSL, MiniBatch-SFL,
+    MergeSFL, PSL's interleaved batched copies: a host's clients forward as one vmapped computation and take their
+    gradients back through it in one backward) with ``runtime.pack_clients`` on: the clients' steps ran batched
+    (counted), and every metric of every round equals the golden run's (one client after another) within 1e-6;
+    off (auto on a CPU), the golden run bit for bit (tests/test_golden.py). (MergeSFL's clients take batches of
+    their own sizes: no two shapes are equal, so nothing packs; padding them is not built.)"""
+    got, packed = _packed_steps(name, **{"runtime.pack_clients": True, **extra})
+    want = golden.load(name) if not extra else _packed_steps(name, **{"runtime.pack_clients": False, **extra})[0]
     assert packed > 0
-    assert not _close(golden.load(name), got, 1e-6), _close(golden.load(name), got, 1e-6)[:8]  # 5e-8 seen
+    off = _close(want, got, 1e-6)  # 5e-8 seen
+    if name == "cyclesglr":  # SGLR's gradient is the mean over every sample of the active clients: at round 0
+        # (random weights) the samples' gradients mostly cancel, so the mean's norm carries their rounding about
+        # 1,000-fold (1.2e-4 seen; 1e-7 from round 1, and every loss and accuracy within 1e-7)
+        loose = _close(want, got, 1e-3)
+        off = [d for d in off if not d.startswith("train/grad_norm_") or d in loose]
+    assert not off, off[:8]
 
 
 def test_packed_runs_on_one_or_two_client_hosts_agree_within_float_rounding():
@@ -209,3 +223,69 @@ def test_a_model_vmap_refuses_trains_one_client_after_another():
     want = torch.nn.functional.cross_entropy(plain[1](xs[1]), ys[1]).item()
     assert out[1][0] == pytest.approx(want, rel=1e-6) and out[1][1] > 0
     assert Executor(0, pack="auto").pack is False and Executor(0, torch.device("cuda"), "auto").pack is True
+
+
+def test_packed_forwards_take_their_gradients_back_as_one_at_a_time():
+    """Executor.forward_together: three clients' conv/BatchNorm parts forward as one vmapped computation; each
+    activation, each BatchNorm's running statistics and, after the gradients come back in two calls (the graph kept
+    for the one still waiting), each module's gradients equal the client's own forward and backward within float
+    rounding; the FLOPs are those the unpacked path counts. A model vmap refuses (dropout) is refused once."""
+    import copy
+
+    from raysplit.runtime.executor import Backward, Executor, Forward
+
+    torch.manual_seed(0)
+
+    def part():
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                   torch.nn.Flatten())
+
+    mods = [part() for _ in range(3)]
+    ref = [copy.deepcopy(m) for m in mods]
+    xs = [torch.randn(5, 1, 6, 6) for _ in mods]
+    gs = [torch.randn(5, 64) for _ in mods]
+    plain = Executor(seed=0)
+    want = [plain.forward([Forward(("fwd", (5, 1, 6, 6)), m, x)])[0] for m, x in zip(ref, xs)]
+    ex = Executor(seed=0, pack=True)
+    done, pack = ex.forward_together(("fwd", (5, 1, 6, 6)), mods, xs)
+    for (out, fl), (w, wfl) in zip(done, want):
+        assert torch.allclose(out, w, atol=1e-6) and fl == wfl > 0
+    for m, r in zip(mods, ref):
+        assert torch.allclose(m[1].running_mean, r[1].running_mean, atol=1e-7) and int(m[1].num_batches_tracked) == 1
+    wbf = [plain.backward([Backward(("bwd", (5, 64)), w, g)])[0] for (w, _), g in zip(want, gs)]
+    pack.backward([(0, gs[0]), (2, gs[2])])  # client 1's gradient comes later: the graph is kept for it
+    pack.backward([(1, gs[1])])
+    assert pack.backward_flops == wbf[0] > 0 and ex.packed_steps == 3
+    for m, r in zip(mods, ref):
+        for p, q in zip(m.parameters(), r.parameters()):
+            assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-5)
+    drop = [torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5)) for _ in range(2)]
+    assert ex.forward_together(("d",), drop, xs[:2]) is None and "random" in ex.unpackable.lower()
+
+
+def test_a_rejected_gradient_in_a_packed_step_drops_that_client_as_unpacked(monkeypatch):
+    """A NaN gradient for one client of a packed pooled step (CycleSFL, runtime.faults.on_bad_client: drop): that
+    client is dropped for the round and charged the backward it stood for, the rest of its pack steps; every
+    metric equals the unpacked run's with the same fault within 1e-6, and differs from the run without it."""
+    import numpy as np
+
+    from raysplit.runtime.messages import Gradient
+    from raysplit.runtime.server_host import ServerHost
+
+    serve = ServerHost.serve
+
+    def faulty(self, method, *args, **kwargs):
+        out = serve(self, method, *args, **kwargs)
+        if isinstance(out, (list, tuple)) and out and isinstance(out[0], Gradient) and out[0].tag.round == 0 \
+                and out[0].tag.step == 1:
+            out = list(out)
+            out[0] = Gradient(out[0].tag, np.full_like(out[0].g, np.nan), out[0].t_sent, out[0].loss)
+        return out
+
+    monkeypatch.setattr(ServerHost, "serve", faulty)
+    extra = {"runtime.faults.on_bad_client": "drop"}
+    packed, n = _packed_steps("cyclesfl", **{"runtime.pack_clients": True, **extra})
+    unpacked, n0 = _packed_steps("cyclesfl", **{"runtime.pack_clients": False, **extra})
+    assert n > 0 and n0 == 0
+    assert not _close(unpacked, packed, 1e-6), _close(unpacked, packed, 1e-6)[:8]
+    assert _close(golden.load("cyclesfl"), packed, 1e-6)  # the fault changed the run

@@ -3,11 +3,10 @@ components: the clients' data and cursors (:class:`ClientData`), the cost meter 
 client-state store (:class:`ClientStates`), the privacy plug-ins at the cut (:class:`ClientCut`) and the executor
 that runs the clients' computations (:class:`Executor`). The host holds the split-learning step (a forward whose
 graph waits here for its gradient, the backward, the client's update); what a method changes around it is its
-client rule (:class:`~raysplit.runtime.rules.ClientRule`), whose hooks the host calls in the order given there."""
+client rule (:class:`~raysplit.runtime.rules.ClientRule`), whose hooks the host calls in the order given there;
+the step itself is :class:`~raysplit.runtime.client_steps.ClientSteps`."""
 
 from __future__ import annotations
-
-import zlib
 
 import numpy as np
 import torch
@@ -18,21 +17,20 @@ from raysplit.runtime.client_data import ClientData
 from raysplit.runtime.client_jobs import ClientJobs
 from raysplit.runtime.client_moves import ClientMoves
 from raysplit.runtime.client_states import ClientStates
+from raysplit.runtime.client_steps import ClientSteps
 from raysplit.runtime.client_transfers import ModelTransfers
 from raysplit.runtime.cut import ClientCut, CutCalls
 from raysplit.runtime.evaluation import evaluate_own
-from raysplit.runtime.executor import Executor, Forward
-from raysplit.runtime.hostspec import (HostSpec, ModelSlot, _bad_input, build_parts, host_device, limit_threads,
-                                       set_determinism)
-from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.executor import Executor
+from raysplit.runtime.hostspec import HostSpec, ModelSlot, build_parts, host_device, limit_threads, set_determinism
+from raysplit.runtime.messages import StateMsg, Tag
 from raysplit.runtime.meter import CostMeter
 from raysplit.runtime.optim import round_lr
 from raysplit.runtime.rules import ClientRule
-from raysplit.runtime.screening import gradient_fault, screens_nonfinite, where_of
 from raysplit.runtime.ushape import ClientTail, TailCalls
 
 
-class ClientHost(ClientJobs, ClientMoves, CutCalls, TailCalls):
+class ClientHost(ClientSteps, ClientJobs, ClientMoves, CutCalls, TailCalls):
     """Hosts a set of virtual clients on one worker (``data.train_idx``'s keys: those it holds now), computing on
     ``runtime.client.device``. Methods give a client rule (``spec.client_rule``), made here as ``self.rule``."""
 
@@ -63,6 +61,7 @@ class ClientHost(ClientJobs, ClientMoves, CutCalls, TailCalls):
         self.transfers = ModelTransfers(self.data, self.states, self.meter, self.dropped)
         self.pending: dict[Tag, torch.Tensor] = {}  # forwards awaiting their gradient
         self._replay: dict[Tag, tuple[np.ndarray, dict]] = {}  # event driver: what rebuilds a pending forward
+        self.packed: dict[Tag, tuple] = {}  # packed forwards awaiting their gradient: (Packed, index in it)
         self.round = -1
         self.job_round: dict[int, int] = {}  # event driver: the global round each active client's job began in
         self.job_loss: dict[int, float] = {}  # event driver: mean loss of a local job, sent with the model
@@ -103,89 +102,6 @@ class ClientHost(ClientJobs, ClientMoves, CutCalls, TailCalls):
         self.clip_grads(slot.module)
         slot.optimizer.step()
 
-    # ---- split-learning steps -------------------------------------------------------------------------------
-    def forward(self, tag: Tag, batch_size: int | None = None) -> Activation:
-        """Client ``tag.client`` forwards its next batch; the graph waits here for the gradient for ``tag``."""
-        cid, rule = tag.client, self.rule
-        t_start = self.meter.now(cid)
-        slot = self.activate(cid)
-        idx = rule.batch_indices(tag, batch_size)
-        if self.spec.asynchronous:  # what a checkpoint needs to rebuild this forward's graph (load_state_dict)
-            self._replay[tag] = (idx, {k: b.detach().clone() for k, b in slot.module.named_buffers()})
-        with self.executor.seeded(cid, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
-            x, y = rule.inputs(tag, idx)  # x to the host's device: a rule's own inputs (views) may not be there
-            x = x.to(self.executor.device)
-            [(out, fl)] = self.executor.forward([Forward(("fwd", tuple(x.shape)), rule.encoder(tag, slot), x)])
-        y = self.tail.keep(tag, y) if self.tail is not None else y  # U-shaped: an empty array leaves
-        nbytes = None
-        if self.cut.defence is not None:
-            out, nbytes = self.defend(tag, x, out)
-        self.pending[tag] = out
-        self.meter.charge_compute(cid, fl)
-        msg = Activation(tag, transport.pack(out), y, 0.0, float(self.data.size(cid)))
-        msg.t_sent = self.meter.charge_upload(cid, msg.nbytes if nbytes is None else nbytes + msg.y.nbytes,
-                                              "activations")
-        rule.after_forward(tag, t_start, msg)
-        return msg
-
-    def defend(self, tag: Tag, x: torch.Tensor, out: torch.Tensor,
-               count: bool = True, rate: float | None = None) -> tuple[torch.Tensor, int | None]:
-        """``privacy.defence`` at the cut (:meth:`ClientCut.release`): what leaves instead of ``out``, drawn from its
-        own per-step stream, and its bytes (None: the tensor's own). Counted against the client's budget at rate
-        batch / its samples (``count``: not when a checkpoint rebuilds it; ``rate``: another rate)."""
-        cid = tag.client
-        rate = None if not count else rate if rate is not None else round(len(x) / self.data.size(cid), 12)
-        with self.executor.seeded(cid, 2, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
-            return self.cut.release(tag, x, out, rate)
-
-    def forward_many(self, tags: list[Tag], batch_size: int | None = None) -> list[Activation]:
-        """Several forwards in one call, in order (one per stream of a client step)."""
-        return [self.forward(tag, batch_size) for tag in tags]
-
-    def backward(self, grad: Gradient) -> float:
-        """Apply the gradient for the activation of its tag; the client's clock (or the rule's ``after_backward``'s)."""
-        tag, cid = grad.tag, grad.tag.client
-        if grad.rejected and tag not in self.pending:  # withheld for a tag that was not ours (a forged round)
-            self.drop(cid, grad.rejected)
-            return self.meter.now(cid)
-        t_start = self.meter.now(cid)
-        t_end = self._apply(grad)
-        t = self.rule.after_backward(grad, t_start, t_end)
-        return t_end if t == t_end else self.meter.set_clock(cid, t)
-
-    def _apply(self, grad: Gradient) -> float:
-        tag, cid = grad.tag, grad.tag.client
-        try:
-            out = self.pending.pop(tag)
-        except KeyError:
-            raise KeyError(f"gradient for {tag} has no pending activation on worker {self.worker_index}; "
-                           f"pending: {sorted(self.pending)[:5]}") from None
-        self._replay.pop(tag, None)
-        leak = self.cut.take_leak(tag)
-        slot = self.states.slots[cid]
-        self.meter.charge_download(cid, grad.nbytes, grad.t_sent, "gradients")
-        self.meter.count(cid, steps=1)
-        why = grad.rejected
-        if not why and grad.g is not None:
-            why = gradient_fault(grad.g, out, screens_nonfinite(self.spec))
-        if why and not grad.rejected:
-            if self.spec.on_bad_client == "fail":
-                raise _bad_input(where_of(tag), f"rejected by the client: {why}")
-            # the backward pass is charged as if it had run (the event loop predicts the client's clock so)
-            self.meter.charge_compute(cid, self.rule.backward_pass(tag, out, torch.zeros_like(out)))
-        if why:
-            self.drop(cid, why)
-        if grad.g is None or cid in self.dropped:
-            return self.meter.now(cid)
-        g = transport.unpack(grad.g, self.executor.device)
-        if self.tail is None:  # U-shaped: zeroed before the tail's gradients (ClientTail.step), stepped with them
-            slot.optimizer.zero_grad(set_to_none=True)
-        if leak is not None:  # NoPeek's term first (its graph is the activation's), then the server's gradient
-            self.cut.nopeek_loss(leak).backward(retain_graph=True)
-        fl = self.rule.backward_pass(tag, out, g)
-        self._update(cid, slot)
-        return self.meter.charge_compute(cid, fl)
-
     def drop(self, cid: int, why: str) -> None:
         """Client ``cid`` takes no further part in this round (job): no more updates, left out of aggregation, its
         own model and optimizer state stay as they were before the round (``runtime.faults.on_bad_client: drop``)."""
@@ -214,6 +130,7 @@ class ClientHost(ClientJobs, ClientMoves, CutCalls, TailCalls):
         for tag in [t for t in self.pending if t.client in self.dropped]:  # never answered: its tag was forged
             del self.pending[tag]
             self.cut.take_leak(tag)
+        self.packed.clear()
         if self.pending:
             raise RuntimeError(f"worker {self.worker_index}: round {self.round} ended with activations that never "
                                f"got a gradient: {sorted(self.pending)[:5]}")

@@ -5,8 +5,9 @@ of the server's gradients, local training steps) and counts their FLOPs once per
 It takes the work of several clients at once (:meth:`Executor.forward` and :meth:`Executor.backward` take lists),
 so that an executor on an accelerator can pack many clients into one kernel; forwards and backwards run one client
 at a time, in order, on the host's device (on the CPU, what every result of raysplit so far was computed with), and
-clients' own training steps run packed where ``runtime.pack_clients`` is on (:meth:`Executor.train_together`). A client's computation runs
-inside its own random stream (:meth:`Executor.seeded`), so where it runs changes nothing."""
+clients' own training steps, and the forwards and backwards of a pooled step's clients, run packed where
+``runtime.pack_clients`` is on (:meth:`Executor.train_together`, :meth:`Executor.forward_together`). A client's
+computation runs inside its own random stream (:meth:`Executor.seeded`), so where it runs changes nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from torch.func import functional_call, stack_module_state
 
 from raysplit.clock import FlopCache
 from raysplit.runtime.batched import copies_backward
@@ -39,6 +42,36 @@ class Backward:
     key: tuple
     out: torch.Tensor
     g: torch.Tensor
+
+
+class Packed:
+    """Several clients' forwards computed as one (:meth:`Executor.forward_together`): their stacked parameters,
+    whose gradients :meth:`backward` hands to each client's own module, the per-client activations (views of
+    one output, one graph), and the FLOPs of one client's backward."""
+
+    def __init__(self, modules: list[torch.nn.Module], params: dict, outs: tuple, backward_flops: int):
+        self.modules, self.params, self.outs, self.backward_flops = modules, params, outs, backward_flops
+        self.waiting = set(range(len(modules)))  # clients whose gradient has not come back yet
+
+    def settle(self, k: int) -> None:
+        """Client ``k``'s activation will get no backward (its gradient was withheld or rejected)."""
+        self.waiting.discard(k)
+
+    def backward(self, parts: list[tuple[int, torch.Tensor]]) -> None:
+        """One backward through the shared graph for the clients ``k`` of ``parts`` with their gradients ``g``;
+        each client's module's parameters receive their own gradient (``.grad``, as after its own backward from
+        zeroed gradients). The graph is kept while other clients of the pack still wait for theirs."""
+        for k, _ in parts:
+            self.waiting.discard(k)
+        for p in self.params.values():
+            p.grad = None
+        torch.autograd.backward([self.outs[k] for k, _ in parts], [g for _, g in parts],
+                                retain_graph=bool(self.waiting))
+        with torch.no_grad():
+            for k, _ in parts:
+                for name, prm in self.modules[k].named_parameters():
+                    g = self.params[name].grad
+                    prm.grad = None if g is None else g[k]
 
 
 class Executor:
@@ -98,3 +131,36 @@ class Executor:
         fl = self.flops.count(key, one)
         self.packed_steps += len(modules)
         return [(float(lv), fl) for lv in losses.tolist()]
+
+    def forward_together(self, key: tuple, modules: list[torch.nn.Module],
+                         xs: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int]], Packed] | None:
+        """Several clients' forwards at once (modules of one architecture, inputs of equal shapes): parameters and
+        buffers stacked, the forward vmapped; each module's buffers receive their new values (BatchNorm's running
+        statistics). Returns each client's (activation, FLOPs of its forward, counted once per ``key`` on a
+        throwaway copy) and the :class:`Packed` whose graph waits for their gradients; None where vmap refuses the
+        model (remembered: the caller forwards them one at a time)."""
+        if self.unpackable is not None:
+            return None
+        params, buffers = stack_module_state(modules)
+        base = modules[0]  # functional_call swaps the stacked tensors in for the call and restores base's own
+
+        def one(p, b, x):
+            return functional_call(base, (p, b), (x,))
+
+        try:
+            out = torch.vmap(one, randomness="error")(params, buffers, torch.stack(xs))
+        except RuntimeError as e:
+            self.unpackable = f"{type(e).__name__}: {e}"
+            return None
+        with torch.no_grad():
+            for i, m in enumerate(modules):
+                for name, buf in m.named_buffers():
+                    buf.copy_(buffers[name][i])
+        outs = out.unbind(0)
+        fl = self.flops.count(key, lambda: copy.deepcopy(base)(xs[0]))
+        bkey = ("bwd", tuple(outs[0].shape))
+        if bkey not in self.flops:
+            o = copy.deepcopy(base)(xs[0])
+            self.flops.count(bkey, lambda: o.backward(torch.zeros_like(o)))
+        self.packed_steps += len(modules)
+        return [(o, fl) for o in outs], Packed(modules, params, outs, self.flops.count(bkey, None))

@@ -59,6 +59,8 @@ class LocalPort:
     """:class:`stepping.ClientPort` over in-process client hosts: calls run at once, handles are values.
     ``route``: the worker of each client of the loop (None: every client at home)."""
 
+    grouped = True  # a pooled step's calls for a host's clients go as one (stepping.drive_pooled)
+
     def __init__(self, workers: list, route: dict | None = None):
         self.workers, self.route = workers, route
 

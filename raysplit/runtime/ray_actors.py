@@ -304,6 +304,8 @@ def channel_bytes(server_host) -> int:
 class RayPort:
     """:class:`stepping.ClientPort` over client actors: one ``call_seq`` message per submission."""
 
+    grouped = True  # a pooled step's calls for a host's clients go as one message (stepping.drive_pooled)
+
     def __init__(self, workers: list, route: dict | None = None):
         self.workers, self.route = workers, route
 

@@ -161,31 +161,54 @@ def drive_pooled(server_host, clients: list[int], streams: tuple[str, ...], step
                  batch_sizes: dict, port: ClientPort) -> None:
     """Pooled steps with the server in charge: per step every client that still has steps (``steps``: a count
     for all, or per client: client ``c`` takes part in steps ``0 .. steps[c] - 1``) sends one activation per
-    stream (``ClientHost.forward_many``), the server method gets all of them at once (clients in the given order,
-    each client's streams in order) and returns one gradient per activation, which goes back with the client's
-    next forwards (one message). Run on the driver (``ports.DriverPort``) it is the driver-chained path."""
+    stream, the server method gets all of them at once (clients in the given order, each client's streams in
+    order) and returns one gradient per activation, which goes back with the client's next forwards. Where the
+    port groups (``port.grouped``: its calls run where the hosts are), each client host gets one message a step
+    for all its clients (``ClientHost.backward_clients`` then ``forward_clients``: packed there where
+    ``runtime.pack_clients`` is on); else one message per client (``ClientHost.forward_many``; run on the driver,
+    ``ports.DriverPort``, it is the driver-chained path). Clients are independent within a step, so both give the
+    same results bit for bit unpacked."""
 
     def serve(*args):
         return server_host.serve(method, *args)
 
     width = len(streams)
     count = step_counts(clients, steps)
+    grouped = getattr(port, "grouped", False)
+    groups: dict[int, list[int]] = {}
+    for c in clients:
+        groups.setdefault(port.worker(c) if grouped else c, []).append(c)
 
-    def forwards(c, k):
-        return ("forward_many", ([Tag(c, rnd, k, s) for s in streams], batch_sizes.get(c)))
+    def forwards(cs, k):
+        items = [([Tag(c, rnd, k, s) for s in streams], batch_sizes.get(c)) for c in cs]
+        return ("forward_clients", (items,)) if grouped else ("forward_many", items[0])
 
-    pending = {c: port.submit(c, [forwards(c, 0)]) for c in clients if count[c] > 0}
+    def backwards(cs, grads):
+        gs = [g for c in cs for g in grads[c]]
+        return [("backward_clients", (gs,))] if grouped else [("backward", (g,)) for g in gs]
+
+    def submit(cs, calls, more):  # the calls go to the host of cs; the forwards answered are more's
+        return more, port.submit(cs[0], calls)
+
+    pending = [submit(cs, [forwards(cs, 0)], cs) for cs in ([c for c in g if count[c] > 0] for g in groups.values())
+               if cs]
     last = []
     for k in range(max(count.values(), default=0)):
+        got = {}
+        for cs, handle in pending:
+            res = port.fetch(handle)
+            got.update(zip(cs, res if grouped else [res]))
         here = [c for c in clients if count[c] > k]
-        acts = [a for c in here for a in port.fetch(pending.pop(c))]
-        grads = list(serve(*acts))
-        for i, c in enumerate(here):
-            calls = [("backward", (g,)) for g in grads[i * width:(i + 1) * width]]
-            if k + 1 < count[c]:
-                pending[c] = port.submit(c, calls + [forwards(c, k + 1)])
-            else:
-                last.append(port.submit(c, calls))
+        grads = list(serve(*[a for c in here for a in got[c]]))
+        grads = {c: grads[i * width:(i + 1) * width] for i, c in enumerate(here)}
+        pending = []
+        for g in groups.values():
+            cs = [c for c in g if count[c] > k]
+            more = [c for c in cs if count[c] > k + 1]
+            if more:
+                pending.append(submit(cs, backwards(cs, grads) + [forwards(more, k + 1)], more))
+            elif cs:
+                last.append(port.submit(cs[0], backwards(cs, grads)))
     port.wait(last)
 
 
