@@ -43,6 +43,24 @@ Prints the table (accuracy at round 30, mean of the last 5 rounds, PG and BW per
 [min, max] over the seeds both ran), the differences paired by seed in accuracy, PG and BW (Hydra minus SFLV2 in
 each code; raysplit minus the authors' code per method) and writes docs/results/peers_hydra.png (global accuracy per
 round, one panel per order).
+
+    .venv/bin/python docs/results/run_peers.py cyclesl [--seeds 0 1 2] [--rounds 300] [--ours outputs/cyclesl_ladder]
+
+CycleSL: the authors' SFLV2 and CycleSFL (E = 1) (AnonymWriter/CycleSL, main.py) against raysplit's on
+configs/cyclesl/fmnist.yaml (100 clients, Dirichlet 0.1, 20 % client test splits, 10 clients a round, one batch of
+32 per sampled client per round, Adam 1e-3, cnn_small cut conv1, 300 rounds; the same client partition, test splits
+and sampled clients per seed), both measured as raysplit measures: every client's test split through its own
+client model at the last round. Runs made by
+
+    .venv/bin/python benchmarks/peers/cyclesl/run.py --cyclesl PATH --algo {SFLV2,CycleSFL} --seed S
+    .venv/bin/python docs/results/run_cyclesl.py --ladder --jobs 1 --out outputs/cyclesl_ladder
+
+(raysplit's: the ladder's first setting, "raysplit's setting", which is configs/cyclesl/fmnist.yaml unchanged; with
+``--ours outputs/cyclesl_table`` the runs of ``run_cyclesl.py --seeds 0 1 2 --jobs 2 --backend local`` instead).
+Prints the table (final accuracy per code and arm: median [min, max] over the seeds both ran, and per seed; the
+authors' own evaluation at the last round, on that round's sampled clients' test splits, beside it), CycleSFL minus
+SFLV2 paired by seed in each code, raysplit minus the authors' code per arm paired by seed, and the authors'
+CycleSFL minus SFLV2 at every evaluated round.
 """
 
 from __future__ import annotations
@@ -55,12 +73,15 @@ from pathlib import Path
 
 import numpy as np
 from _runs import ROOT, median_range
+from run_cyclesl import _cache as cyclesl_cache
 from run_hydra import run_file
 from run_semisfl import SEMI, cached
 
 HERE = Path(__file__).resolve().parent
 CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
 HYDRA = ROOT / "benchmarks" / "peers" / "hydra" / ".runs"
+CYCLESL = ROOT / "benchmarks" / "peers" / "cyclesl" / ".runs"
+CYCLESL_ARMS = {"SFLV2": "sflv2", "CycleSFL (E=1)": "cyclesfl"}  # label -> run.py's and run_cyclesl.py's names
 # raysplit's label -> their script and cuts in the run name: heads conv4+fc (62 % of the server), heads fc (1.1 %)
 HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV2+Hydra head=fc": ("hydra", "a1b4")}
 RAYSPLIT_VIEWS = {"twice": "weak", "strong_twice": "strong"}
@@ -106,20 +127,30 @@ def ours(arm: str, seed: int, views: str, labels: int = 100, ks: str = "fixed", 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("method", choices=["semisfl", "hydra"])
+    ap.add_argument("method", choices=["semisfl", "hydra", "cyclesl"])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--views", choices=sorted(RAYSPLIT_VIEWS), default="twice")
-    ap.add_argument("--ours", default="outputs/hydra_gap_r2", help="hydra: run_hydra.py's --out (cached runs)")
-    ap.add_argument("--theirs", default=str(HYDRA.relative_to(ROOT)),
-                    help="hydra: benchmarks/peers/hydra/run.py's --out (benchmarks/peers/hydra/.runs_keeplast: "
-                    "the runs with --keep-last); the figure is drawn for the defaults of --ours and --theirs only")
+    ap.add_argument("--ours", default=None, help="hydra: run_hydra.py's --out (cached runs; default "
+                    "outputs/hydra_gap_r2); cyclesl: run_cyclesl.py's --out (default outputs/cyclesl_ladder: its "
+                    "--ladder runs at raysplit's setting; outputs/cyclesl_table: the table's runs)")
+    ap.add_argument("--rounds", type=int, default=300, help="cyclesl: the rounds of the authors' runs (run.py's name)")
+    ap.add_argument("--theirs", default=None,
+                    help="hydra: benchmarks/peers/hydra/run.py's --out (default benchmarks/peers/hydra/.runs; "
+                    "benchmarks/peers/hydra/.runs_keeplast: the runs with --keep-last); the figure is drawn for the "
+                    "defaults of --ours and --theirs only; cyclesl: benchmarks/peers/cyclesl/run.py's --out "
+                    "(default benchmarks/peers/cyclesl/.runs)")
     ap.add_argument("--commit", choices=["head", "early"], default="head",
                     help="semisfl: which commit of Capsule (early: the semi arm only, no figure)")
     ap.add_argument("--labels", type=int, choices=[100, 1000], default=100, help="semisfl: the labelled set's size")
     ap.add_argument("--ks", choices=["fixed", "adaptive"], default="fixed",
                     help="semisfl: K_s fixed at 20, or each code's rule (HEAD: the ratio rule; the semi arm only)")
     a = ap.parse_args()
-    return hydra(a.seeds, ROOT / a.ours, ROOT / a.theirs) if a.method == "hydra" else semisfl(a)
+    if a.method == "cyclesl":
+        return cyclesl(a.seeds, ROOT / (a.ours or "outputs/cyclesl_ladder"), ROOT / a.theirs if a.theirs else CYCLESL,
+                       a.rounds)
+    if a.method == "hydra":
+        return hydra(a.seeds, ROOT / (a.ours or "outputs/hydra_gap_r2"), ROOT / a.theirs if a.theirs else HYDRA)
+    return semisfl(a)
 
 
 def semisfl(a) -> int:
@@ -234,6 +265,69 @@ def hydra(seeds: list[int], ours_dir: Path, theirs_dir: Path = HYDRA) -> int:
             print(f"| {o} | {m} | {code} | {bw} | {acc} |")
     if theirs_dir == HYDRA and ours_dir == ROOT / "outputs/hydra_gap_r2":  # the page's figure: the page's runs only
         hydra_figure(runs)
+    return 0
+
+
+def cyclesl_theirs(folder: Path, arm: str, seed: int, rounds: int) -> dict | None:
+    """A completed run of benchmarks/peers/cyclesl/run.py (its run_name, raysplit's sampling stream) in ``folder``:
+    raysplit's measure from their models (``final``, ``curve``) and their own evaluation at the last round."""
+    f = folder / f"{CYCLESL_ARMS[arm]}_E1_s{seed}_r{rounds}.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    if d.get("returncode") != 0 or d.get("final_accuracy") is None or d.get("rounds_completed") != rounds:
+        return None
+    return {"final": float(d["final_accuracy"]), "curve": [(int(r), float(v)) for r, v in d["curve"]],
+            "own": float(d["their_eval_last_round"]["test/accu"]), "commit": d["their_commit"][:7]}
+
+
+def cyclesl_ours(folder: Path, arm: str, seed: int) -> dict | None:
+    """A cached raysplit run of run_cyclesl.py in ``folder``: its --ladder name at raysplit's setting, or else the
+    table's name (both are configs/cyclesl/fmnist.yaml unchanged)."""
+    method = CYCLESL_ARMS[arm]
+    for f in (cyclesl_cache(f"{method} [raysplit's setting]", seed, folder), cyclesl_cache(method, seed, folder)):
+        if f.is_file():
+            return {"final": float(json.loads(f.read_text())["eval/accuracy"])}
+    return None
+
+
+def cyclesl(seeds: list[int], ours_dir: Path, theirs_dir: Path = CYCLESL, rounds: int = 300) -> int:
+    codes = (("authors", lambda arm, s: cyclesl_theirs(theirs_dir, arm, s, rounds)),
+             ("raysplit", lambda arm, s: cyclesl_ours(ours_dir, arm, s)))
+    runs = {(code, arm): {s: r for s in seeds if (r := fn(arm, s)) is not None}
+            for code, fn in codes for arm in CYCLESL_ARMS}
+    commits = sorted({r["commit"] for arm in CYCLESL_ARMS for r in runs[("authors", arm)].values()})
+    print(f"AnonymWriter/CycleSL at {', '.join(commits) or 'no runs'}; raysplit's runs from "
+          f"{ours_dir.relative_to(ROOT) if ours_dir.is_relative_to(ROOT) else ours_dir}\n")
+    print(f"| code | arm | seeds | accuracy @{rounds} (%), every client's test split | per seed | the authors' own "
+          f"evaluation @{rounds}: that round's sampled clients (%) |\n" + "|---" * 6 + "|")
+    for (code, arm), by_seed in runs.items():
+        v = [100 * r["final"] for r in by_seed.values()]
+        own = [100 * r["own"] for r in by_seed.values() if "own" in r]
+        print(f"| {code} | {arm} | {', '.join(map(str, by_seed)) or '-'} | {median_range(v) if v else 'not run'} | "
+              f"{', '.join(f'{x:.2f}' for x in v)} | {median_range(own) if own else '-'} |")
+    print("\n| difference | seeds | points, paired by seed | per seed |\n|---|---|---|---|")
+    cyc, v2 = list(CYCLESL_ARMS)[1], list(CYCLESL_ARMS)[0]
+    pairs = [((c, cyc), (c, v2), f"{c}: {cyc} minus {v2}") for c in ("authors", "raysplit")]
+    pairs += [(("raysplit", arm), ("authors", arm), f"{arm}: raysplit minus authors") for arm in CYCLESL_ARMS]
+    pairs.insert(1, (("authors", cyc), ("authors", v2), f"authors, their own evaluation @{rounds} (the same "
+                     f"sampled clients in both arms): {cyc} minus {v2}", "own"))
+    for x, y, label, *key in pairs:
+        key = key[0] if key else "final"
+        common = sorted(set(runs[x]) & set(runs[y]))
+        if common:
+            d = [100 * (runs[x][s][key] - runs[y][s][key]) for s in common]
+            print(f"| {label} | {', '.join(map(str, common))} | {median_range(d, '+.2f')} | "
+                  f"{', '.join(f'{v:+.2f}' for v in d)} |")
+    a, b = runs[("authors", cyc)], runs[("authors", v2)]
+    common = sorted(set(a) & set(b))
+    if common:
+        at = sorted(set.intersection(*[{rd for rd, _ in r["curve"]} for s in common for r in (a[s], b[s])]))
+        print(f"\n| the authors' code: {cyc} minus {v2} (points), every client's test split | "
+              + " | ".join(f"@{rd}" for rd in at) + " |\n|---" + "|---" * len(at) + "|")
+        for s in common:
+            ca, cb = dict(a[s]["curve"]), dict(b[s]["curve"])
+            print(f"| seed {s} | " + " | ".join(f"{100 * (ca[rd] - cb[rd]):+.2f}" for rd in at) + " |")
     return 0
 
 

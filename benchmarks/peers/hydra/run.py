@@ -16,7 +16,6 @@ See README.md.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -35,12 +34,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]  # the raysplit checkout
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent))
+from peer_data import fmnist_raw  # noqa: E402
 
 # raysplit's defaults for the comparison (configs/hydra/fmnist_gap.yaml: model cnn_gap, cut conv1, cut_b conv3)
 ARCH_CUTS = {"cnn_gap": ("conv1", "conv3"), "mobilenet_v1": (4, 23)}  # mobilenet_v1: the paper's scripts' 4 / 23
 RATIO_TO_ALPHA = {0.0: 0, 0.2: 1, 0.4: 2, 0.6: 3, 0.8: 4, 0.9: 5}  # their get_data.partition_data(data_pattern)
-FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                "t10k-labels-idx1-ubyte")
 
 
 def parse_args(argv=None):
@@ -161,28 +160,6 @@ def setting(a) -> dict:
             "head_share": param_share(a.arch, cut_a, cut_b)}
 
 
-def fmnist_raw(files: list[str]) -> Path:
-    """torchvision's FashionMNIST(download=False) reads uncompressed IDX files from <root>/FashionMNIST/raw; unpack
-    the files raysplit read (the Debian package's .gz) once into a cache under /tmp."""
-    cache = Path(tempfile.gettempdir()) / "hydra_parity_data"
-    raw = cache / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        name = Path(f).name.removesuffix(".gz")
-        if name not in FMNIST_FILES:
-            continue
-        dst = raw / name
-        if not dst.exists():
-            tmp = dst.with_suffix(".part")
-            with (gzip.open(f, "rb") if f.endswith(".gz") else open(f, "rb")) as src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out)
-            tmp.rename(dst)
-    missing = [f for f in FMNIST_FILES if not (raw / f).exists()]
-    if missing:
-        raise SystemExit(f"Fashion-MNIST files missing in {raw}: {missing}")
-    return cache
-
-
 KEEP_LAST = ("pin_memory=False, drop_last=True))", "pin_memory=False, drop_last=False))")  # E11, get_data.py:512
 
 
@@ -292,7 +269,7 @@ def main(argv=None):
     batch, lr, decay, min_lr, wd, phi = (st[k] for k in ("batch_size", "lr", "decay", "min_lr", "weight_decay", "phi"))
     momentum = st["momentum"]
 
-    data_root = fmnist_raw(files)
+    data_root = fmnist_raw(files, "hydra_parity_data")
     tmp = prepare_copy(hydra, data_root, a.keep_last)
     script = {"sfl": "run_sfl.py", "hydra": "run_hydra.py"}[a.script]
     their = ["--dataset_type", "fmnist", "--model_name", "mobilenet", "--num_clients", str(N),
