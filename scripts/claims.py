@@ -35,6 +35,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from md_parts import anchors as _anchors, between  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = ROOT / "docs" / "results" / "claims.yaml"
 TABLE_PAGE = ROOT / "docs" / "results" / "README.md"
@@ -207,18 +210,9 @@ def long_cells(reg: Registry) -> list[str]:
     return out
 
 
-def _between(page: str, name: str, begin: str, end: str, body: str) -> str:
-    """``page`` with the text between ``begin`` and ``end`` replaced by ``body``."""
-    if begin not in page or end not in page:
-        raise SystemExit(f"{name}: the markers {begin!r} and {end!r} are missing")
-    head, rest = page.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{begin}\n{body}\n{end}{tail}"
-
-
 def generated(page: str, reg: Registry) -> str:
     """``page`` (docs/results/README.md) with the text between its markers replaced by the registry's table."""
-    return _between(page, str(TABLE_PAGE), BEGIN, END, table(reg))
+    return between(page, str(TABLE_PAGE), BEGIN, END, table(reg))
 
 
 def _local(link: str, page: str) -> str:
@@ -233,8 +227,8 @@ def head(paper: str, reg: Registry) -> str:
     disagreement and what is open."""
     page = PAGES[paper]
     mine = [c for c in reg.claims if c.paper == paper]
-    out = [f"**The claims this page tests** (generated from [claims.yaml](claims.yaml) by `make claims`; the verdicts "
-           f"by the rule in [README.md](README.md)). Values are signed so that positive goes the paper's way.", ""]
+    out = ["**The claims this page tests** (generated from [claims.yaml](claims.yaml) by `make claims`; the verdicts "
+           "by the rule in [README.md](README.md)). Values are signed so that positive goes the paper's way.", ""]
     for c in mine:
         v, why = verdict(c)
         out.append(f"- **{c.claim}** Verdict: **{v}** ({why}).")
@@ -267,28 +261,13 @@ def heads(reg: Registry) -> dict[Path, str]:
     out = {}
     for paper, name in PAGES.items():
         path = TABLE_PAGE.parent / name
-        out[path] = _between(path.read_text(), str(path), HEAD_BEGIN, HEAD_END, head(paper, reg))
+        out[path] = between(path.read_text(), str(path), HEAD_BEGIN, HEAD_END, head(paper, reg))
     return out
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, each space a hyphen."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def anchors(path: Path) -> set[str]:
-    """The anchors of a page's headings (fenced code skipped), repeats numbered as GitHub does."""
-    seen: dict[str, int] = {}
-    out, fenced = set(), False
-    for line in path.read_text().splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and re.match(r"#{1,6} ", line):
-            a = slug(line.lstrip("#"))
-            n = seen.get(a, 0)
-            seen[a] = n + 1
-            out.add(a if n == 0 else f"{a}-{n}")
-    return out
+    """The anchors of a page's headings (:func:`md_parts.anchors`)."""
+    return _anchors(path.read_text())
 
 
 def broken_links(reg: Registry) -> list[str]:

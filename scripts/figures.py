@@ -28,6 +28,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from md_parts import anchors, between  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = ROOT / "benchmarks" / "figures.yaml"
 PAGE = ROOT / "benchmarks" / "RESULTS.md"
@@ -110,32 +113,7 @@ def table(reg: Registry) -> str:
 
 def generated(page: str, reg: Registry) -> str:
     """``page`` with the text between the markers replaced by the registry's table."""
-    if BEGIN not in page or END not in page:
-        raise SystemExit(f"{PAGE}: the markers {BEGIN!r} and {END!r} are missing")
-    head, rest = page.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table(reg)}\n{END}{tail}"
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a Markdown heading: lower case, characters other than letters, digits, underscore,
-    hyphen and space dropped, each space a hyphen."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def anchors(text: str) -> set[str]:
-    """The anchors of a page's headings (fenced code skipped), repeats numbered as GitHub does."""
-    seen: dict[str, int] = {}
-    out, fenced = set(), False
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and re.match(r"#{1,6} ", line):
-            a = slug(line.lstrip("#"))
-            n = seen.get(a, 0)
-            seen[a] = n + 1
-            out.add(a if n == 0 else f"{a}-{n}")
-    return out
+    return between(page, str(PAGE), BEGIN, END, table(reg))
 
 
 def make_targets(makefile: Path | None = None) -> set[str]:
