@@ -86,31 +86,32 @@ class ClientSteps:
         unpacked, so a packed client's activation equals its one-at-a-time one within float rounding."""
         if not self.packs(items):
             return [self.forward_many(tags, bs) for tags, bs in items]
-        got = []
-        for tags, bs in items:
-            tag = tags[0]
-            t_start = self.meter.now(tag.client)
-            slot = self.activate(tag.client)
-            idx = self.rule.batch_indices(tag, bs)
+        tags = [t[0] for t, _ in items]
+        starts = [self.meter.now(tag.client) for tag in tags]
+        slots = [self.activate(tag.client) for tag in tags]
+        idx = [self.rule.batch_indices(tag, bs) for tag, (_, bs) in zip(tags, items)]
+        xs, ys = [], []
+        for tag, i in zip(tags, idx):
             with self._stream(tag):
-                x, y = self.rule.inputs(tag, idx)
-            got.append([tag, t_start, slot, idx, x.to(self.executor.device), y, None, 0])
+                x, y = self.rule.inputs(tag, i)
+            xs.append(x.to(self.executor.device))
+            ys.append(y)
+        done: list[tuple] = [None] * len(tags)  # each client's (activation, FLOPs)
         shapes: dict[tuple, list[int]] = {}
-        for i, g in enumerate(got):
-            shapes.setdefault(tuple(g[4].shape), []).append(i)
+        for i, x in enumerate(xs):
+            shapes.setdefault(tuple(x.shape), []).append(i)
         for shape, ii in shapes.items():
-            done = None if len(ii) < 2 else self.executor.forward_together(
-                ("fwd", shape), [got[i][2].module for i in ii], [got[i][4] for i in ii])
+            packed = None if len(ii) < 2 else self.executor.forward_together(
+                ("fwd", shape), [slots[i].module for i in ii], [xs[i] for i in ii])
             for k, i in enumerate(ii):
-                tag, _, slot, idx, x, _, _, _ = got[i]
-                if done is None:  # one at a time, in the client's stream as forward() runs it (inputs drawn again)
-                    with self._stream(tag):
-                        x = self.rule.inputs(tag, idx)[0].to(self.executor.device)
-                        [(got[i][6], got[i][7])] = self.executor.forward([Forward(("fwd", shape), slot.module, x)])
+                if packed is not None:
+                    done[i] = packed[0][k]
+                    self.packed[tags[i]] = (packed[1], k)
                     continue
-                (got[i][6], got[i][7]), pack = done[0][k], done[1]
-                self.packed[tag] = (pack, k)
-        return [[self._sent(tag, t0, x, y, out, fl)] for tag, t0, _, _, x, y, out, fl in got]
+                with self._stream(tags[i]):  # one at a time, as forward() runs it (its inputs drawn again)
+                    x = self.rule.inputs(tags[i], idx[i])[0].to(self.executor.device)
+                    [done[i]] = self.executor.forward([Forward(("fwd", shape), slots[i].module, x)])
+        return [[self._sent(tag, t0, x, y, *out)] for tag, t0, x, y, out in zip(tags, starts, xs, ys, done)]
 
     def backward(self, grad: Gradient) -> float:
         """Apply the gradient for the activation of its tag; the client's clock (or the rule's ``after_backward``'s)."""
@@ -131,7 +132,7 @@ class ClientSteps:
         if not any(g.tag in self.packed for g in grads):
             return [self.backward(g) for g in grads]
         out: dict[int, float] = {}
-        waiting: dict[int, list] = {}  # per pack (by id): [(index in grads, t_start, slot, k, g)]
+        waiting: dict[int, tuple] = {}  # by id: the pack, its clients (index in grads, t_start, slot, k, g)
         for i, grad in enumerate(grads):
             tag, cid = grad.tag, grad.tag.client
             if tag not in self.packed:
@@ -144,8 +145,8 @@ class ClientSteps:
                 out[i] = self._after(grad, t_start, self.meter.now(cid))
                 pack.settle(k)
                 continue
-            waiting.setdefault(id(pack), [pack]).append((i, t_start, got[0], k, got[2]))
-        for pack, *parts in waiting.values():
+            waiting.setdefault(id(pack), (pack, []))[1].append((i, t_start, got[0], k, got[2]))
+        for pack, parts in waiting.values():
             pack.backward([(k, g) for _, _, _, k, g in parts])
             for i, t_start, slot, _, _ in parts:
                 cid = grads[i].tag.client

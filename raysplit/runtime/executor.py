@@ -159,7 +159,7 @@ class Executor:
         outs = out.unbind(0)
         fl = self.flops.count(key, lambda: copy.deepcopy(base)(xs[0]))
         bkey = ("bwd", tuple(outs[0].shape))
-        if bkey not in self.flops:
+        if bkey not in self.flops:  # one client's backward alone, its forward run outside the count
             o = copy.deepcopy(base)(xs[0])
             self.flops.count(bkey, lambda: o.backward(torch.zeros_like(o)))
         self.packed_steps += len(modules)
