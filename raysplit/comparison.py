@@ -132,3 +132,38 @@ def plot_rows(rows: list[dict], metric: str, against: str | None, varied: list[s
     extents = (ax.get_window_extent(renderer), legend.get_window_extent(renderer))
     plt.close(fig)
     return extents
+
+
+def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] = (), since_ms: int = 0,
+                tag: str = "raysplit.arm") -> dict[str, dict]:
+    """The runs of a study's MLflow experiment by arm (the ``raysplit.arm`` tag a sweep's ``arms:`` sets), read as
+    the results scripts keep them: for each arm its newest run started at or after ``since_ms`` that finished or
+    diverged, as the final value of every metric, ``run_id``, ``curve`` = [(round, time/sim, eval/accuracy)] at the
+    evaluated rounds and ``history`` = [{"round": r, key: value, ...}] of ``keys`` per round (rounds from 1). A run
+    that diverged (FAILED on a non-finite loss) is a result too: accuracy NaN and ``diverged`` = its error; a run
+    that failed otherwise, or was stopped, is left out."""
+    client = MlflowClient(resolve_uri(uri))
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    out: dict[str, dict] = {}
+    for run in client.search_runs([exp.experiment_id], f"tags.`{tag}` != ''", order_by=["attributes.start_time DESC"]):
+        arm, error = run.data.tags.get(tag), run.data.tags.get("raysplit.error", "")
+        diverged = run.info.status == "FAILED" and error.startswith("NonFiniteLossError")
+        if arm in out or run.info.start_time < since_ms or not (run.info.status == "FINISHED" or diverged):
+            continue
+
+        def history(key: str) -> dict[int, float]:
+            return {h.step + 1: h.value for h in client.get_metric_history(run.info.run_id, key)}
+
+        res: dict = {k: v for k, v in run.data.metrics.items()}
+        sim, acc = history("time/sim"), history("eval/accuracy")
+        res["run_id"] = run.info.run_id
+        res["curve"] = [(r, sim.get(r, 0.0), a) for r, a in sorted(acc.items())]
+        per_key = {k: history(k) for k in keys}
+        res["history"] = [{"round": r, **{k: h[r] for k, h in per_key.items() if r in h}}
+                          for r in sorted(set(sim) | {r for h in per_key.values() for r in h})]
+        if diverged:
+            res.update({"eval/accuracy": float("nan"), "diverged": error.split(": ", 1)[-1]})
+        out[arm] = res
+    return out

@@ -450,6 +450,8 @@ class TrackingConfig(_Strict):
     experiment: str = Field(default="raysplit", description="MLflow experiment")
     run_name: str | None = Field(default=None, description="MLflow run name (null: MLflow names "
                                  "it)")
+    tags: dict[str, str] = Field(default_factory=dict, description="tags set on the MLflow run (a sweep's arm: "
+                                 "raysplit.arm)")
     checkpoint_every: int = Field(default=0, ge=0, description="rounds; 0 = only at the end")
     output_dir: str = Field(default="outputs", description="where checkpoints and run files go")
     progress: bool = Field(default=True, description="a progress bar on the console")

@@ -223,7 +223,7 @@ def run_experiment(cfg: "ExperimentConfig | str | Path", resume_run_id: str | No
         if ckpt is None:
             reporter.start()
         tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path,
-                          **code_version()})
+                          **code_version(), **tcfg.tags})
         if ckpt is None and tracker.enabled:  # the files' digest only where it is logged (it reads every file)
             from raysplit.data import files_digest
 

@@ -9,6 +9,9 @@ A sweep file (every key optional except ``base``; unknown keys are errors):
     space:                               # dotted key -> one of grid / choice / uniform / loguniform
       train.optimizer.lr: {loguniform: [1e-4, 1e-1]}
       algorithm.name: {grid: [sflv1, sflv2]}
+    arms:                                # named sets of overrides, crossed with the space (a grid over the arms):
+      SFLV2: {algorithm.name: sflv2}     #   a study's arms, each several keys at once; each trial's MLflow run
+      CycleSFL E=2: {algorithm: {name: cyclesfl, server_epochs: 2}}   # is tagged raysplit.arm = its name
     presets: [cut_points]                # named spaces for the papers' questions (PRESETS below); a preset may
                                          # carry its own values: {server_epochs: [1, 2]}
     metric: eval/accuracy                # reported every evaluated round (eval.every); an old short name
@@ -62,6 +65,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from raysplit.config import ConfigError, apply_overrides, load_config
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform")
+ARM = "arm"  # the trial parameter that names its arm (not a config key: its overrides are applied instead)
+ARM_TAG = "raysplit.arm"  # the MLflow tag that names a trial's arm
 
 
 def _cut_points(cfg) -> list:
@@ -98,6 +103,8 @@ class SweepFile(BaseModel):
     base: str
     overrides: dict[str, Any] = Field(default_factory=dict)
     space: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    arms: dict[str, dict[str, Any]] = Field(default_factory=dict, description="arm name -> overrides; the trials "
+                                            "are every arm crossed with the space")
     presets: list[str | dict[str, list]] = Field(default_factory=list)
     metric: str = "eval/accuracy"
     mode: Literal["max", "min"] = "max"
@@ -164,23 +171,42 @@ def space_spec(spec: SweepFile, cfg0) -> dict[str, dict]:
     return space
 
 
-def validate_trials(base_raw: dict, space: dict[str, dict]) -> int:
-    """Validate the config of every combination of the finite dimensions; returns how many there are."""
+def trial_overrides(params: dict, arms: dict[str, dict] | None = None) -> dict:
+    """A trial's dotted overrides of the base: its arm's overrides (``params["arm"]``), then its other params."""
+    params = dict(params)
+    arm = params.pop(ARM, None)
+    if arm is None:
+        return params
+    return {**(arms or {})[arm], **params, "tracking.tags": {ARM_TAG: arm}}
+
+
+def validate_trials(base_raw: dict, space: dict[str, dict], arms: dict[str, dict] | None = None) -> int:
+    """Validate the config of every combination of the finite dimensions (and every arm); returns how many there
+    are."""
     finite = {k: list(next(iter(s.values()))) for k, s in space.items() if next(iter(s)) in ("grid", "choice")}
+    if arms:
+        if ARM in space:
+            raise ConfigError(f"space.{ARM}: the name is the arms' own; give the values under arms:")
+        finite[ARM] = list(arms)
     combos = list(itertools.product(*finite.values())) if finite else [()]
+    bundles = trial_bundles(load_config(None, base_raw))
     for values in combos:
         params = dict(zip(finite, values))
+        where = f"arm {params[ARM]!r}" if ARM in params else "trial"
         try:
-            load_config(None, apply_overrides(base_raw, params))
+            cfg = load_config(None, apply_overrides(base_raw, trial_overrides(params, arms)))
         except ConfigError as e:
-            raise ConfigError(f"sweep trial {params}: {e}") from None
+            raise ConfigError(f"sweep {where} {params}: {e}") from None
+        if trial_bundles(cfg) != bundles:  # every trial reserves the base's actors (one placement-group factory)
+            raise ConfigError(f"sweep {where} {params}: its runtime resources (backend, actors, CPUs, GPUs) differ "
+                              "from the base config's, which every trial reserves; set them in overrides instead")
     return len(combos)
 
 
-def tune_space(space: dict[str, dict]) -> dict:
+def tune_space(space: dict[str, dict], arms: dict[str, dict] | None = None) -> dict:
     from ray import tune
 
-    out = {}
+    out = {ARM: tune.grid_search(list(arms))} if arms else {}
     for key, s in space.items():
         kind, val = next(iter(s.items()))
         out[key] = {"grid": lambda v: tune.grid_search(list(v)), "choice": lambda v: tune.choice(list(v)),
@@ -328,11 +354,13 @@ class Trial:
 
 
 def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str, log_in_trial: bool, output_dir: str,
-                   checkpoint_every: int = 1, trial: type[Trial] = Trial):
-    """The function trainable Tune calls per trial: ``trial(params, ...).run()``."""
+                   checkpoint_every: int = 1, trial: type[Trial] = Trial, arms: dict[str, dict] | None = None):
+    """The function trainable Tune calls per trial: ``trial(params, ...).run()``, its arm's overrides (``arms``)
+    applied."""
 
     def trainable(params: dict):
-        trial(params, base_raw, uri, experiment, metric, log_in_trial, output_dir, checkpoint_every).run()
+        trial(trial_overrides(params, arms), base_raw, uri, experiment, metric, log_in_trial, output_dir,
+              checkpoint_every).run()
 
     return trainable
 
@@ -386,7 +414,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
 
     spec, base_raw, cfg0 = load_sweep(path, extra_overrides)
     space = space_spec(spec, cfg0)
-    n = validate_trials(base_raw, space)
+    n = validate_trials(base_raw, space, spec.arms)
     name = spec.name or Path(path).stem
     experiment = cfg0.tracking.experiment if sets_experiment(spec.overrides, extra_overrides) else name
     uri = resolve_uri(cfg0.tracking.uri)
@@ -430,7 +458,8 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
     output_dir = str(Path(cfg0.tracking.output_dir).resolve())
     every = spec.checkpoint_every if spec.checkpoint_every is not None else (cfg0.tracking.checkpoint_every or 1)
     trainable = tune.with_resources(
-        make_trainable(base_raw, uri, experiment, spec.metric, spec.mlflow == "trial", output_dir, every, trial),
+        make_trainable(base_raw, uri, experiment, spec.metric, spec.mlflow == "trial", output_dir, every, trial,
+                       spec.arms),
         tune.PlacementGroupFactory(bundles, strategy="PACK"))
     storage = str(Path(spec.storage_path).resolve())
     if tune.Tuner.can_restore(os.path.join(storage, name)):
@@ -439,7 +468,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
                                    resume_errored=True)
     else:
         tuner = tune.Tuner(
-            trainable, param_space=tune_space(space),
+            trainable, param_space=tune_space(space, spec.arms),
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler,
                                         search_alg=search_alg, num_samples=spec.num_samples,
                                         max_concurrent_trials=max_conc),
@@ -447,7 +476,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures),
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
         )
-    print(f"sweep {name}: {n} configuration(s) x {spec.num_samples} sample(s), up to {max_conc} at once; "
+    print(f"sweep {name}: {n} configuration(s){f' ({len(spec.arms)} arms)' if spec.arms else ''} x {spec.num_samples} sample(s), up to {max_conc} at once; "
           f"MLflow experiment {experiment!r} at {uri}; "
           + (f"trials checkpoint every {every} round(s)" if every else "trials keep no checkpoint"))
     results = tuner.fit()

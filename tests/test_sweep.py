@@ -199,3 +199,107 @@ def test_a_sweep_logs_under_its_own_name_unless_it_names_an_experiment():
     assert sets_experiment({"tracking": {"experiment": "mine"}}, None)
     assert sets_experiment({}, ["train.rounds=2", "tracking.experiment = mine"])
     assert not sets_experiment({}, ["tracking.uri=sqlite:///x.db"])
+
+
+def test_arms_cross_the_space_and_a_bad_arm_is_named_before_any_trial(tmp_path):
+    """A sweep's ``arms:`` (named sets of overrides, as a study's methods are) are crossed with its space; an arm
+    whose config is invalid, or that would need other actors than the base reserves, fails before any trial."""
+    from raysplit.tuning import load_sweep, space_spec, trial_overrides, validate_trials
+
+    arms = {"SFLV1": {"algorithm.name": "sflv1"}, "SFLV2, seed=1 [b]": {"algorithm": {"name": "sflv2"}, "seed": 1}}
+    spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, arms=arms)))
+    assert validate_trials(raw, space_spec(spec, cfg0), spec.arms) == 8  # 2 arms x 2 methods x 2 rates
+    assert trial_overrides({"arm": "SFLV2, seed=1 [b]", "train.optimizer.lr": 0.3}, spec.arms) == {
+        "algorithm": {"name": "sflv2"}, "seed": 1, "train.optimizer.lr": 0.3,
+        "tracking.tags": {"raysplit.arm": "SFLV2, seed=1 [b]"}}
+    assert trial_overrides({"train.optimizer.lr": 0.3}, None) == {"train.optimizer.lr": 0.3}
+    for bad, said in (({"algorithm.server_epochs": 2}, "arm 'bad'.*server_epochs"),
+                      ({"runtime.num_workers": 1}, "arm 'bad'.*runtime resources")):
+        spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={}, arms={**arms, "bad": bad})))
+        with pytest.raises(ConfigError, match=said):
+            validate_trials(raw, space_spec(spec, cfg0), spec.arms)
+    spec, raw, cfg0 = load_sweep(str(write_sweep(tmp_path, space={"arm": {"grid": [1]}}, arms=arms)))
+    with pytest.raises(ConfigError, match="space.arm"):
+        validate_trials(raw, space_spec(spec, cfg0), spec.arms)
+
+
+def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_path):
+    """``comparison.arm_results``: per ``raysplit.arm`` tag the newest run that finished or diverged (accuracy NaN,
+    the error kept), with its curve and per-round history; a run that failed otherwise is left out, and so is one
+    started before ``since_ms``."""
+    import math
+    import time
+
+    from raysplit.comparison import arm_results
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("study")
+
+    def run(arm, status, acc, error=None):
+        r = client.create_run(exp, tags={"raysplit.arm": arm, **({"raysplit.error": error} if error else {})})
+        for step, (a, t) in enumerate(zip(acc, (1.5, 3.0, 4.5))):
+            client.log_metric(r.info.run_id, "eval/accuracy", a, step=step)
+            client.log_metric(r.info.run_id, "time/sim", t, step=step)
+            client.log_metric(r.info.run_id, "train/loss", 1.0 - a, step=step)
+        client.set_terminated(r.info.run_id, status)
+        time.sleep(0.01)  # start times apart
+        return r.info.run_id
+
+    run("A", "FINISHED", [0.1, 0.2, 0.3])
+    newest = run("A", "FINISHED", [0.2, 0.4, 0.6])
+    run("A", "FAILED", [0.5], error="RuntimeError: an actor died")  # newer, failed for another reason
+    run("B", "FAILED", [0.1, 0.2], error="NonFiniteLossError: loss nan at round 2, client 3")
+    run("C", "KILLED", [0.1])
+    got = arm_results("study", uri, keys=("train/loss",))
+    assert set(got) == {"A", "B"}
+    assert got["A"]["run_id"] == newest and got["A"]["eval/accuracy"] == pytest.approx(0.6)
+    assert got["A"]["curve"] == [(1, 1.5, 0.2), (2, 3.0, 0.4), (3, 4.5, 0.6)]
+    assert [h["round"] for h in got["A"]["history"]] == [1, 2, 3]
+    assert got["A"]["history"][0]["train/loss"] == pytest.approx(0.8)
+    assert math.isnan(got["B"]["eval/accuracy"]) and got["B"]["diverged"] == "loss nan at round 2, client 3"
+    assert arm_results("study", uri, since_ms=int(time.time() * 1000) + 1000) == {}
+    assert arm_results("no such experiment", uri) == {}
+
+
+@pytest.mark.slow
+def test_a_results_study_runs_through_raysplit_sweep_and_is_cached(tmp_path, monkeypatch):
+    """docs/results/_runs.study: the runs a page needs go through ``raysplit sweep`` (an arm per run), are read back
+    from MLflow and cached; they equal the same configs run directly, and a second call runs nothing."""
+    import sys
+
+    from raysplit.comparison import comparison
+    from raysplit.config import load_config
+    from raysplit.experiment import run_experiment
+
+    sys.path.insert(0, str(ROOT / "docs" / "results"))
+    import _runs
+
+    uri = f"sqlite:///{tmp_path / 'study.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(_runs, "ROOT", tmp_path)  # the sweep file, Tune's state and the run files go there
+    over = {"train.rounds": 2, "eval.every": 1, "runtime.backend": "local", "runtime.torch_threads": 1,
+            "tracking.checkpoint_every": 0}
+    digits = ROOT / "configs" / "digits.yaml"
+    runs = [_runs.Run(digits, {**over, "algorithm": {"name": name}, "seed": seed}, f"{name}, seed={seed} [x]",
+                      tmp_path / "cache" / f"{name}_{seed}.json", keys=("train/loss",))
+            for name, seed in (("sflv1", 0), ("sflv2", 1))]
+    got = _runs.study("study-test", runs, jobs=1)
+    sweep = yaml.safe_load(next((tmp_path / "outputs" / "studies").glob("*.yaml")).read_text())
+    assert sweep["overrides"] == {**over, "tracking.experiment": "study-test"}  # what the runs share
+    assert sweep["arms"] == {r.label: {"algorithm": r.overrides["algorithm"], "seed": r.overrides["seed"]}
+                             for r in runs}
+    hist = []
+    ref = run_experiment(load_config(digits, {**over, "algorithm": {"name": "sflv2"}, "seed": 1, "tracking.uri":
+                                              f"sqlite:///{tmp_path / 'ref.db'}", "tracking.progress": False,
+                                              "tracking.output_dir": str(tmp_path / "ref")}),
+                         on_round=lambda r, m: hist.append(m))
+    for key in ("eval/accuracy", "eval/loss", "train/loss", "time/sim", "comm/bytes_up"):
+        assert got[1][key] == pytest.approx(ref[key], rel=1e-6), key
+    assert [c[0] for c in got[1]["curve"]] == [1, 2]
+    assert [h["train/loss"] for h in got[1]["history"]] == pytest.approx([m["train/loss"] for m in hist], rel=1e-6)
+    assert got[0]["eval/accuracy"] != got[1]["eval/accuracy"]  # each arm its own run
+    _, rows = comparison("study-test", uri)  # `raysplit compare study-test` shows the same runs
+    assert sorted(r["status"] for r in rows) == ["FINISHED", "FINISHED"]
+    monkeypatch.setattr(_runs.subprocess, "run", lambda *a, **k: pytest.fail("a cached run was run again"))
+    assert _runs.study("study-test", runs) == got
