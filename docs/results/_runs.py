@@ -1,15 +1,24 @@
-"""Shared by the results scripts: run one raysplit experiment in a fresh interpreter, cached as JSON."""
+"""Shared by the results scripts: a study's runs go through ``raysplit sweep`` (one sweep file per base config, an
+arm per run, under outputs/studies/), are read back from MLflow by one reader and cached as JSON, so that a page
+is rewritten from its caches without running anything. ``raysplit compare EXPERIMENT`` shows the same runs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from raysplit.metrics import grouped_name  # noqa: E402
+from raysplit.tracking import resolve_uri  # noqa: E402
 
 # what a cached result holds besides metrics; every other key is a metric, under its grouped name
 NOT_METRICS = ("run_id", "curve", "history", "diverged", "round")
@@ -58,57 +67,73 @@ def paired_table(results: dict, pairs: list[tuple[str, str]], partitions: list[s
     return "\n".join(lines)
 
 
-def run_cached(code: str, out: Path, what: str) -> dict:
-    """Run ``code`` (which prints one ``RESULT{json}`` line) with this interpreter in the repository root and
-    return the parsed result; reuse ``out`` when it exists, write it otherwise."""
-    if out.is_file():
-        return named(json.loads(out.read_text()))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    if not line:
-        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
-    res = json.loads(line[-1][6:])
-    out.write_text(json.dumps(res))
-    return named(res)
+@dataclass(frozen=True)
+class Run:
+    """One run of a study: ``config`` with the dotted ``overrides``, named ``label`` (its arm in the sweep and its
+    MLflow run's ``raysplit.arm`` tag; unique in its study), cached as JSON at ``out``; ``keys``: the metrics whose
+    per-round values the cache keeps (``history``)."""
+    config: Path
+    overrides: dict
+    label: str
+    out: Path
+    keys: tuple[str, ...] = ()
 
 
-def run_config(config: Path, overrides: dict, label: str, out: Path, keys: tuple[str, ...] = ()) -> dict:
-    """One ``run_experiment`` of ``config`` with ``overrides`` (cached in ``out``): the final metrics, the evaluated
-    rounds as ``curve`` = [(round, sim_time, accuracy)], and ``history`` = the per-round values of ``keys``. A run
-    that diverged (non-finite loss) is a result too: accuracy NaN and ``diverged`` = the error naming round and
-    client."""
-    code = f"""
-import json
-from raysplit.config import load_config
-from raysplit.experiment import run_experiment
-cfg = load_config({str(config)!r}, {{**{overrides!r}, "tracking.progress": False, "tracking.run_name": {label!r}}})
-from raysplit.runtime import NonFiniteLossError
-hist = []
-try:
-    res = run_experiment(cfg, on_round=lambda r, m: hist.append((r, m)))
-except NonFiniteLossError as e:  # a diverged run is a result: kept, shown as diverged, never averaged
-    res = {{"eval/accuracy": float("nan"), "diverged": str(e),
-           "time/sim": hist[-1][1].get("time/sim", 0.0) if hist else 0.0}}
-out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
-out["curve"] = [(r + 1, m["time/sim"], m["eval/accuracy"]) for r, m in hist if "eval/accuracy" in m]
-out["history"] = [{{"round": r + 1, **{{k: m[k] for k in {list(keys)!r} if k in m}}}} for r, m in hist]
-print("RESULT" + json.dumps(out))
-"""
-    return run_cached(code, out, label)
+def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: str | None = None) -> Path:
+    """The ``raysplit sweep`` file of ``runs`` (one base config): their common overrides as the sweep's, the rest as
+    one arm per run; named by a digest of its content, so that running an interrupted study again resumes its Tune
+    experiment (trials from their last checkpoint). Written under outputs/studies/."""
+    plain = [json.loads(json.dumps(r.overrides)) for r in runs]  # tuples as lists, as YAML has them
+    common = {k: v for k, v in plain[0].items() if all(k in o and o[k] == v for o in plain)}
+    arms = {r.label: {k: v for k, v in o.items() if k not in common} for r, o in zip(runs, plain)}
+    def here(p: Path) -> str:  # relative to the repository root (where the sweep runs) where it is inside it
+        return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+    spec = {"base": here(config), "overrides": {**common, "tracking.experiment": experiment,
+                                               **({"tracking.uri": uri} if uri else {})},
+            "arms": arms, "metric": "eval/accuracy", "scheduler": "fifo", "max_concurrent_trials": jobs,
+            "max_failures": 1, "checkpoint_every": 10, "storage_path": here(ROOT / "outputs" / "tune")}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
+    spec["name"] = f"{experiment}-{config.stem}-{digest}"
+    path = ROOT / "outputs" / "studies" / f"{spec['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False, width=120))
+    return path
 
 
-def run_all(experiment: str, todo: list, run_one, jobs: int) -> list:
-    """``run_one(*job)`` for every job, ``jobs`` at a time, all logging to the MLflow experiment ``experiment`` of
-    ./mlflow.db in the repository root (or $MLFLOW_TRACKING_URI); returns ``[(job, result), ...]`` in order."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
+def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = None) -> list[dict]:
+    """Each run's result, in order: from its cache where it has one; the others, per base config, as one
+    ``raysplit sweep`` (:func:`sweep_file`: each run an arm) logging to the MLflow experiment ``experiment`` of
+    ``uri`` (default ./mlflow.db in the repository root, or $MLFLOW_TRACKING_URI), their runs read back from MLflow
+    (:func:`raysplit.comparison.arm_results`) and cached."""
+    from raysplit.comparison import arm_results
 
-    import mlflow
+    labels = [r.label for r in runs]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"{experiment}: two runs share a label: {sorted(x for x in labels if labels.count(x) > 1)}")
+    todo = [r for r in runs if not r.out.is_file()]
+    for config in dict.fromkeys(r.config for r in todo):
+        group = [r for r in todo if r.config == config]
+        path = sweep_file(experiment, config, group, jobs, uri)
+        print(f"{experiment}: {len(group)} run(s) of {config.name}: raysplit sweep {path.relative_to(ROOT)}",
+              flush=True)
+        since = int(time.time() * 1000)
+        proc = subprocess.run([sys.executable, "-m", "raysplit.cli", "sweep", str(path)], cwd=ROOT)
+        found = arm_results(experiment, resolve_uri(uri), tuple({k for r in group for k in r.keys}), since)
+        for r in group:
+            if r.label not in found:
+                raise RuntimeError(f"{experiment}: the sweep {path} (exit {proc.returncode}) left no finished run of "
+                                   f"{r.label!r}; its output above says why")
+            res = found[r.label]
+            res["history"] = [{k: v for k, v in h.items() if k == "round" or k in r.keys} for h in res["history"]]
+            r.out.parent.mkdir(parents=True, exist_ok=True)
+            r.out.write_text(json.dumps(res))
+            print(f"{r.label:48s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
+    return [named(json.loads(r.out.read_text())) for r in runs]
 
-    from raysplit.tracking import resolve_uri
 
+def run_all(experiment: str, todo: list, request, jobs: int) -> list:
+    """``request(*job)`` (a :class:`Run`) for every job, run as one :func:`study`; returns ``[(job, result), ...]`` in
+    order."""
     os.chdir(ROOT)
-    mlflow.set_tracking_uri(resolve_uri(None))  # the store made once here, before parallel runs race to make it
-    mlflow.set_experiment(experiment)
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(lambda job: (job, run_one(*job)), todo))
+    return list(zip(todo, study(experiment, [request(*job) for job in todo], jobs)))

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, run_all, run_config
+from _runs import ROOT, Run, median_range, run_all
 
 METHODS = [("Ampere", None), ("SplitFed", {"name": "sflv1"}), ("PiPar", {"name": "pipar"}),
            ("SplitGP", {"name": "splitgp"}), ("SplitFed+SCAFFOLD", {"name": "sflv1_scaffold"})]
@@ -60,9 +60,7 @@ def one(method, alg, alpha, seed, extra=()):
         over["algorithm"] = alg
     over.update(dict(extra))
     out = OUT / (label.replace(" ", "_").replace("=", "") + ".json")
-    res = run_config(ROOT / "configs/ampere/fmnist.yaml", over, label, out, keys=KEYS)
-    print(f"{label:40s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
-    return res
+    return Run(ROOT / "configs/ampere/fmnist.yaml", over, label, out, keys=KEYS)
 
 
 def per_device(res: dict, key: str) -> float:

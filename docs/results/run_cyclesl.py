@@ -18,13 +18,10 @@ prints CycleSFL minus SFLV2 for each, paired by seed: which difference turns the
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, run_cached
+from _runs import ROOT, Run, median_range, study
 
 METHODS = [("psl", {}), ("sglr", {}), ("sflv1", {}), ("sflv2", {}), ("cyclepsl", {}), ("cyclesglr", {}),
            ("cyclesfl", {}), ("cyclesfl", {"server_epochs": 2}), ("cyclesfl", {"server_epochs": 4}),
@@ -50,18 +47,15 @@ def one(method, extra, seed, backend, out_dir, setting=None):
     label = method + (f" E={extra['server_epochs']}" if extra else "")
     over = LADDER[setting] if setting else {}
     tag = label + (f" [{setting}]" if setting else "")
-    out = _cache(tag, seed, out_dir)
-    code = f"""
-import json, sys
-from raysplit.config import load_config
-from raysplit.experiment import run_experiment
-cfg = load_config({str(ROOT / 'configs/cyclesl/fmnist.yaml')!r}, {{"algorithm": {{"name": {method!r}, **{extra!r}}},
-      "seed": {seed}, "runtime.backend": {backend!r}, "tracking.progress": False,
-      "tracking.run_name": {f'{tag} seed {seed}'!r}, **{over!r}}})
-res = run_experiment(cfg)
-print("RESULT" + json.dumps({{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}))
-"""
-    return label, seed, run_cached(code, out, f"{tag} seed {seed}")
+    return label, seed, Run(ROOT / "configs/cyclesl/fmnist.yaml",
+                            {"algorithm": {"name": method, **extra}, "seed": seed, "runtime.backend": backend, **over},
+                            f"{tag} seed {seed}", _cache(tag, seed, out_dir))
+
+
+def run(runs: list[tuple], jobs: int) -> list[tuple]:
+    """``[(label, seed, Run), ...]`` as one study (MLflow experiment cyclesl-fmnist): ``[(label, seed, result)]``."""
+    return [(label, seed, res) for (label, seed, _), res in zip(runs, study("cyclesl-fmnist", [r for *_, r in runs],
+                                                                              jobs))]
 
 
 def _cache(tag: str, seed: int, out_dir: Path) -> Path:
@@ -76,8 +70,8 @@ def ladder(a, out_dir):
     jobs = [(m, s, st) for st in LADDER for s in a.seeds for m in ("cyclesfl", "sflv2")]
     if a.cached_only:
         jobs = [j for j in jobs if all(_cache(f"{m} [{j[2]}]", j[1], out_dir).is_file() for m in ("cyclesfl", "sflv2"))]
-    with ThreadPoolExecutor(a.jobs) as pool:
-        done = list(pool.map(lambda j: (j[2], *one(j[0], {}, j[1], a.backend, out_dir, setting=j[2])), jobs))
+    done = [(j[2], *r) for j, r in zip(jobs, run([one(j[0], {}, j[1], a.backend, out_dir, setting=j[2])
+                                                   for j in jobs], a.jobs))]
     acc = {(st, label, seed): 100 * res["eval/accuracy"] for st, label, seed, res in done}
     print("| setting | changed from raysplit's | cyclesfl (E=1) accuracy % | sflv2 accuracy % | "
           "cyclesfl - sflv2 (points), paired by seed | per seed |")
@@ -107,14 +101,10 @@ def main():
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # create the MLflow store once before parallel runs (sqlite schema race)
-    subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
-                    "mlflow.set_experiment('cyclesl-fmnist')"], cwd=ROOT, check=True, capture_output=True)
     if a.ladder:
         return ladder(a, out_dir)
     jobs = [(m, e, s) for m, e in METHODS for s in a.seeds if a.methods is None or m in a.methods]
-    with ThreadPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(lambda j: one(*j, a.backend, out_dir), jobs))
+    results = run([one(*j, a.backend, out_dir) for j in jobs], a.jobs)
     by: dict[str, list[dict]] = {}
     for label, _, res in results:
         by.setdefault(label, []).append(res)

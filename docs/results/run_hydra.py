@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, named, run_cached
+from _runs import ROOT, Run, median_range, named, study
 
 # the two settings (--study): the first study (cnn_small, 2-layer heads = 98 % of the server) and the second, at
 # the paper's proportions (cnn_gap, heads conv4+fc = 62 % of the server, or fc alone = 1 %; phi 10 batches of 64)
@@ -74,31 +73,24 @@ def run_file(c, order, label, alg, seed) -> str:
     return f"{label}_{order}_c{c}_s{seed}.json".replace("+", "_").replace("=", "").replace(" ", "_")
 
 
-def one(c, order, label, alg, seed, backend, out_dir, overrides):
-    out = out_dir / run_file(c, order, label, alg, seed)
-    cached = out.is_file()
-    code = f"""
-import json
-from raysplit.config import load_config
-from raysplit.experiment import run_experiment
-cfg = load_config({str(ROOT / STUDY['config'])!r}, {{"algorithm": {alg!r}, "seed": {seed},
-      "data.num_clients": {10 * c}, "runtime.backend": {backend!r}, "tracking.progress": False,
-      "tracking.run_name": {f'{label} {order} c={c} seed {seed}'!r}, **{overrides!r}}})
-hist, rounds = [], []
-res = run_experiment(cfg, on_round=lambda r, m: (hist.append(m), rounds.append(r + 1)))
-out = {{k: v for k, v in res.items() if isinstance(v, (int, float, str))}}
-# (rounds done, accuracy) at each evaluated round, as _runs.run_config: the overlay in docs/results/peers.md
-out["curve"] = [(r, m["eval/accuracy"]) for r, m in zip(rounds, hist) if "eval/accuracy" in m]
-for key in ["eval/accuracy", "eval/performance_gap"] + [f"eval/position_acc/{{i}}" for i in range(10)]:
-    h = [float(m[key]) for m in hist if key in m]
-    if h:
-        out[key + "_last5"] = sum(h[-5:]) / len(h[-5:])
-print("RESULT" + json.dumps(out))
-"""
-    res = run_cached(code, out, f"{label} {order} c={c} seed {seed}")
-    if not cached:
-        print(f"done {label} {order} c={c} seed {seed}: acc {res['eval/accuracy']:.4f}", flush=True)
-    return c, order, label, seed, res
+# the metrics whose last 5 evaluations the tables and figures average (their cached ``_last5`` values)
+LAST5 = ("eval/accuracy", "eval/performance_gap") + tuple(f"eval/position_acc/{i}" for i in range(10))
+
+
+def one(c, order, label, alg, seed, backend, out_dir, overrides) -> Run:
+    return Run(ROOT / STUDY["config"], {"algorithm": alg, "seed": seed, "data.num_clients": 10 * c,
+                                        "runtime.backend": backend, **overrides},
+               f"{label} {order} c={c} seed {seed}", out_dir / run_file(c, order, label, alg, seed), keys=LAST5)
+
+
+def last5(res: dict) -> dict:
+    """``res`` with the mean of the last 5 evaluations of each ``LAST5`` metric (``<key>_last5``), from its per-round
+    history where the cache does not hold it yet."""
+    for key in LAST5:
+        h = [e[key] for e in res.get("history", []) if key in e]
+        if h and key + "_last5" not in res:
+            res[key + "_last5"] = sum(h[-5:]) / len(h[-5:])
+    return res
 
 
 def figure(results, path):
@@ -207,7 +199,8 @@ def main():
     ap.add_argument("--backend", default="local", choices=["local", "ray"])
     ap.add_argument("--out", default=None, help="default: outputs/hydra_table (fc), outputs/hydra_gap (gap)")
     ap.add_argument("--seeds-c2", type=int, nargs="*", default=None, help="seeds for c = 2 (default: --seeds)")
-    ap.add_argument("--no-mlflow", action="store_true", help="tracking.enabled=false (runs need no MLflow)")
+    ap.add_argument("--no-mlflow", action="store_true", help="the runs log to a store of their own under --out "
+                    "(mlflow.db there), not to ./mlflow.db")
     ap.add_argument("--data-root", default=None, help="data.root for Fashion-MNIST")
     ap.add_argument("--only-c", type=int, choices=[1, 2], default=None)
     ap.add_argument("--set", nargs="*", default=[], help="extra dotted key=value overrides for every run")
@@ -226,7 +219,7 @@ def main():
     STUDY = STUDIES[a.study]
     default_out = str(ROOT / "outputs" / STUDY["out"])
     a.out = str(Path(a.out).resolve()) if a.out else default_out
-    overrides = {"tracking.enabled": False} if a.no_mlflow else {}
+    overrides = {}
     if a.data_root:
         overrides["data.root"] = a.data_root
     import yaml
@@ -234,12 +227,7 @@ def main():
     overrides.update({kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set})
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # create the MLflow store once before parallel runs (sqlite schema race)
-    if not a.no_mlflow:
-        experiment = yaml.safe_load((ROOT / STUDY["config"]).read_text())["tracking"]["experiment"]
-        subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_tracking_uri('sqlite:///mlflow.db');"
-                        f"mlflow.set_experiment({experiment!r})"], cwd=ROOT,
-                       check=True, capture_output=True)
+    experiment = yaml.safe_load((ROOT / STUDY["config"]).read_text())["tracking"]["experiment"]
     todo = [j for j in jobs(a.seeds) if a.only_c in (None, j[0]) and (a.methods is None or j[2] in a.methods)
             and (a.orders is None or j[1] in a.orders)
             and (j[0] == 1 or a.seeds_c2 is None or j[4] in a.seeds_c2)]
@@ -247,9 +235,9 @@ def main():
     if a.report:
         todo = [j for j in todo if (out_dir / run_file(*j[:4], j[4])).is_file()]
     todo.sort(key=lambda j: (j[4], j[0]))  # every method's first seed first: a partial run is already a table
-    with ThreadPoolExecutor(a.jobs) as pool:
-        done = list(pool.map(lambda j: one(*j, a.backend, out_dir, overrides), todo))
-    results = {(c, o, lab, s): r for c, o, lab, s, r in done}
+    ran = study(experiment, [one(*j, a.backend, out_dir, overrides) for j in todo], a.jobs,
+                f"sqlite:///{out_dir / 'mlflow.db'}" if a.no_mlflow else None)
+    results = {(c, o, lab, s): last5(r) for (c, o, lab, _, s), r in zip(todo, ran)}
     print(f"runs: {len(results)}; overrides: {overrides}")
     print("| c | order | method | global accuracy (%) | PG (pp) | BW (pp) | PG, mean of last 5 rounds (pp) |")
     print("|---|---|---|---|---|---|---|")

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, named, run_all, run_config
+from _runs import ROOT, Run, median_range, named, run_all
 
 HERE = Path(__file__).resolve().parent
 CONFIG = ROOT / "configs" / "privacy" / "fmnist_ushaped.yaml"
@@ -61,11 +61,11 @@ def _label(m: str, c: str, d: str, s: int) -> str:
     return f"{m}_{c.replace(' ', '_').replace('(', '').replace(')', '')}_{d}_s{s}"
 
 
-def run_one(out: Path, method: str, cut: str, defence: str, seed: int) -> dict:
+def run_one(out: Path, method: str, cut: str, defence: str, seed: int) -> Run:
     over = {**COMMON, **METHODS[method], **CUTS[cut], **DEFENCES[defence], "seed": seed,
             "tracking.experiment": "label-privacy"}
     label = _label(method, cut, defence, seed)
-    return run_config(CONFIG, over, label, out / f"{label}.json", keys=KEYS)
+    return Run(CONFIG, over, label, out / f"{label}.json", keys=KEYS)
 
 
 def cached(out: Path, m: str, c: str, d: str, s: int) -> dict | None:

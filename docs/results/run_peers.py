@@ -74,7 +74,7 @@ from pathlib import Path
 import numpy as np
 from _runs import ROOT, median_range
 from run_cyclesl import _cache as cyclesl_cache
-from run_hydra import run_file
+from run_hydra import last5, run_file
 from run_semisfl import SEMI, cached
 
 HERE = Path(__file__).resolve().parent
@@ -230,8 +230,8 @@ def hydra_ours(out: Path, method: str, order: str, seed: int) -> dict | None:
     f = out / run_file(1, order, method, None, seed)
     if not f.is_file():
         return None
-    d = json.loads(f.read_text())
-    return {"curve": [(int(r), float(acc)) for r, acc in d.get("curve", [])], "final": d["eval/accuracy"],
+    d = last5(json.loads(f.read_text()))  # curve: (round, accuracy), or (round, time/sim, accuracy) since the sweeps
+    return {"curve": [(int(c[0]), float(c[-1])) for c in d.get("curve", [])], "final": d["eval/accuracy"],
             "last5": d["eval/accuracy_last5"], "pg": d["eval/performance_gap"], "bw": d["eval/backward_transfer"]}
 
 

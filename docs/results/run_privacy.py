@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _runs import ROOT, median_range, run_all, run_config
+from _runs import ROOT, Run, median_range, run_all
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".privacy"
@@ -71,11 +71,11 @@ PARTS = {
 KEYS = ("eval/accuracy", "privacy/ssim", "privacy/psnr", "privacy/dcor", "privacy/epsilon")
 
 
-def run_one(method: str, cut: str, defence: str, seed: int) -> dict:
+def run_one(method: str, cut: str, defence: str, seed: int) -> Run:
     over = {**COMMON, **METHODS[method], **DEFENCES[defence], "model.cut": cut, "seed": seed,
             "tracking.experiment": "privacy-study", "tracking.log_checkpoint_artifact": False}
     label = f"{method}_{cut}_{defence}_s{seed}"
-    return run_config(CONFIG, over, label, OUT / f"{label}.json", keys=KEYS)
+    return Run(CONFIG, over, label, OUT / f"{label}.json", keys=KEYS)
 
 
 def cached(method: str, cut: str, defence: str, seed: int) -> dict | None:

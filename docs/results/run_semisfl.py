@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range, paired_table, run_all, run_config
+from _runs import ROOT, Run, median_range, paired_table, run_all
 
 SEMI = {"ks_initial": 20, "milestones": [20, 30, 40, 50], "window": 5, "ratio_every": 20, "server_batch_size": 32,
         "server_views": ["strong", "strong"]}
@@ -61,15 +61,13 @@ def one(method, alg, part_label, partition, seed, rounds, labels=LABELS, views=V
     out = cached(method, part_label, seed, rounds, labels, views)
     if "server_views" in alg:
         alg = {**alg, "server_views": [views, views]}
-    res = run_config(ROOT / "configs/semisfl/fmnist.yaml", {
+    return Run(ROOT / "configs/semisfl/fmnist.yaml", {
         "algorithm": alg, "seed": seed, "data.partition": partition, "train.rounds": rounds,
         "data.n_labeled": labels, "runtime.backend": "local", "runtime.torch_threads": 1,
         "tracking.checkpoint_every": 0},
         f"{method} {part_label} seed {seed}{variant(labels, views)}", out,
         keys=("method/ks", "comm/bytes_up", "comm/bytes_down", "method/loss_x", "method/loss_u", "method/mask_rate",
               "method/ks_ratio_r"))
-    print(f"{method:20s} {part_label:14s} seed {seed}: accuracy {res['eval/accuracy']:.4f}", flush=True)
-    return res
 
 
 def to_target(res: dict, target: float) -> float | None:
