@@ -307,6 +307,31 @@ def page_links(pages: list[Path] | None = None) -> list[str]:
     return out
 
 
+# verdicts in words the rule does not use, as pages wrote them by hand before the registry
+OFF_RULE = r"\b(direction reproduced|reproduced in direction|reproduced centrally|consistent with the paper)\b"
+
+
+def hand_verdicts(pages: list[Path] | None = None) -> list[str]:
+    """Verdicts written by hand on the papers' pages, outside their generated heads: a table cell that opens with a
+    verdict term, or a verdict in words the rule does not use. The verdict of a claim is the head's, computed by the
+    rule; the rest of a page gives numbers, checks and what is open (notes/ keeps the investigations as written)."""
+    pages = pages if pages is not None else [TABLE_PAGE.parent / name for name in PAGES.values()]
+    out = []
+    for page in pages:
+        text = page.read_text()
+        if HEAD_BEGIN in text and HEAD_END in text:
+            a, b = text.index(HEAD_BEGIN), text.index(HEAD_END)
+            text = text[:a] + "\n" * text[a:b].count("\n") + text[b:]  # the head blanked, line numbers kept
+        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+        for n, line in enumerate(text.splitlines(), 1):
+            cells = [c.strip().lower() for c in line.split("|")[1:-1]] if line.startswith("|") else []
+            said = [c for c in cells if c.startswith(VERDICTS)] + re.findall(OFF_RULE, line, flags=re.I)
+            if said:
+                out.append(f"{name}:{n}: a verdict written by hand ({said[0][:60]!r}); a claim's verdict is its "
+                           "head's, computed by scripts/claims.py")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("write", "check"):
         print(__doc__)
@@ -318,7 +343,7 @@ def main(argv: list[str]) -> int:
             path.write_text(text)
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
-    problems = long_cells(reg) + broken_links(reg) + page_links()
+    problems = long_cells(reg) + broken_links(reg) + page_links() + hand_verdicts()
     for path, text in want.items():
         if text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "

@@ -116,3 +116,15 @@ def test_every_link_on_the_result_pages_lands_and_a_dangling_one_is_named(tmp_pa
                                              "[none](c.md) [self](#b)\n```\n[in code](nowhere.md)\n```\n")
     assert [line.split(": ", 1)[1] for line in claims.page_links([tmp_path / "notes" / "b.md"])] == [
         "../a.md#gone: no section #gone", "c.md: no file c.md"]
+
+
+def test_no_verdict_is_written_by_hand_outside_a_pages_generated_head(tmp_path):
+    """Issue 54: rows used verdicts outside the rule's five terms ("direction reproduced", "consistent with the
+    paper") and status cells contradicted the computed ones (ampere.md's time row said "reproduced" where the rule
+    gives "direction only"). A verdict stands only in a page's generated head."""
+    assert not claims.hand_verdicts(), claims.hand_verdicts()
+    page = tmp_path / "p.md"
+    page.write_text(f"# P\n\n{claims.HEAD_BEGIN}\n- Verdict: **reproduced** (three seeds).\n| a | reproduced |\n"
+                    f"{claims.HEAD_END}\n\n| the paper | here | open |\n|---|---|---|\n| x | +1 | Not tested here |\n"
+                    "| y | +2 | the size |\n\nThe effect is consistent with the paper.\n")
+    assert [line.split(": ", 1)[0] for line in claims.hand_verdicts([page])] == [f"{page}:10", f"{page}:13"]
