@@ -67,6 +67,7 @@ from raysplit.config import ConfigError, apply_overrides, load_config
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform")
 ARM = "arm"  # the trial parameter that names its arm (not a config key: its overrides are applied instead)
 ARM_TAG = "raysplit.arm"  # the MLflow tag that names a trial's arm
+SWEEP_TAG = "raysplit.sweep"  # the MLflow tag that names a trial's sweep
 
 
 def _cut_points(cfg) -> list:
@@ -171,13 +172,13 @@ def space_spec(spec: SweepFile, cfg0) -> dict[str, dict]:
     return space
 
 
-def trial_overrides(params: dict, arms: dict[str, dict] | None = None) -> dict:
-    """A trial's dotted overrides of the base: its arm's overrides (``params["arm"]``), then its other params."""
+def trial_overrides(params: dict, arms: dict[str, dict] | None = None, sweep: str | None = None) -> dict:
+    """A trial's dotted overrides of the base: its arm's overrides (``params["arm"]``), then its other params; its
+    MLflow run tagged with its arm (``raysplit.arm``) and its sweep's name (``raysplit.sweep``)."""
     params = dict(params)
     arm = params.pop(ARM, None)
-    if arm is None:
-        return params
-    return {**(arms or {})[arm], **params, "tracking.tags": {ARM_TAG: arm}}
+    tags = {**({ARM_TAG: arm} if arm is not None else {}), **({SWEEP_TAG: sweep} if sweep else {})}
+    return {**((arms or {})[arm] if arm is not None else {}), **params, **({"tracking.tags": tags} if tags else {})}
 
 
 def validate_trials(base_raw: dict, space: dict[str, dict], arms: dict[str, dict] | None = None) -> int:
@@ -354,12 +355,13 @@ class Trial:
 
 
 def make_trainable(base_raw: dict, uri: str, experiment: str, metric: str, log_in_trial: bool, output_dir: str,
-                   checkpoint_every: int = 1, trial: type[Trial] = Trial, arms: dict[str, dict] | None = None):
+                   checkpoint_every: int = 1, trial: type[Trial] = Trial, arms: dict[str, dict] | None = None,
+                   sweep: str | None = None):
     """The function trainable Tune calls per trial: ``trial(params, ...).run()``, its arm's overrides (``arms``)
-    applied."""
+    applied, its run tagged with ``sweep``."""
 
     def trainable(params: dict):
-        trial(trial_overrides(params, arms), base_raw, uri, experiment, metric, log_in_trial, output_dir,
+        trial(trial_overrides(params, arms, sweep), base_raw, uri, experiment, metric, log_in_trial, output_dir,
               checkpoint_every).run()
 
     return trainable
@@ -459,7 +461,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
     every = spec.checkpoint_every if spec.checkpoint_every is not None else (cfg0.tracking.checkpoint_every or 1)
     trainable = tune.with_resources(
         make_trainable(base_raw, uri, experiment, spec.metric, spec.mlflow == "trial", output_dir, every, trial,
-                       spec.arms),
+                       spec.arms, name),
         tune.PlacementGroupFactory(bundles, strategy="PACK"))
     storage = str(Path(spec.storage_path).resolve())
     if tune.Tuner.can_restore(os.path.join(storage, name)):
@@ -476,7 +478,8 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures),
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
         )
-    print(f"sweep {name}: {n} configuration(s){f' ({len(spec.arms)} arms)' if spec.arms else ''} x {spec.num_samples} sample(s), up to {max_conc} at once; "
+    arms = f" ({len(spec.arms)} arms)" if spec.arms else ""
+    print(f"sweep {name}: {n} configuration(s){arms} x {spec.num_samples} sample(s), up to {max_conc} at once; "
           f"MLflow experiment {experiment!r} at {uri}; "
           + (f"trials checkpoint every {every} round(s)" if every else "trials keep no checkpoint"))
     results = tuner.fit()

@@ -212,6 +212,8 @@ def test_arms_cross_the_space_and_a_bad_arm_is_named_before_any_trial(tmp_path):
     assert trial_overrides({"arm": "SFLV2, seed=1 [b]", "train.optimizer.lr": 0.3}, spec.arms) == {
         "algorithm": {"name": "sflv2"}, "seed": 1, "train.optimizer.lr": 0.3,
         "tracking.tags": {"raysplit.arm": "SFLV2, seed=1 [b]"}}
+    assert trial_overrides({"arm": "SFLV1"}, spec.arms, "grid")["tracking.tags"] == {
+        "raysplit.arm": "SFLV1", "raysplit.sweep": "grid"}
     assert trial_overrides({"train.optimizer.lr": 0.3}, None) == {"train.optimizer.lr": 0.3}
     for bad, said in (({"algorithm.server_epochs": 2}, "arm 'bad'.*server_epochs"),
                       ({"runtime.num_workers": 1}, "arm 'bad'.*runtime resources")):
@@ -225,8 +227,8 @@ def test_arms_cross_the_space_and_a_bad_arm_is_named_before_any_trial(tmp_path):
 
 def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_path):
     """``comparison.arm_results``: per ``raysplit.arm`` tag the newest run that finished or diverged (accuracy NaN,
-    the error kept), with its curve and per-round history; a run that failed otherwise is left out, and so is one
-    started before ``since_ms``."""
+    the error kept), with its curve and per-round history; a run that failed otherwise is left out; ``sweep`` keeps
+    one sweep's runs."""
     import math
     import time
 
@@ -236,8 +238,9 @@ def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_pa
     client = MlflowClient(uri)
     exp = client.create_experiment("study")
 
-    def run(arm, status, acc, error=None):
-        r = client.create_run(exp, tags={"raysplit.arm": arm, **({"raysplit.error": error} if error else {})})
+    def run(arm, status, acc, error=None, sweep="s1"):
+        r = client.create_run(exp, tags={"raysplit.arm": arm, "raysplit.sweep": sweep,
+                                         **({"raysplit.error": error} if error else {})})
         for step, (a, t) in enumerate(zip(acc, (1.5, 3.0, 4.5))):
             client.log_metric(r.info.run_id, "eval/accuracy", a, step=step)
             client.log_metric(r.info.run_id, "time/sim", t, step=step)
@@ -251,14 +254,16 @@ def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_pa
     run("A", "FAILED", [0.5], error="RuntimeError: an actor died")  # newer, failed for another reason
     run("B", "FAILED", [0.1, 0.2], error="NonFiniteLossError: loss nan at round 2, client 3")
     run("C", "KILLED", [0.1])
+    other = run("D", "FINISHED", [0.3], sweep="s2")
     got = arm_results("study", uri, keys=("train/loss",))
-    assert set(got) == {"A", "B"}
+    assert set(got) == {"A", "B", "D"}
     assert got["A"]["run_id"] == newest and got["A"]["eval/accuracy"] == pytest.approx(0.6)
     assert got["A"]["curve"] == [(1, 1.5, 0.2), (2, 3.0, 0.4), (3, 4.5, 0.6)]
     assert [h["round"] for h in got["A"]["history"]] == [1, 2, 3]
     assert got["A"]["history"][0]["train/loss"] == pytest.approx(0.8)
     assert math.isnan(got["B"]["eval/accuracy"]) and got["B"]["diverged"] == "loss nan at round 2, client 3"
-    assert arm_results("study", uri, since_ms=int(time.time() * 1000) + 1000) == {}
+    assert set(arm_results("study", uri, sweep="s1")) == {"A", "B"}
+    assert arm_results("study", uri, sweep="s2")["D"]["run_id"] == other
     assert arm_results("no such experiment", uri) == {}
 
 
@@ -301,5 +306,9 @@ def test_a_results_study_runs_through_raysplit_sweep_and_is_cached(tmp_path, mon
     assert got[0]["eval/accuracy"] != got[1]["eval/accuracy"]  # each arm its own run
     _, rows = comparison("study-test", uri)  # `raysplit compare study-test` shows the same runs
     assert sorted(r["status"] for r in rows) == ["FINISHED", "FINISHED"]
+    client = MlflowClient(uri)
+    tagged = client.search_runs([client.get_experiment_by_name("study-test").experiment_id])
+    assert {(r.data.tags["raysplit.arm"], r.data.tags["raysplit.sweep"]) for r in tagged} == {
+        (r.label, sweep["name"]) for r in runs}
     monkeypatch.setattr(_runs.subprocess, "run", lambda *a, **k: pytest.fail("a cached run was run again"))
     assert _runs.study("study-test", runs) == got

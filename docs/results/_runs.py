@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,18 +116,19 @@ def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = Non
         path = sweep_file(experiment, config, group, jobs, uri)
         print(f"{experiment}: {len(group)} run(s) of {config.name}: raysplit sweep {path.relative_to(ROOT)}",
               flush=True)
-        since = int(time.time() * 1000)
         proc = subprocess.run([sys.executable, "-m", "raysplit.cli", "sweep", str(path)], cwd=ROOT)
-        found = arm_results(experiment, resolve_uri(uri), tuple({k for r in group for k in r.keys}), since)
-        for r in group:
-            if r.label not in found:
-                raise RuntimeError(f"{experiment}: the sweep {path} (exit {proc.returncode}) left no finished run of "
-                                   f"{r.label!r}; its output above says why")
+        keys = tuple({k for r in group for k in r.keys})
+        found = arm_results(experiment, resolve_uri(uri), keys, sweep=path.stem)  # the sweep's name
+        for r in [r for r in group if r.label in found]:  # what finished is kept, also when another run failed
             res = found[r.label]
             res["history"] = [{k: v for k, v in h.items() if k == "round" or k in r.keys} for h in res["history"]]
             r.out.parent.mkdir(parents=True, exist_ok=True)
             r.out.write_text(json.dumps(res))
             print(f"{r.label:48s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
+        missing = [r.label for r in group if r.label not in found]
+        if missing:
+            raise RuntimeError(f"{experiment}: the sweep {path} (exit {proc.returncode}) left no finished run of "
+                               f"{', '.join(missing)}; its output above says why (the others are cached)")
     return [named(json.loads(r.out.read_text())) for r in runs]
 
 
