@@ -8,7 +8,8 @@ The authors' code is never copied into this repository: the script copies the gi
 folder, sets its flags for this setting by editing the module-level globals it is configured by (``cifar`` ->
 ``fmnist``, ``epochs`` -> ``--rounds``, ``Accu_Test_Frequency`` -> never, so neither side spends time testing),
 adds one line that prints a timestamp whenever a global round ends, and points its data root at a folder holding
-the Debian package's Fashion-MNIST files extracted under ``FashionMNIST/raw/``. Its device is CUDA if available,
+the Debian package's Fashion-MNIST files extracted under ``FashionMNIST/raw/`` (benchmarks/peers/peer_data.py,
+shared with the parity runner benchmarks/peers/gas/run.py). Its device is CUDA if available,
 else CPU (as it is written), with torch's default threads. The first round of each side (start-up, first FLOP
 counts) is reported but left out of the median.
 
@@ -22,7 +23,6 @@ server update on the same statistics).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import re
@@ -36,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+from peer_data import gas_data, gas_env  # noqa: E402  (shared with benchmarks/peers/gas/run.py)
 
 
 def prepare_authors(src: Path, rounds: int, work: Path, test_every: int | None = None) -> Path:
@@ -43,11 +45,7 @@ def prepare_authors(src: Path, rounds: int, work: Path, test_every: int | None =
     ``Accu_Test_Frequency``; None: never)."""
     code = work / "GAS"
     shutil.copytree(src, code, ignore=shutil.ignore_patterns(".git"))
-    raw = work / "data" / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True)
-    for f in FMNIST.glob("*.gz"):
-        with gzip.open(f) as fin, open(raw / f.name[:-3], "wb") as fout:
-            shutil.copyfileobj(fin, fout)
+    gas_data(code, [str(f) for f in FMNIST.glob("*.gz")])  # work/data -> the unpacked files
     main = code / "GAS_main.py"
     text = main.read_text()
     edits = [(r"^cifar = True", "cifar = False"), (r"^fmnist = False", "fmnist = True"),
@@ -66,8 +64,7 @@ def prepare_authors(src: Path, rounds: int, work: Path, test_every: int | None =
 def time_authors(code: Path, timeout: float) -> tuple[list[float], list[int]]:
     """Wall time of each global round and the server updates it made (``local_epoch`` counts them)."""
     t0 = time.time()
-    # GAS_main.py looks for utils/ beside its parent folder; the repository has it beside the script
-    env = dict(os.environ, PYTHONPATH=str(code / "utils"))
+    env = gas_env(code)  # GAS_main.py looks for utils/ beside its parent folder; the repository has it beside the script
     proc = subprocess.Popen([sys.executable, "-u", "GAS_main.py"], cwd=code, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     stamps, updates, tail = [], [], []

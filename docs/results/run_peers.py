@@ -61,6 +61,20 @@ Prints the table (final accuracy per code and arm: median [min, max] over the se
 authors' own evaluation at the last round, on that round's sampled clients' test splits, beside it), CycleSFL minus
 SFLV2 paired by seed in each code, raysplit minus the authors' code per arm paired by seed, and the authors'
 CycleSFL minus SFLV2 at every evaluated round.
+
+    .venv/bin/python docs/results/run_peers.py gas [--seeds 0 1 2] [--rounds 12] [--theirs benchmarks/peers/gas/.runs]
+
+GAS: the authors' GAS_main.py (eejiarong/GAS) against raysplit's GAS on benchmarks/peers/gas/raysplit.yaml
+(configs/gas/fmnist.yaml reduced to 12 global rounds, evaluated every 2, the clock without server charges; Fashion-
+MNIST, shards 2, 20 clients, 10 active, 20 local iterations of 32, AlexNet split at L2; raysplit's partition, client
+profiles and initial weights per seed given to their code), both measured as raysplit measures: the global client
+model and the server on the 10,000 test images. Both sides' runs are made by, and cached in --theirs by,
+
+    .venv/bin/python benchmarks/peers/gas/run.py --side both --authors PATH --seeds 0 1 2
+
+Prints the table (final accuracy per code: median [min, max] over the seeds and per seed; server updates, simulated
+time and wall seconds per round beside it), raysplit minus the authors' code paired by seed, and both curves at
+every evaluated round; "no cached runs" where there are none.
 """
 
 from __future__ import annotations
@@ -81,6 +95,7 @@ HERE = Path(__file__).resolve().parent
 CAPSULE = ROOT / "benchmarks" / "peers" / "capsule" / ".runs"
 HYDRA = ROOT / "benchmarks" / "peers" / "hydra" / ".runs"
 CYCLESL = ROOT / "benchmarks" / "peers" / "cyclesl" / ".runs"
+GAS = ROOT / "benchmarks" / "peers" / "gas"
 CYCLESL_ARMS = {"SFLV2": "sflv2", "CycleSFL (E=1)": "cyclesfl"}  # label -> run.py's and run_cyclesl.py's names
 # raysplit's label -> their script and cuts in the run name: heads conv4+fc (62 % of the server), heads fc (1.1 %)
 HYDRA_METHODS = {"SFLV2": ("sfl", "a1"), "SFLV2+Hydra": ("hydra", "a1b3"), "SFLV2+Hydra head=fc": ("hydra", "a1b4")}
@@ -127,17 +142,20 @@ def ours(arm: str, seed: int, views: str, labels: int = 100, ks: str = "fixed", 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("method", choices=["semisfl", "hydra", "cyclesl"])
+    ap.add_argument("method", choices=["semisfl", "hydra", "cyclesl", "gas"])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--views", choices=sorted(RAYSPLIT_VIEWS), default="twice")
     ap.add_argument("--ours", default=None, help="hydra: run_hydra.py's --out (cached runs; default "
                     "outputs/hydra_gap_r2); cyclesl: run_cyclesl.py's --out (default outputs/cyclesl_ladder: its "
                     "--ladder runs at raysplit's setting; outputs/cyclesl_table: the table's runs)")
-    ap.add_argument("--rounds", type=int, default=300, help="cyclesl: the rounds of the authors' runs (run.py's name)")
+    ap.add_argument("--rounds", type=int, default=None, help="cyclesl: the rounds of the authors' runs (run.py's "
+                    "name; default 300); gas: the rounds of both sides' runs (default benchmarks/peers/gas/"
+                    "raysplit.yaml's train.rounds; 2: the runner's --smoke runs)")
     ap.add_argument("--theirs", default=None,
                     help="hydra: benchmarks/peers/hydra/run.py's --out (default benchmarks/peers/hydra/.runs; "
                     "benchmarks/peers/hydra/.runs_keeplast: the runs with --keep-last); the figure is drawn for the "
-                    "defaults of --ours and --theirs only; cyclesl: benchmarks/peers/cyclesl/run.py's --out "
+                    "defaults of --ours and --theirs only; gas: benchmarks/peers/gas/run.py's --out, both sides' "
+                    "runs (default benchmarks/peers/gas/.runs); cyclesl: benchmarks/peers/cyclesl/run.py's --out "
                     "(default benchmarks/peers/cyclesl/.runs)")
     ap.add_argument("--commit", choices=["head", "early"], default="head",
                     help="semisfl: which commit of Capsule (early: the semi arm only, no figure)")
@@ -145,9 +163,11 @@ def main() -> int:
     ap.add_argument("--ks", choices=["fixed", "adaptive"], default="fixed",
                     help="semisfl: K_s fixed at 20, or each code's rule (HEAD: the ratio rule; the semi arm only)")
     a = ap.parse_args()
+    if a.method == "gas":
+        return gas(a.seeds, ROOT / a.theirs if a.theirs else GAS / ".runs", a.rounds)
     if a.method == "cyclesl":
         return cyclesl(a.seeds, ROOT / (a.ours or "outputs/cyclesl_ladder"), ROOT / a.theirs if a.theirs else CYCLESL,
-                       a.rounds)
+                       a.rounds or 300)
     if a.method == "hydra":
         return hydra(a.seeds, ROOT / (a.ours or "outputs/hydra_gap_r2"), ROOT / a.theirs if a.theirs else HYDRA)
     return semisfl(a)
@@ -331,6 +351,64 @@ def cyclesl(seeds: list[int], ours_dir: Path, theirs_dir: Path = CYCLESL, rounds
         for s in common:
             ca, cb = dict(a[s]["curve"]), dict(b[s]["curve"])
             print(f"| seed {s} | " + " | ".join(f"{100 * (ca[rd] - cb[rd]):+.2f}" for rd in at) + " |")
+    return 0
+
+
+def gas_run(folder: Path, side: str, seed: int, rounds: int) -> dict | None:
+    """A completed run of benchmarks/peers/gas/run.py (its run_name: raysplit's profiles and initial weights given to
+    the authors' code) in ``folder``; ``side`` authors or raysplit."""
+    f = folder / f"{side}_s{seed}_r{rounds}.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    if d.get("returncode") != 0 or d.get("final_accuracy") is None or d.get("rounds_completed") != rounds:
+        return None
+    return {"final": float(d["final_accuracy"]), "curve": [(int(r), float(v)) for r, v in d["curve"]],
+            "updates": int(sum(d["server_updates"])), "sim": float(d["sim_time"][-1][1]),
+            "wall": d["wall_s_per_round_median"], "jitter": d.get("jitter_retries"),
+            "commit": (d.get("their_commit") or d.get("raysplit_commit") or "")[:7]}
+
+
+def gas(seeds: list[int], folder: Path, rounds: int | None = None) -> int:
+    import yaml
+
+    rounds = rounds or yaml.safe_load((GAS / "raysplit.yaml").read_text())["train"]["rounds"]
+    runs = {side: {s: r for s in seeds if (r := gas_run(folder, side, s, rounds)) is not None}
+            for side in ("authors", "raysplit")}
+    where = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
+    if not any(runs.values()):
+        print(f"no cached runs of {rounds} rounds for seeds {', '.join(map(str, seeds))} in {where} "
+              "(benchmarks/peers/gas/run.py makes them)")
+        return 0
+    commits = {side: ", ".join(sorted({r["commit"] for r in by_seed.values()})) or "no runs"
+               for side, by_seed in runs.items()}
+    print(f"eejiarong/GAS at {commits['authors']}; raysplit at {commits['raysplit']}; runs from {where}\n")
+    print(f"| code | seeds | accuracy @{rounds} (%), global test set | per seed | server updates in {rounds} rounds | "
+          f"simulated time @{rounds} (s) | wall s a round |\n" + "|---" * 7 + "|")
+    for side, by_seed in runs.items():
+        if not by_seed:
+            print(f"| {side} | - | not run | | | | |")
+            continue
+        v = [100 * r["final"] for r in by_seed.values()]
+        cells = [median_range([r[k] for r in by_seed.values()], f) for k, f in (("updates", ".0f"), ("sim", ".0f"))]
+        walls = [r["wall"] for r in by_seed.values() if r["wall"] is not None]
+        print(f"| {side} | {', '.join(map(str, by_seed))} | {median_range(v)} | {', '.join(f'{x:.2f}' for x in v)} | "
+              f"{' | '.join(cells)} | {median_range(walls, '.1f') if walls else '-'} |")
+    common = sorted(set(runs["authors"]) & set(runs["raysplit"]))
+    if not common:
+        return 0
+    a, b = runs["raysplit"], runs["authors"]
+    d = [100 * (a[s]["final"] - b[s]["final"]) for s in common]
+    print("\n| difference | seeds | points, paired by seed | per seed |\n|---|---|---|---|")
+    print(f"| raysplit minus authors, accuracy @{rounds} | {', '.join(map(str, common))} | {median_range(d, '+.2f')} | "
+          f"{', '.join(f'{x:+.2f}' for x in d)} |")
+    at = sorted(set.intersection(*[{rd for rd, _ in r[s]["curve"]} for s in common for r in (a, b)]))
+    print("\n| round | authors (%), median of the seeds | raysplit (%) | raysplit minus authors (points), paired by "
+          "seed |\n|---|---|---|---|")
+    for rd in at:
+        ca, cb = ([100 * dict(r[s]["curve"])[rd] for s in common] for r in (b, a))
+        print(f"| {rd} | {np.median(ca):.2f} | {np.median(cb):.2f} | "
+              f"{median_range([y - x for x, y in zip(ca, cb)], '+.2f')} |")
     return 0
 
 
