@@ -35,7 +35,9 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accu
         p, m = run.data.params, run.data.metrics
         logged_as = _metric(m, metric)
         hist = client.get_metric_history(run.info.run_id, logged_as) if logged_as in m else []
-        row = {"run_id": run.info.run_id[:8], "name": run.info.run_name, "status": run.info.status}
+        # a study's run goes by its arm (a sweep's arms:), another by its run name
+        row = {"run_id": run.info.run_id[:8], "name": run.data.tags.get("raysplit.arm") or run.info.run_name,
+               "status": run.info.status}
         for col, key in COLUMNS:
             row[col] = p.get(key.split(".", 1)[1], "")
         row[metric] = m.get(logged_as)  # its last value

@@ -305,7 +305,7 @@ def test_a_results_study_runs_through_raysplit_sweep_and_is_cached(tmp_path, mon
     assert [h["train/loss"] for h in got[1]["history"]] == pytest.approx([m["train/loss"] for m in hist], rel=1e-6)
     assert got[0]["eval/accuracy"] != got[1]["eval/accuracy"]  # each arm its own run
     _, rows = comparison("study-test", uri)  # `raysplit compare study-test` shows the same runs
-    assert sorted(r["status"] for r in rows) == ["FINISHED", "FINISHED"]
+    assert sorted((r["name"], r["status"]) for r in rows) == sorted((r.label, "FINISHED") for r in runs)
     client = MlflowClient(uri)
     tagged = client.search_runs([client.get_experiment_by_name("study-test").experiment_id])
     assert {(r.data.tags["raysplit.arm"], r.data.tags["raysplit.sweep"]) for r in tagged} == {
