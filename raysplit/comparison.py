@@ -137,14 +137,14 @@ def plot_rows(rows: list[dict], metric: str, against: str | None, varied: list[s
 
 
 def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] = (), sweep: str | None = None,
-                tag: str = "raysplit.arm") -> dict[str, dict]:
+                tag: str = "raysplit.arm", only: set[str] | None = None) -> dict[str, dict]:
     """The runs of a study's MLflow experiment by arm (the ``raysplit.arm`` tag a sweep's ``arms:`` sets), read as
     the results scripts keep them: for each arm its newest run that finished or diverged (of the sweep named
     ``sweep``, its ``raysplit.sweep`` tag, where given), as the final value of every metric,
     ``run_id``, ``curve`` = [(round, time/sim, eval/accuracy)] at the evaluated rounds and ``history`` =
     [{"round": r, key: value, ...}] of ``keys`` per round (rounds from 1). A run that diverged (FAILED on a
     non-finite loss) is a result too: accuracy NaN and ``diverged`` = its error; a run that failed otherwise, or was
-    stopped, is left out."""
+    stopped, is left out. ``only``: read these arms alone."""
     client = MlflowClient(resolve_uri(uri))
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -154,7 +154,7 @@ def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] =
     for run in client.search_runs([exp.experiment_id], where, order_by=["attributes.start_time DESC"]):
         arm, error = run.data.tags.get(tag), run.data.tags.get("raysplit.error", "")
         diverged = run.info.status == "FAILED" and error.startswith("NonFiniteLossError")
-        if arm in out or not (run.info.status == "FINISHED" or diverged):
+        if arm in out or (only is not None and arm not in only) or not (run.info.status == "FINISHED" or diverged):
             continue
 
         def history(key: str) -> dict[int, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -264,6 +265,20 @@ def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_pa
     assert math.isnan(got["B"]["eval/accuracy"]) and got["B"]["diverged"] == "loss nan at round 2, client 3"
     assert set(arm_results("study", uri, sweep="s1")) == {"A", "B"}
     assert arm_results("study", uri, sweep="s2")["D"]["run_id"] == other
+    assert set(arm_results("study", uri, only={"B", "C"})) == {"B"}
+
+    # docs/results/_runs: a running study caches each run of its own sweep as soon as it has finished
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "results"))
+    import _runs
+
+    runs = [_runs.Run(ROOT / "configs" / "digits.yaml", {}, arm, tmp_path / "cache" / f"{arm}.json",
+                      keys=("train/loss",)) for arm in ("A", "D", "E")]
+    _runs._cache("study", uri, "s1", runs)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["A.json"]  # D is another sweep's, E not run
+    cached = json.loads((tmp_path / "cache" / "A.json").read_text())
+    assert cached["run_id"] == newest and cached["history"][2] == {"round": 3, "train/loss": pytest.approx(0.4)}
     assert arm_results("no such experiment", uri) == {}
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,13 +101,32 @@ def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: s
     return path
 
 
+POLL_S = 30.0  # seconds between looks at the store for runs a running sweep has finished
+
+
+def _cache(experiment: str, uri: str | None, sweep: str, runs: list[Run]) -> None:
+    """Cache each of ``runs`` whose MLflow run (of the sweep named ``sweep``) has finished or diverged."""
+    from raysplit.comparison import arm_results
+
+    if not runs:
+        return
+    found = arm_results(experiment, resolve_uri(uri), tuple({k for r in runs for k in r.keys}), sweep=sweep,
+                        only={r.label for r in runs})
+    for r in [r for r in runs if r.label in found]:
+        res = found[r.label]
+        res["history"] = [{k: v for k, v in h.items() if k == "round" or k in r.keys} for h in res["history"]]
+        r.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = r.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res))
+        tmp.replace(r.out)  # a cache file is whole or absent
+        print(f"{r.label:48s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
+
+
 def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = None) -> list[dict]:
     """Each run's result, in order: from its cache where it has one; the others, per base config, as one
     ``raysplit sweep`` (:func:`sweep_file`: each run an arm) logging to the MLflow experiment ``experiment`` of
     ``uri`` (default ./mlflow.db in the repository root, or $MLFLOW_TRACKING_URI), their runs read back from MLflow
     (:func:`raysplit.comparison.arm_results`) and cached."""
-    from raysplit.comparison import arm_results
-
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):
         raise ValueError(f"{experiment}: two runs share a label: {sorted(x for x in labels if labels.count(x) > 1)}")
@@ -116,16 +136,14 @@ def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = Non
         path = sweep_file(experiment, config, group, jobs, uri)
         print(f"{experiment}: {len(group)} run(s) of {config.name}: raysplit sweep {path.relative_to(ROOT)}",
               flush=True)
-        proc = subprocess.run([sys.executable, "-m", "raysplit.cli", "sweep", str(path)], cwd=ROOT)
-        keys = tuple({k for r in group for k in r.keys})
-        found = arm_results(experiment, resolve_uri(uri), keys, sweep=path.stem)  # the sweep's name
-        for r in [r for r in group if r.label in found]:  # what finished is kept, also when another run failed
-            res = found[r.label]
-            res["history"] = [{k: v for k, v in h.items() if k == "round" or k in r.keys} for h in res["history"]]
-            r.out.parent.mkdir(parents=True, exist_ok=True)
-            r.out.write_text(json.dumps(res))
-            print(f"{r.label:48s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
-        missing = [r.label for r in group if r.label not in found]
+        proc = subprocess.Popen([sys.executable, "-m", "raysplit.cli", "sweep", str(path)], cwd=ROOT)
+        while True:  # each run is cached as soon as it has finished, so that a study cut short keeps what it ran
+            ended = proc.poll() is not None
+            _cache(experiment, uri, path.stem, [r for r in group if not r.out.is_file()])
+            if ended:
+                break
+            time.sleep(POLL_S)
+        missing = [r.label for r in group if not r.out.is_file()]
         if missing:
             raise RuntimeError(f"{experiment}: the sweep {path} (exit {proc.returncode}) left no finished run of "
                                f"{', '.join(missing)}; its output above says why (the others are cached)")
