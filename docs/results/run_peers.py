@@ -291,14 +291,22 @@ def hydra(seeds: list[int], ours_dir: Path, theirs_dir: Path = HYDRA) -> int:
     return 0
 
 
-def cyclesl_theirs(folder: Path, arm: str, seed: int, rounds: int) -> dict | None:
-    """A completed run of benchmarks/peers/cyclesl/run.py (its run_name, raysplit's sampling stream) in ``folder``:
-    raysplit's measure from their models (``final``, ``curve``) and their own evaluation at the last round."""
-    f = folder / f"{CYCLESL_ARMS[arm]}_E1_s{seed}_r{rounds}.json"
+def completed(f: Path, rounds: int) -> dict | None:
+    """A peer runner's result file (benchmarks/peers/*/run.py) if its run exited cleanly after ``rounds`` rounds
+    with a final accuracy, else None."""
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
     if d.get("returncode") != 0 or d.get("final_accuracy") is None or d.get("rounds_completed") != rounds:
+        return None
+    return d
+
+
+def cyclesl_theirs(folder: Path, arm: str, seed: int, rounds: int) -> dict | None:
+    """A completed run of benchmarks/peers/cyclesl/run.py (its run_name, raysplit's sampling stream) in ``folder``:
+    raysplit's measure from their models (``final``, ``curve``) and their own evaluation at the last round."""
+    d = completed(folder / f"{CYCLESL_ARMS[arm]}_E1_s{seed}_r{rounds}.json", rounds)
+    if d is None:
         return None
     return {"final": float(d["final_accuracy"]), "curve": [(int(r), float(v)) for r, v in d["curve"]],
             "own": float(d["their_eval_last_round"]["test/accu"]), "commit": d["their_commit"][:7]}
@@ -357,11 +365,8 @@ def cyclesl(seeds: list[int], ours_dir: Path, theirs_dir: Path = CYCLESL, rounds
 def gas_run(folder: Path, side: str, seed: int, rounds: int) -> dict | None:
     """A completed run of benchmarks/peers/gas/run.py (its run_name: raysplit's profiles and initial weights given to
     the authors' code) in ``folder``; ``side`` authors or raysplit."""
-    f = folder / f"{side}_s{seed}_r{rounds}.json"
-    if not f.is_file():
-        return None
-    d = json.loads(f.read_text())
-    if d.get("returncode") != 0 or d.get("final_accuracy") is None or d.get("rounds_completed") != rounds:
+    d = completed(folder / f"{side}_s{seed}_r{rounds}.json", rounds)
+    if d is None:
         return None
     return {"final": float(d["final_accuracy"]), "curve": [(int(r), float(v)) for r, v in d["curve"]],
             "updates": int(sum(d["server_updates"])), "sim": float(d["sim_time"][-1][1]),
