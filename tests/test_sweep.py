@@ -306,7 +306,7 @@ def test_a_results_study_runs_through_raysplit_sweep_and_is_cached(tmp_path, mon
             for name, seed in (("sflv1", 0), ("sflv2", 1))]
     got = _runs.study("study-test", runs, jobs=1)
     sweep = yaml.safe_load(next((tmp_path / "outputs" / "studies").glob("*.yaml")).read_text())
-    assert sweep["overrides"] == {**over, "tracking.experiment": "study-test"}  # what the runs share
+    assert sweep["overrides"] == {**over, "tracking.experiment": "study-test", "tracking.uri": uri}  # what they share
     assert sweep["arms"] == {r.label: {"algorithm": r.overrides["algorithm"], "seed": r.overrides["seed"]}
                              for r in runs}
     hist = []

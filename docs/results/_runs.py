@@ -18,7 +18,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from raysplit.metrics import grouped_name  # noqa: E402
-from raysplit.tracking import resolve_uri  # noqa: E402
 
 # what a cached result holds besides metrics; every other key is a metric, under its grouped name
 NOT_METRICS = ("run_id", "curve", "history", "diverged", "round")
@@ -79,7 +78,7 @@ class Run:
     keys: tuple[str, ...] = ()
 
 
-def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: str | None = None) -> Path:
+def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: str) -> Path:
     """The ``raysplit sweep`` file of ``runs`` (one base config): their common overrides as the sweep's, the rest as
     one arm per run; named by a digest of its content, so that running an interrupted study again resumes its Tune
     experiment (trials from their last checkpoint). Written under outputs/studies/."""
@@ -90,7 +89,7 @@ def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: s
         return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
     spec = {"base": here(config), "overrides": {**common, "tracking.experiment": experiment,
-                                               **({"tracking.uri": uri} if uri else {})},
+                                               "tracking.uri": uri},
             "arms": arms, "metric": "eval/accuracy", "scheduler": "fifo", "max_concurrent_trials": jobs,
             "max_failures": 1, "checkpoint_every": 10, "storage_path": here(ROOT / "outputs" / "tune")}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
@@ -104,13 +103,13 @@ def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: s
 POLL_S = 30.0  # seconds between looks at the store for runs a running sweep has finished
 
 
-def _cache(experiment: str, uri: str | None, sweep: str, runs: list[Run]) -> None:
+def _cache(experiment: str, uri: str, sweep: str, runs: list[Run]) -> None:
     """Cache each of ``runs`` whose MLflow run (of the sweep named ``sweep``) has finished or diverged."""
     from raysplit.comparison import arm_results
 
     if not runs:
         return
-    found = arm_results(experiment, resolve_uri(uri), tuple({k for r in runs for k in r.keys}), sweep=sweep,
+    found = arm_results(experiment, uri, tuple({k for r in runs for k in r.keys}), sweep=sweep,
                         only={r.label for r in runs})
     for r in [r for r in runs if r.label in found]:
         res = found[r.label]
@@ -127,6 +126,8 @@ def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = Non
     ``raysplit sweep`` (:func:`sweep_file`: each run an arm) logging to the MLflow experiment ``experiment`` of
     ``uri`` (default ./mlflow.db in the repository root, or $MLFLOW_TRACKING_URI), their runs read back from MLflow
     (:func:`raysplit.comparison.arm_results`) and cached."""
+    # one store for the sweep (run in the repository root) and the reader, wherever the script was started
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{ROOT / 'mlflow.db'}"
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):
         raise ValueError(f"{experiment}: two runs share a label: {sorted(x for x in labels if labels.count(x) > 1)}")
@@ -153,5 +154,4 @@ def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = Non
 def run_all(experiment: str, todo: list, request, jobs: int) -> list:
     """``request(*job)`` (a :class:`Run`) for every job, run as one :func:`study`; returns ``[(job, result), ...]`` in
     order."""
-    os.chdir(ROOT)
     return list(zip(todo, study(experiment, [request(*job) for job in todo], jobs)))
