@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 from raysplit.errors import ConfigError
 from raysplit.metrics import grouped_name, short_name
 from raysplit.tracking import resolve_uri
+from raysplit.tuning import ARM_TAG, SWEEP_TAG
 
 COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"), ("cut", "params.resolved.cut_name"),
            ("dataset", "params.data.dataset"), ("seed", "params.seed")]
@@ -36,7 +37,7 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accu
         logged_as = _metric(m, metric)
         hist = client.get_metric_history(run.info.run_id, logged_as) if logged_as in m else []
         # a study's run goes by its arm (a sweep's arms:), another by its run name
-        row = {"run_id": run.info.run_id[:8], "name": run.data.tags.get("raysplit.arm") or run.info.run_name,
+        row = {"run_id": run.info.run_id[:8], "name": run.data.tags.get(ARM_TAG) or run.info.run_name,
                "status": run.info.status}
         for col, key in COLUMNS:
             row[col] = p.get(key.split(".", 1)[1], "")
@@ -137,7 +138,7 @@ def plot_rows(rows: list[dict], metric: str, against: str | None, varied: list[s
 
 
 def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] = (), sweep: str | None = None,
-                tag: str = "raysplit.arm", only: set[str] | None = None) -> dict[str, dict]:
+                only: set[str] | None = None) -> dict[str, dict]:
     """The runs of a study's MLflow experiment by arm (the ``raysplit.arm`` tag a sweep's ``arms:`` sets), read as
     the results scripts keep them: for each arm its newest run that finished or diverged (of the sweep named
     ``sweep``, its ``raysplit.sweep`` tag, where given), as the final value of every metric,
@@ -150,9 +151,9 @@ def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] =
     if exp is None:
         return {}
     out: dict[str, dict] = {}
-    where = f"tags.`{tag}` != ''" + (f" and tags.`raysplit.sweep` = '{sweep}'" if sweep else "")
+    where = f"tags.`{ARM_TAG}` != ''" + (f" and tags.`{SWEEP_TAG}` = '{sweep}'" if sweep else "")
     for run in client.search_runs([exp.experiment_id], where, order_by=["attributes.start_time DESC"]):
-        arm, error = run.data.tags.get(tag), run.data.tags.get("raysplit.error", "")
+        arm, error = run.data.tags.get(ARM_TAG), run.data.tags.get("raysplit.error", "")
         diverged = run.info.status == "FAILED" and error.startswith("NonFiniteLossError")
         if arm in out or (only is not None and arm not in only) or not (run.info.status == "FINISHED" or diverged):
             continue
@@ -160,7 +161,7 @@ def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] =
         def history(key: str) -> dict[int, float]:
             return {h.step + 1: h.value for h in client.get_metric_history(run.info.run_id, key)}
 
-        res: dict = {k: v for k, v in run.data.metrics.items()}
+        res: dict = dict(run.data.metrics)
         sim, acc = history("time/sim"), history("eval/accuracy")
         res["run_id"] = run.info.run_id
         res["curve"] = [(r, sim.get(r, 0.0), a) for r, a in sorted(acc.items())]
