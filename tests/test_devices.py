@@ -176,6 +176,7 @@ def _packed_steps(name, **extra) -> tuple[dict, int]:
 @pytest.mark.parametrize("name, extra", [
     ("fedavg", {}), ("ampere", {}),  # local training, the device phase
     ("cyclesfl", {}), ("cyclepsl", {}), ("cyclesglr", {}), ("minibatch_sfl", {}),  # pooled split steps
+    ("mergesfl", {}),  # pooled split steps of per-client batch sizes: padded
     ("psl", {"algorithm.batched_copies": True}),  # pooled split steps into batched server copies
 ])
 def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name, extra):
@@ -183,8 +184,8 @@ def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name, extra
     MergeSFL, PSL's interleaved batched copies: a host's clients forward as one vmapped computation and take their
     gradients back through it in one backward) with ``runtime.pack_clients`` on: the clients' steps ran batched
     (counted), and every metric of every round equals the golden run's (one client after another) within 1e-6;
-    off (auto on a CPU), the golden run bit for bit (tests/test_golden.py). (MergeSFL's clients take batches of
-    their own sizes: no two shapes are equal, so nothing packs; padding them is not built.)"""
+    off (auto on a CPU), the golden run bit for bit (tests/test_golden.py). MergeSFL's clients take batches of
+    their own sizes (regulated by speed): cnn_small mixes no samples, so they pack padded to the largest."""
     got, packed = _packed_steps(name, **{"runtime.pack_clients": True, **extra})
     want = golden.load(name) if not extra else _packed_steps(name, **{"runtime.pack_clients": False, **extra})[0]
     assert packed > 0
@@ -194,6 +195,21 @@ def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name, extra
         # 1,000-fold (1.2e-4 seen; 1e-7 from round 1, and every loss and accuracy within 1e-7)
         loose = _close(want, got, 1e-3)
         off = [d for d in off if not d.startswith("train/grad_norm_") or d in loose]
+    assert not off, off[:8]
+
+
+@pytest.mark.parametrize("name", ["psl", "sflv1"])
+def test_per_client_copies_interleave_their_steps_when_clients_pack(name):
+    """PSL and SFLV1 without batched copies serve one client's steps after another; with ``runtime.pack_clients``
+    on they interleave them (Runtime.packs_clients), so that a host's clients forward and take their gradients
+    back packed while the server steps each copy in turn: the clients' steps ran packed, and every metric, the
+    interleaved clock included, equals the unpacked interleaved run (batched copies, one client at a time) within
+    1e-6. Packing off (auto on a CPU), the golden run is bit for bit (tests/test_golden.py)."""
+    got, packed = _packed_steps(name, **{"runtime.pack_clients": True})
+    want, unpacked = _packed_steps(name, **{"runtime.pack_clients": False, "algorithm.batched_copies": True})
+    assert packed > 0 and unpacked == 0
+    assert got["rounds"][-1]["time/sim"] != golden.load(name)["rounds"][-1]["time/sim"]  # not the in-turn clock
+    off = _close(want, got, 1e-6)
     assert not off, off[:8]
 
 
@@ -247,7 +263,7 @@ def test_packed_forwards_take_their_gradients_back_as_one_at_a_time():
     plain = Executor(seed=0)
     want = [plain.forward([Forward(("fwd", (5, 1, 6, 6)), m, x)])[0] for m, x in zip(ref, xs)]
     ex = Executor(seed=0, pack=True)
-    done, pack = ex.forward_together(("fwd", (5, 1, 6, 6)), mods, xs)
+    done, pack = ex.forward_together(mods, xs)
     for (out, fl), (w, wfl) in zip(done, want):
         assert torch.allclose(out, w, atol=1e-6) and fl == wfl > 0
     for m, r in zip(mods, ref):
@@ -255,12 +271,43 @@ def test_packed_forwards_take_their_gradients_back_as_one_at_a_time():
     wbf = [plain.backward([Backward(("bwd", (5, 64)), w, g)])[0] for (w, _), g in zip(want, gs)]
     pack.backward([(0, gs[0]), (2, gs[2])])  # client 1's gradient comes later: the graph is kept for it
     pack.backward([(1, gs[1])])
-    assert pack.backward_flops == wbf[0] > 0 and ex.packed_steps == 3
+    assert pack.backward_flops == wbf and wbf[0] > 0 and ex.packed_steps == 3
     for m, r in zip(mods, ref):
         for p, q in zip(m.parameters(), r.parameters()):
             assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-5)
     drop = [torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5)) for _ in range(2)]
-    assert ex.forward_together(("d",), drop, xs[:2]) is None and "random" in ex.unpackable.lower()
+    assert ex.forward_together(drop, xs[:2]) is None and "random" in ex.unpackable.lower()
+
+
+def test_ragged_batches_pack_padded_where_no_layer_mixes_samples():
+    """Batches of 3, 7 and 5 samples (MergeSFL's per-client sizes) through a conv part without BatchNorm: padded
+    to 7 and packed, each client's activation has its own rows and equals its own forward, its parameters' gradients
+    equal its own backward (the padded rows contribute nothing), and its forward and backward FLOPs are those of its
+    own batch. A part with BatchNorm in training mode is not ragged_ok (the padding would enter its statistics)."""
+    import copy
+
+    from raysplit.runtime.executor import Backward, Executor, Forward, ragged_ok
+
+    torch.manual_seed(1)
+    mods = [torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten()) for _ in range(3)]
+    ref = [copy.deepcopy(m) for m in mods]
+    xs = [torch.randn(n, 1, 6, 6) for n in (3, 7, 5)]
+    gs = [torch.randn(len(x), 64) for x in xs]
+    assert ragged_ok(mods[0])
+    bn = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+    assert not ragged_ok(bn) and ragged_ok(bn.eval())
+    plain = Executor(seed=0)
+    want = [plain.forward([Forward(("fwd", tuple(x.shape)), m, x)])[0] for m, x in zip(ref, xs)]
+    wbf = [plain.backward([Backward(("bwd", tuple(w.shape)), w, g)])[0] for (w, _), g in zip(want, gs)]
+    ex = Executor(seed=0, pack=True)
+    done, pack = ex.forward_together(mods, xs)
+    for (out, fl), (w, wfl) in zip(done, want):
+        assert out.shape == w.shape and torch.allclose(out, w, atol=1e-6) and fl == wfl > 0
+    assert len({fl for _, fl in done}) == 3 and pack.backward_flops == wbf and len(set(wbf)) == 3
+    pack.backward(list(enumerate(gs)))
+    for m, r in zip(mods, ref):
+        for p, q in zip(m.parameters(), r.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-5)
 
 
 def test_a_rejected_gradient_in_a_packed_step_drops_that_client_as_unpacked(monkeypatch):

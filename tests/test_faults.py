@@ -64,14 +64,15 @@ def _curves(mlflow_uri, run_id, keys=("eval/accuracy", "train/loss", "time/sim",
 RDT = {"runtime.transport.kind": "rdt", "runtime.transport.direct_steps": False}
 
 
-# fedavg with packed clients (issue 53 item 3): a dead actor's clients, restored on its replacement, train packed
-# with the same partners again, so the run equals the uninterrupted packed one
+# fedavg and sflv1 with packed clients (issue 53 item 3): a dead actor's clients, restored on its replacement, train
+# packed with the same partners again (sflv1: its split steps interleaved, a host's clients' forwards one vmapped
+# computation), so the run equals the uninterrupted packed one
 PACKED = {"runtime.pack_clients": True, "data.num_clients": 6, "train.participation.count": 6}
 
 
 @pytest.mark.parametrize("algorithm,victim,extra", [("gas", "client", {}), ("sflv2", "client", RDT),
-                                                    ("fedavg", "client", PACKED)],
-                         ids=["gas-client", "sflv2-client-rdt", "fedavg-client-packed"])
+                                                    ("fedavg", "client", PACKED), ("sflv1", "client", PACKED)],
+                         ids=["gas-client", "sflv2-client-rdt", "fedavg-client-packed", "sflv1-client-packed"])
 def test_a_dead_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_session, tmp_path, mlflow_uri,
                                                                           backends, algorithm, victim, extra):
     over = {"algorithm.name": algorithm, "train.rounds": 4, "tracking.experiment": f"faults-{algorithm}",

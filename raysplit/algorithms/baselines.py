@@ -84,8 +84,13 @@ class PSL(Algorithm):
         change: served interleaved, the server no longer waits for one client's gradient to travel back and its
         next batch to come up while the other clients' batches are waiting, so rounds of several steps per client
         end earlier; it is the clock the per-copy steps give in that order (the server charges each copy's
-        FLOPs, one after another, from its activation's arrival on)."""
-        if self.params.batched_copies:
+        FLOPs, one after another, from its activation's arrival on).
+
+        Where the client hosts pack their clients' steps (``runtime.pack_clients``; auto: on an accelerator only),
+        the steps are interleaved as well, batched copies or not, so that a host's clients of a step forward as one
+        computation and take their gradients back through it together (:attr:`Runtime.packs_clients`): the same
+        models within float rounding, and the interleaved clock. On a CPU (auto: off) nothing changes."""
+        if self.params.batched_copies or rt.packs_clients:
             rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, ServerHost.train_copies)
         else:
             self.each_client_in_turn(rt, clients, own_server_copy=True)

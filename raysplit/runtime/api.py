@@ -101,6 +101,10 @@ class Runtime:
         return HostCalls(self.backend, self.inputs.client_host, "client", lambda: self.worker_of(cid), bind=(cid,),
                          rule=self.inputs.spec.client_rule)
 
+    @property
+    def packs_clients(self) -> bool:
+        return packs_clients(self.inputs.spec.pack_clients, self.backend.resolved())  # see packs_clients()
+
     # ---- placement -------------------------------------------------------------------------------------------
     def worker_of(self, cid: int):
         return self.backend.workers[self.holders[int(cid)]]
@@ -179,9 +183,8 @@ class Runtime:
                               method, sizes, DriverPort(self, route))
 
     def run_events(self, rnd: int) -> RoundStats:
-        """One global round of an asynchronous algorithm: the server host's event loop
-        (``AsyncServer.run_events``) runs where the server lives, driving the client hosts itself, until the next
-        global model exists. One blocking call per global round."""
+        """One global round of an asynchronous algorithm (one blocking call): the server host's event loop
+        (``AsyncServer.run_events``) runs where the server lives, driving the client hosts, until the next model."""
         out = self.backend.get(self.backend.drive("events", None, rnd))  # no client moves under events
         self.backend.round_done()
         self.round = rnd
@@ -189,9 +192,7 @@ class Runtime:
                           out["participants"])
 
     def weights(self, clients: list[int], mode: str = "samples") -> dict[int, float]:
-        if mode == "uniform":
-            return {int(c): 1.0 for c in clients}
-        return {int(c): float(self.sizes[c]) for c in clients}
+        return {int(c): 1.0 if mode == "uniform" else float(self.sizes[c]) for c in clients}
 
     def aggregate_clients(self, weights: dict[int, float], write_to: str = "all"):
         """FedAvg of the clients' current models: partial sums on the hosting workers, the sum on the server,
@@ -229,8 +230,7 @@ class Runtime:
         return merged(self.backend.get(self.workers.client_totals()))
 
     def restart(self) -> None:
-        """Fresh hosts for the whole run (after an actor died); the caller restores their state
-        (``load_state_dict``) from the last round boundary."""
+        """Fresh hosts for the whole run (an actor died); the caller restores them (``load_state_dict``)."""
         self.backend.restart(self.inputs)
         self._inflight = []
 
@@ -270,6 +270,16 @@ class Runtime:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+def packs_clients(pack: bool | str, resolved: dict) -> bool:
+    """Whether client hosts train their clients' steps packed: ``runtime.pack_clients``, auto where they compute on
+    an accelerator (``resolved``: the backend's, with each client host's device as it resolved it). An algorithm
+    that may interleave its clients' steps does so then, for the hosts to pack them (PSL's copies)."""
+    if pack != "auto":
+        return bool(pack)
+    devices = str(resolved.get("client_device", "cpu"))
+    return any(d.strip() and not d.strip().startswith("cpu") for d in devices.split(","))
 
 
 def merged(parts: list[dict]) -> dict:

@@ -9,7 +9,7 @@ import zlib
 import torch
 
 from raysplit.runtime import transport
-from raysplit.runtime.executor import Forward
+from raysplit.runtime.executor import Forward, ragged_ok
 from raysplit.runtime.hostspec import _bad_input
 from raysplit.runtime.messages import Activation, Gradient, Tag
 from raysplit.runtime.rules import ClientRule
@@ -81,7 +81,8 @@ class ClientSteps:
     def forward_clients(self, items: list[tuple[list[Tag], int | None]]) -> list[list[Activation]]:
         """:meth:`forward_many` for several clients of this host (``items``: each client's tags and batch size), in
         order: a pooled step's forwards here in one message. Packed (:meth:`packs`), the clients whose inputs have
-        equal shapes forward as one vmapped computation (:meth:`Executor.forward_together`) whose graph waits for
+        equal shapes (or one sample shape, batches padded, where the model mixes no samples: :func:`ragged_ok`)
+        forward as one vmapped computation (:meth:`Executor.forward_together`) whose graph waits for
         all their gradients (:meth:`backward_clients`); each client's inputs are drawn in its own stream as
         unpacked, so a packed client's activation equals its one-at-a-time one within float rounding."""
         if not self.packs(items):
@@ -97,12 +98,13 @@ class ClientSteps:
             xs.append(x.to(self.executor.device))
             ys.append(y)
         done: list[tuple] = [None] * len(tags)  # each client's (activation, FLOPs)
+        ragged = ragged_ok(slots[0].module)  # batches of different sizes padded into one pack (MergeSFL's)
         shapes: dict[tuple, list[int]] = {}
         for i, x in enumerate(xs):
-            shapes.setdefault(tuple(x.shape), []).append(i)
-        for shape, ii in shapes.items():
-            packed = None if len(ii) < 2 else self.executor.forward_together(
-                ("fwd", shape), [slots[i].module for i in ii], [xs[i] for i in ii])
+            shapes.setdefault(tuple(x.shape[1:] if ragged else x.shape), []).append(i)
+        for ii in shapes.values():
+            packed = None if len(ii) < 2 else self.executor.forward_together([slots[i].module for i in ii],
+                                                                             [xs[i] for i in ii])
             for k, i in enumerate(ii):
                 if packed is not None:
                     done[i] = packed[0][k]
@@ -110,7 +112,7 @@ class ClientSteps:
                     continue
                 with self._stream(tags[i]):  # one at a time, as forward() runs it (its inputs drawn again)
                     x = self.rule.inputs(tags[i], idx[i])[0].to(self.executor.device)
-                    [done[i]] = self.executor.forward([Forward(("fwd", shape), slots[i].module, x)])
+                    [done[i]] = self.executor.forward([Forward(("fwd", tuple(x.shape)), slots[i].module, x)])
         return [[self._sent(tag, t0, x, y, *out)] for tag, t0, x, y, out in zip(tags, starts, xs, ys, done)]
 
     def backward(self, grad: Gradient) -> float:
@@ -140,7 +142,7 @@ class ClientSteps:
                 continue
             pack, k = self.packed.pop(tag)
             t_start = self.meter.now(cid)
-            got = self._receive(grad, lambda: pack.backward_flops)
+            got = self._receive(grad, lambda: pack.backward_flops[k])
             if got is None:
                 out[i] = self._after(grad, t_start, self.meter.now(cid))
                 pack.settle(k)
@@ -148,10 +150,10 @@ class ClientSteps:
             waiting.setdefault(id(pack), (pack, []))[1].append((i, t_start, got[0], k, got[2]))
         for pack, parts in waiting.values():
             pack.backward([(k, g) for _, _, _, k, g in parts])
-            for i, t_start, slot, _, _ in parts:
+            for i, t_start, slot, k, _ in parts:
                 cid = grads[i].tag.client
                 self._update(cid, slot)
-                out[i] = self._after(grads[i], t_start, self.meter.charge_compute(cid, pack.backward_flops))
+                out[i] = self._after(grads[i], t_start, self.meter.charge_compute(cid, pack.backward_flops[k]))
         return [out[i] for i in range(len(grads))]
 
     def _receive(self, grad: Gradient, fault_flops=None) -> tuple | None:

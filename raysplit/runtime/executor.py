@@ -47,9 +47,9 @@ class Backward:
 class Packed:
     """Several clients' forwards computed as one (:meth:`Executor.forward_together`): their stacked parameters,
     whose gradients :meth:`backward` hands to each client's own module, the per-client activations (views of
-    one output, one graph), and the FLOPs of one client's backward."""
+    one output, one graph), and the FLOPs of each client's backward on its own batch."""
 
-    def __init__(self, modules: list[torch.nn.Module], params: dict, outs: tuple, backward_flops: int):
+    def __init__(self, modules: list[torch.nn.Module], params: dict, outs: tuple, backward_flops: list[int]):
         self.modules, self.params, self.outs, self.backward_flops = modules, params, outs, backward_flops
         self.waiting = set(range(len(modules)))  # clients whose gradient has not come back yet
 
@@ -132,23 +132,33 @@ class Executor:
         self.packed_steps += len(modules)
         return [(float(lv), fl) for lv in losses.tolist()]
 
-    def forward_together(self, key: tuple, modules: list[torch.nn.Module],
+    def forward_together(self, modules: list[torch.nn.Module],
                          xs: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int]], Packed] | None:
-        """Several clients' forwards at once (modules of one architecture, inputs of equal shapes): parameters and
-        buffers stacked, the forward vmapped; each module's buffers receive their new values (BatchNorm's running
-        statistics). Returns each client's (activation, FLOPs of its forward, counted once per ``key`` on a
-        throwaway copy) and the :class:`Packed` whose graph waits for their gradients; None where vmap refuses the
-        model (remembered: the caller forwards them one at a time)."""
+        """Several clients' forwards at once (modules of one architecture, inputs of one sample shape): parameters
+        and buffers stacked, the forward vmapped; each module's buffers receive their new values (BatchNorm's running
+        statistics). Batches of different sizes (MergeSFL's per-client batches) are padded with zeros to the largest
+        and each client's activation is its own rows of the output (FedJAX's pad-and-mask), which is exact where no
+        layer mixes the samples of a batch (:func:`ragged_ok`; the caller packs only equal shapes otherwise): the
+        padded rows get no gradient. Returns each client's (activation, FLOPs of its forward on its own batch,
+        counted once per shape on a throwaway copy, as :meth:`forward` counts it) and the :class:`Packed` whose graph
+        waits for their gradients; None where vmap refuses the model (remembered: the caller forwards them one at a
+        time)."""
         if self.unpackable is not None:
             return None
         params, buffers = stack_module_state(modules)
         base = modules[0]  # functional_call swaps the stacked tensors in for the call and restores base's own
+        sizes = [len(x) for x in xs]
+        top = max(sizes)
+        if min(sizes) < top:
+            xs_in = [x if len(x) == top else torch.cat([x, x.new_zeros((top - len(x), *x.shape[1:]))]) for x in xs]
+        else:
+            xs_in = xs
 
         def one(p, b, x):
             return functional_call(base, (p, b), (x,))
 
         try:
-            out = torch.vmap(one, randomness="error")(params, buffers, torch.stack(xs))
+            out = torch.vmap(one, randomness="error")(params, buffers, torch.stack(xs_in))
         except RuntimeError as e:
             self.unpackable = f"{type(e).__name__}: {e}"
             return None
@@ -156,11 +166,20 @@ class Executor:
             for i, m in enumerate(modules):
                 for name, buf in m.named_buffers():
                     buf.copy_(buffers[name][i])
-        outs = out.unbind(0)
-        fl = self.flops.count(key, lambda: copy.deepcopy(base)(xs[0]))
-        bkey = ("bwd", tuple(outs[0].shape))
-        if bkey not in self.flops:  # one client's backward alone, its forward run outside the count
-            o = copy.deepcopy(base)(xs[0])
-            self.flops.count(bkey, lambda: o.backward(torch.zeros_like(o)))
+        outs = tuple(o if n == top else o[:n] for o, n in zip(out.unbind(0), sizes))
+        fls, bfls = [], []
+        for x, o in zip(xs, outs):
+            fls.append(self.flops.count(("fwd", tuple(x.shape)), lambda x=x: copy.deepcopy(base)(x)))
+            bkey = ("bwd", tuple(o.shape))
+            if bkey not in self.flops:  # one client's backward alone, its forward run outside the count
+                y = copy.deepcopy(base)(x)
+                self.flops.count(bkey, lambda y=y: y.backward(torch.zeros_like(y)))
+            bfls.append(self.flops.count(bkey, None))
         self.packed_steps += len(modules)
-        return [(o, fl) for o in outs], Packed(modules, params, outs, self.flops.count(bkey, None))
+        return [(o, fl) for o, fl in zip(outs, fls)], Packed(modules, params, outs, bfls)
+
+
+def ragged_ok(module: torch.nn.Module) -> bool:
+    """Whether batches of different sizes may be padded into one packed forward of ``module``: no layer mixes the
+    samples of a batch (BatchNorm in training mode does: padded rows would enter its statistics)."""
+    return not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
