@@ -78,12 +78,13 @@ def report(times: Path, xml_files: list[Path]) -> str:
     if times.is_file():
         for line in times.read_text().splitlines():
             name, _, value = line.partition(" ")
-            if name in ("speed", "quickstart"):
+            if name in ("speed", "quickstart", "cpu"):
                 figures[name] = value
             elif value:
                 phases.append((name, int(float(value))))
     lines = ["ci: the machine: " + ", ".join(
-        f"{what} {figures[key]}" for key, what in (("speed", "cnn_small step (ms, 1 thread):"),
+        f"{what} {figures[key]}" for key, what in (("cpu", "CPU and torch's kernel set:"),
+                                                  ("speed", "cnn_small step (ms, 1 thread):"),
                                                   ("quickstart", "quickstart round (s):")) if key in figures)
         if figures else "ci: the machine: no speed figure was measured", "",
         "| phase | seconds | minutes |", "|---|---:|---:|"]
@@ -104,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("speed", help="print the machine's speed figure (ms per cnn_small step)")
+    sub.add_parser("cpu", help="print the CPU model and torch's CPU kernel set (what float results depend on)")
     rep = sub.add_parser("report", help="print the phases' times and the slowest tests")
     rep.add_argument("times", type=Path)
     rep.add_argument("xml", type=Path, nargs="*")
     args = ap.parse_args(argv)
     if args.command == "speed":
         print(f"{speed():.2f}")
+        return 0
+    if args.command == "cpu":
+        from raysplit.runtime.hostspec import cpu_kind
+
+        print(cpu_kind())
         return 0
     print(report(args.times, args.xml))
     return 0

@@ -23,8 +23,10 @@ the precision the page shows.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -105,15 +107,10 @@ def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str, t
 
 def machine() -> str:
     """The CPU model and torch's CPU kernel set: what decides how float sums round, so what a figure's last digit
-    depends on."""
-    import platform
+    depends on (:func:`raysplit.runtime.hostspec.cpu_kind`)."""
+    from raysplit.runtime.hostspec import cpu_kind
 
-    import torch
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or platform.machine()) \
-        if Path("/proc/cpuinfo").is_file() else platform.processor() or platform.machine()
-    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+    return cpu_kind()
 
 
 def _numbers(value: str) -> list[float]:
@@ -216,13 +213,42 @@ def produce(config: Path = CONFIG, rounds: int | None = None, speed: dict | None
     return figures(cfg.seed, evals, final, clock, threads)
 
 
+def pinned_env(documented_machine: str | None) -> dict | None:
+    """The environment that runs this check with the page's kernel set, where the page was made with a narrower one
+    than this CPU's (an AVX2 page on an AVX-512 machine: :data:`~raysplit.runtime.hostspec.KERNEL_ENV`), so the
+    comparison's tolerances hold the learned figures to what the kernel set, not the tolerance, leaves over; None
+    where nothing is to pin (the same kernel set, a wider one, or already pinned)."""
+    import torch
+
+    from raysplit.runtime.hostspec import KERNEL_ENV
+
+    m = re.search(r", (DEFAULT|AVX2|AVX512)\b", documented_machine or "")
+    if m is None or m.group(1) not in KERNEL_ENV or "ATEN_CPU_CAPABILITY" in os.environ:
+        return None
+    order = ["DEFAULT", "AVX2", "AVX512"]
+    here = torch.backends.cpu.get_cpu_capability()
+    if here not in order or order.index(here) <= order.index(m.group(1)):
+        return None
+    return {**os.environ, **KERNEL_ENV[m.group(1)]}
+
+
 def check(doc: Path, config: Path, block: str, times: Path | None = None) -> int:
-    """Run what ``block`` documents and compare; 0 when every figure matches, 1 naming each that does not."""
+    """Run what ``block`` documents and compare; 0 when every figure matches, 1 naming each that does not. Made
+    with a narrower kernel set than this CPU's, the check runs again in a process pinned to it (:func:`pinned_env`)."""
     try:
         documented = parse(doc.read_text(), block)
     except ValueError as e:
         print(f"{doc}: {e}", file=sys.stderr)
         return 2
+    env = pinned_env(documented.get("machine"))
+    if env is not None:
+        from raysplit.runtime.hostspec import KERNEL_ENV
+
+        pins = next(v for v in KERNEL_ENV.values() if v["ATEN_CPU_CAPABILITY"] == env["ATEN_CPU_CAPABILITY"])
+        print(f"{doc}: the {block} block was made with the kernel set of '{documented.get('machine')}', narrower "
+              f"than this CPU's: checking with it pinned ({' '.join(f'{k}={v}' for k, v in pins.items())})",
+              flush=True)
+        return subprocess.run([sys.executable, *sys.argv], env=env).returncode
     speed: dict = {}
     produced = produce(config, ROUNDS[block], speed)
     if times is not None:  # .ci/run's phase file: the quickstart's seconds a round, a speed figure of the machine

@@ -1,7 +1,9 @@
 """Stamps on result pages, and the check that names every page whose methods changed since it was made.
 
 A stamp is two lines at the end of a page (or of one ``## `` section of it): a visible line and a machine-readable
-comment holding the commit the numbers were made at, the date, the golden fingerprint of every method the page
+comment holding the commit the numbers were made at, the date, the machine's CPU and torch's CPU kernel set (the
+kind of machine on which the numbers repeat digit for digit: ``raysplit.runtime.hostspec.cpu_kind``; stamps before
+2026-11-29 lack it), the golden fingerprint of every method the page
 reports (the SHA-256 of ``tests/golden/<method>.json``, first 12 hex digits; tests/test_golden.py holds each method
 to it), the seeds and the rounds, and the command that made them::
 
@@ -114,12 +116,14 @@ def stamp(page: Path, section: str | None, methods: list[str], seeds: str, round
     body = re.sub(r"\n{3,}", "\n\n", body).rstrip("\n")
     commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    data = {"commit": commit, "date": datetime.date.today().isoformat(), "section": title,
+    from raysplit.runtime.hostspec import cpu_kind
+
+    data = {"commit": commit, "date": datetime.date.today().isoformat(), "section": title, "machine": cpu_kind(),
             "methods": {m: (None if stale else fingerprint(m)) for m in methods}, "seeds": seeds, "rounds": rounds,
             "command": command, "stale": stale}
     shown = ", ".join(f"{m} (golden {f})" if f else m for m, f in data["methods"].items()) or "none"
-    visible = (f"*Stamp: {'stale, ' if stale else ''}stamped at commit {commit} on {data['date']}; methods: {shown}; "
-               f"seeds: {seeds}; rounds: {rounds}; command: `{command}`.*")
+    visible = (f"*Stamp: {'stale, ' if stale else ''}stamped at commit {commit} on {data['date']} ({data['machine']}); "
+               f"methods: {shown}; seeds: {seeds}; rounds: {rounds}; command: `{command}`.*")
     if stale:
         lines = body.split("\n", 1)  # the banner goes under the page's title or the section's heading
         body = lines[0] + f"\n\n> **Stale:** {stale} (see the stamp at the end)." + (

@@ -18,11 +18,13 @@ skipped="1" tests="4" time="70.5">
 
 def test_report_gives_phases_speed_and_the_slowest_tests_in_order(tmp_path):
     times = tmp_path / "times"
-    times.write_text("setup 200\nspeed 3.25\nfast-tier 480\nfull-tier 1800\nquickstart 4.18\ncheck-docs 75\n")
+    times.write_text("setup 200\nspeed 3.25\ncpu AMD EPYC, AVX512\nfast-tier 480\nfull-tier 1800\nquickstart 4.18\n"
+                     "check-docs 75\n")
     fast = tmp_path / "fast.xml"
     fast.write_text(JUNIT)
     out = ct.report(times, [fast, tmp_path / "full.xml"])  # a tier that never ran (no file) is left out
     assert "cnn_small step (ms, 1 thread): 3.25" in out and "quickstart round (s): 4.18" in out
+    assert "CPU and torch's kernel set: AMD EPYC, AVX512" in out
     assert "| setup | 200 | 3.3 |" in out and "| full-tier | 1800 | 30.0 |" in out
     assert "| all | 2555 | 42.6 |" in out  # the phases only, not the speed figures
     assert "fast: 3 tests in 70 s" in out  # the skipped one is not counted

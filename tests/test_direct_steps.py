@@ -308,9 +308,13 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
     assert "2 CPU cores for 4 processes" in params["resolved.transport_reason"]
     # where the hosts computed, as each actor resolved runtime.<role>.device (issue 53): no GPU here
     assert params["resolved.server_device"] == "cpu" and params["resolved.client_device"] == "cpu"
+    from raysplit.runtime.hostspec import cpu_kind  # the CPU kind on which the metrics repeat digit for digit
+
+    assert params["resolved.cpu"] == cpu_kind() and torch.backends.cpu.get_cpu_capability() in cpu_kind()
     local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
     lp = MlflowClient(mlflow_uri).get_run(local["run_id"]).data.params
     assert lp["resolved.transport"] == "in-process" and lp["resolved.client_device"] == "cpu"
+    assert lp["resolved.cpu"] == params["resolved.cpu"]
 
 
 def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():

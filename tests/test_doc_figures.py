@@ -5,6 +5,7 @@ rounds, the first 10 alone) and they parse. The quickstart itself is not run her
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -152,3 +153,40 @@ def test_the_page_names_the_machine_kind_it_was_made_on():
     assert ", " in df.machine()
     assert df.figures(0, [], {"eval/accuracy": 0.5, "eval/f1_macro": 0.5, "eval/mcc": 0.5, "eval/loss": 1.0,
                               "time/sim": 1.0}, CLOCK, "4")["machine"].endswith(", 4 torch threads")
+
+
+def test_a_page_made_with_a_narrower_kernel_set_is_checked_with_it_pinned(monkeypatch):
+    """An AVX2 page checked on an AVX-512 CPU runs pinned to AVX2 (torch, oneDNN and MKL: hostspec.KERNEL_ENV), the
+    kernel set being what moved the quickstart's first-rounds loss by .034, past its tolerance (docs/reliability.md);
+    nothing is pinned for the same or a wider kernel set, nor where the environment already pins one."""
+    import torch
+
+    from raysplit.runtime.hostspec import KERNEL_ENV
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    env = df.pinned_env("AMD EPYC, AVX2, 1 torch thread")
+    assert env is not None and all(env[k] == v for k, v in KERNEL_ENV["AVX2"].items())
+    assert df.pinned_env("AMD EPYC, AVX512, 1 torch thread") is None and df.pinned_env(None) is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert df.pinned_env("Intel Xeon, AVX2, 1 torch thread") is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert df.pinned_env("AMD EPYC, AVX2, 1 torch thread") is None
+
+
+def test_a_pinned_kernel_set_is_named_as_lowered_in_the_cpu_kind():
+    """cpu_kind() (stamps, resolved.cpu, the page's "made on") says when the environment lowered torch's kernel set
+    below the CPU's own, so a pinned run is never taken for one of the narrower machine kind."""
+    import subprocess
+    import sys
+
+    from raysplit.runtime.hostspec import native_capability
+
+    native = native_capability()
+    if native in (None, "DEFAULT"):
+        pytest.skip("this CPU has no kernel set wider than the default")
+    code = "from raysplit.runtime.hostspec import cpu_kind; print(cpu_kind())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                         capture_output=True, text=True, timeout=120).stdout.strip()
+    assert out.endswith(f", DEFAULT (lowered from {native})"), out

@@ -23,7 +23,7 @@ import numpy as np
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.calls import HostCalls, step_name
 from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost, invoke
-from raysplit.runtime.hostspec import host_device_of, machine_cores
+from raysplit.runtime.hostspec import cpu_kind, host_device_of, machine_cores
 from raysplit.runtime.ports import DriverPort, DriverServer, LocalPort
 from raysplit.runtime.rules import ServerRule
 
@@ -310,7 +310,7 @@ class LocalBackend:
     def resolved(self) -> dict:
         devices = {"server_device": host_device_of(self.server),
                    "client_device": ",".join(sorted({host_device_of(w) for w in self.workers}))} if self.server else {}
-        return {"transport": "in-process", "torch_threads": self.threads, **devices}
+        return {"transport": "in-process", "torch_threads": self.threads, "cpu": cpu_kind(), **devices}
 
     def start(self, inputs: RuntimeInputs) -> None:
         spec = with_threads(inputs.spec, machine_cores())

@@ -7,6 +7,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import threadpoolctl
@@ -168,6 +169,48 @@ def host_device(want: str, key: str) -> torch.device:
         raise ConfigError(f"{key}=cuda: this process sees no CUDA device (torch {torch.__version__}, CUDA "
                           f"{torch.version.cuda or 'not built in'}); use auto or cpu")
     return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+
+
+def _cpuinfo(field: str) -> str | None:
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        return None
+    return next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                 if line.startswith(field)), None)
+
+
+def native_capability() -> str | None:
+    """The widest CPU kernel set torch could use here (from the CPU's flags: what ``get_cpu_capability`` gives when
+    nothing lowers it); None where /proc/cpuinfo is not there."""
+    flags = set((_cpuinfo("flags") or "").split())
+    if not flags:
+        return None
+    return "AVX512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else \
+        "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
+# Environment variables that make torch, oneDNN and MKL compute with a narrower kernel set than the CPU has, by the
+# kernel set to pin (set before torch is imported, in every process of a run: Ray's workers inherit a local
+# driver's environment). Measured (docs/reliability.md, "Same config and seed, same metrics"): on an AVX-512 machine
+# all four together bring the quickstart's figures to within .001 of an AVX2 machine's; ATEN_CPU_CAPABILITY alone
+# does not.
+KERNEL_ENV = {
+    "AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "MKL_CBWR": "AVX2"},
+    "DEFAULT": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                "MKL_CBWR": "COMPATIBLE"},
+}
+
+
+def cpu_kind() -> str:
+    """This process's CPU model and torch's CPU kernel set (``torch.backends.cpu.get_cpu_capability``; "lowered from"
+    the CPU's own where the environment pins a narrower one, :data:`KERNEL_ENV`): what decides how float sums round
+    on a CPU, so the kind of machine on which a run's metrics repeat digit for digit (logged as ``resolved.cpu``)."""
+    import platform
+
+    model = _cpuinfo("model name") or platform.processor() or platform.machine()
+    cap, native = torch.backends.cpu.get_cpu_capability(), native_capability()
+    return f"{model}, {cap}" + (f" (lowered from {native})" if native and native != cap else "")
 
 
 def host_device_of(host) -> str:

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysplit.errors import ActorFailure
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.hosts import invoke
-from raysplit.runtime.hostspec import host_device_of
+from raysplit.runtime.hostspec import cpu_kind, host_device_of
 from raysplit.runtime.messages import Activation, Gradient
 from raysplit.runtime.snapshots import SnapshotStore
 
@@ -173,10 +173,10 @@ class HostActor:
         """Where this actor's host computes (``runtime.server.device`` / ``client.device`` as it resolved here)."""
         return host_device_of(self.host)
 
-    def ready(self) -> tuple[str, str]:
-        """The node this actor runs on and where its host computes: the first call on a new actor, whose answer
-        says the host was built (a constructor's error surfaces here)."""
-        return self.node_id(), self.device()
+    def ready(self) -> tuple[str, str, str]:
+        """The node this actor runs on, where its host computes and its CPU kind (:func:`cpu_kind`): the first call
+        on a new actor, whose answer says the host was built (a constructor's error surfaces here)."""
+        return self.node_id(), self.device(), cpu_kind()
 
     def call_after(self, _barrier, method: str, *args, **kwargs):
         """``call`` once ``_barrier`` (an ObjectRef passed top-level, so Ray resolves it before dispatch and this

@@ -80,7 +80,7 @@ class RayBackend:
             self.threads["server"]
         return {"transport": self.transport, "transport_reason": self.transport_reason, "torch_threads": threads,
                 "torch_threads_reason": self.threads_reason,
-                **{f"{role}_device": d for role, d in self.crew.devices.items()}}
+                "cpu": self.crew.cpus, **{f"{role}_device": d for role, d in self.crew.devices.items()}}
 
     def start(self, inputs: RuntimeInputs, ready_timeout: float | None = None) -> None:
         """Create the server and client actors and wait until they are constructed (``ready_timeout``: at most

@@ -59,6 +59,7 @@ class Crew:
         self.made_with: dict = {}  # role (server, client) -> what its actors were made with (ray_pool.pool_key)
         self.group = None  # runtime.transport.kind rdt's gloo group over the run's actors
         self.devices: dict[str, str] = {}  # role -> the device(s) its hosts compute on (logged as resolved.*)
+        self.cpus = ""
 
     @property
     def actors(self) -> list:
@@ -109,9 +110,10 @@ class Crew:
                 raise ResourceError(self.unplaced(pending, ready_timeout))
             # every one placed, some still constructing (a loaded node): get() below waits up to its timeout
         where = get(refs)  # each actor's node, and where its host computes as it resolved there
-        for a, (node, _) in zip(actors, where):
+        for a, (node, *_) in zip(actors, where):
             self.roles[a._actor_id.hex()] += f" on node {node}"
-        self.devices = {"server": where[0][1], "client": ",".join(sorted({d for _, d in where[1:]}))}
+        self.devices = {"server": where[0][1], "client": ",".join(sorted({w[1] for w in where[1:]}))}
+        self.cpus = "; ".join(sorted({w[2] for w in where}))  # the actors' CPU kinds (resolved.cpu)
         if actor_cls is not HostActor:  # rdt: one gloo group over the run's actors (replacements get a new one)
             from ray.experimental.collective import create_collective_group
 
