@@ -90,7 +90,7 @@ class PSL(Algorithm):
         the steps are interleaved as well, batched copies or not, so that a host's clients of a step forward as one
         computation and take their gradients back through it together (:attr:`Runtime.packs_clients`): the same
         models within float rounding, and the interleaved clock. On a CPU (auto: off) nothing changes."""
-        if self.params.batched_copies or rt.packs_clients:
+        if getattr(self.params, "batched_copies", False) or rt.packs_clients:
             rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, ServerHost.train_copies)
         else:
             self.each_client_in_turn(rt, clients, own_server_copy=True)

@@ -318,7 +318,7 @@ class MultiHead(SFLV1):
 
     def run_round(self, rt, rnd, clients, rng):
         rt.server.ensure_heads(clients)
-        self.each_client_in_turn(rt, clients, own_server_copy=True)
+        self.train_copies(rt, clients)  # one client after another; interleaved where the hosts pack clients
         return rt.aggregate_clients(rt.weights(clients, self.agg.weights), self.agg.write_to)
 
     def evaluate(self, rt, mode, global_handle, clients):
