@@ -217,11 +217,13 @@ def test_per_client_copies_interleave_their_steps_when_clients_pack(name):
         assert unpacked == 0 and not _close(want, got, 1e-6)
 
 
-def test_packed_runs_on_one_or_two_client_hosts_agree_within_float_rounding():
-    """Packing changes which clients share a computation with the number of client hosts: the guarantee across
-    actor counts becomes equality within float rounding (bit for bit only with packing off)."""
-    one, p1 = _packed_steps("fedavg", **{"runtime.pack_clients": True, "runtime.num_workers": 1})
-    two, p2 = _packed_steps("fedavg", **{"runtime.pack_clients": True, "runtime.num_workers": 2})
+@pytest.mark.parametrize("name", ["fedavg", "sflv1", "mergesfl"])
+def test_packed_runs_on_one_or_two_client_hosts_agree_within_float_rounding(name):
+    """Packing changes which clients share a computation with the number of client hosts (local training; split
+    steps, interleaved or pooled, padded): the guarantee across actor counts becomes equality within float rounding
+    (bit for bit only with packing off)."""
+    one, p1 = _packed_steps(name, **{"runtime.pack_clients": True, "runtime.num_workers": 1})
+    two, p2 = _packed_steps(name, **{"runtime.pack_clients": True, "runtime.num_workers": 2})
     assert p1 > 0 and p2 > 0 and not _close(one, two, 1e-6)
 
 
