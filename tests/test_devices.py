@@ -177,12 +177,13 @@ def _packed_steps(name, **extra) -> tuple[dict, int]:
     ("fedavg", {}), ("ampere", {}),  # local training, the device phase
     ("cyclesfl", {}), ("cyclepsl", {}), ("cyclesglr", {}), ("minibatch_sfl", {}),  # pooled split steps
     ("mergesfl", {}),  # pooled split steps of per-client batch sizes: padded
+    ("semisfl", {}), ("fedswitch_sl", {}),  # two streams a client: the students packed, the teacher one at a time
     ("psl", {"algorithm.batched_copies": True}),  # pooled split steps into batched server copies
 ])
 def test_packed_clients_train_as_one_at_a_time_within_float_rounding(name, extra):
     """FedAvg's local training, Ampere's device phase and the pooled split steps (CycleSL, MiniBatch-SFL,
-    MergeSFL, PSL's interleaved batched copies: a host's clients forward as one vmapped computation and take their
-    gradients back through it in one backward) with ``runtime.pack_clients`` on: the clients' steps ran batched
+    MergeSFL, Semi-SFL's student streams, PSL's interleaved batched copies: a host's clients forward as one vmapped
+    computation and take their gradients back through it in one backward) with ``runtime.pack_clients`` on: the clients' steps ran batched
     (counted), and every metric of every round equals the golden run's (one client after another) within 1e-6;
     off (auto on a CPU), the golden run bit for bit (tests/test_golden.py). MergeSFL's clients take batches of
     their own sizes (regulated by speed): cnn_small mixes no samples, so they pack padded to the largest."""

@@ -70,50 +70,60 @@ class ClientSteps:
 
     def packs(self, items: list) -> bool:
         """Whether a call's forwards may run packed: packing on and not refused by vmap, and nothing around the
-        plain forward and backward of the client part (the rule's own encoder or backward, a defence at the cut,
-        the U-shape's tail, an asynchronous replay, several streams a client)."""
-        rule = type(self.rule)
+        plain forward and backward of the client part (the rule's own backward, a defence at the cut, the U-shape's
+        tail, an asynchronous replay). Of these, the streams whose encoder is the client's own module pack; others
+        (Semi-SFL's teacher stream) run one at a time."""
         return (self.executor.pack and self.executor.unpackable is None and len(items) > 1 and self.tail is None
                 and self.cut.defence is None and not self.spec.asynchronous
-                and rule.encoder is ClientRule.encoder and rule.backward_pass is ClientRule.backward_pass
-                and all(len(tags) == 1 for tags, _ in items))
+                and type(self.rule).backward_pass is ClientRule.backward_pass)
 
     def forward_clients(self, items: list[tuple[list[Tag], int | None]]) -> list[list[Activation]]:
         """:meth:`forward_many` for several clients of this host (``items``: each client's tags and batch size), in
-        order: a pooled step's forwards here in one message. Packed (:meth:`packs`), the clients whose inputs have
-        equal shapes (or one sample shape, batches padded, where the model mixes no samples: :func:`ragged_ok`)
-        forward as one vmapped computation (:meth:`Executor.forward_together`) whose graph waits for
-        all their gradients (:meth:`backward_clients`); each client's inputs are drawn in its own stream as
-        unpacked, so a packed client's activation equals its one-at-a-time one within float rounding."""
+        order: a pooled step's forwards here in one message. Packed (:meth:`packs`), the streams encoded by the
+        client's own module whose inputs have equal shapes (or one sample shape, batches padded, where the model mixes
+        no samples: :func:`ragged_ok`) forward as one vmapped computation (:meth:`Executor.forward_together`) whose
+        graph waits for all their gradients (:meth:`backward_clients`); the other streams forward one at a time in
+        order. Each tag's inputs are drawn in its own stream as unpacked, and each client's streams are sent in
+        order, so a packed client's activations and clock equal its one-at-a-time ones within float rounding."""
         if not self.packs(items):
             return [self.forward_many(tags, bs) for tags, bs in items]
-        tags = [t[0] for t, _ in items]
-        starts = [self.meter.now(tag.client) for tag in tags]
-        slots = [self.activate(tag.client) for tag in tags]
-        idx = [self.rule.batch_indices(tag, bs) for tag, (_, bs) in zip(tags, items)]
-        xs, ys = [], []
-        for tag, i in zip(tags, idx):
+        flat = [(tag, bs) for tags, bs in items for tag in tags]  # client by client, each client's streams in order
+        first = {tag.client: self.meter.now(tag.client) for tag, _ in flat}  # as forward() reads it, before activate
+        slots = {c: self.activate(c) for c in first}
+        encs = [self.rule.encoder(tag, slots[tag.client]) for tag, _ in flat]
+        own = [enc is slots[tag.client].module for (tag, _), enc in zip(flat, encs)]
+        if not any(own):
+            return [self.forward_many(tags, bs) for tags, bs in items]
+        idx, xs, ys = [], [], []
+        done: list[tuple] = [None] * len(flat)  # each tag's (activation, FLOPs)
+        for i, (tag, bs) in enumerate(flat):
+            idx.append(self.rule.batch_indices(tag, bs))
             with self._stream(tag):
-                x, y = self.rule.inputs(tag, i)
-            xs.append(x.to(self.executor.device))
+                x, y = self.rule.inputs(tag, idx[i])
+                x = x.to(self.executor.device)
+                if not own[i]:  # one at a time, as forward() runs it
+                    [done[i]] = self.executor.forward([Forward(("fwd", tuple(x.shape)), encs[i], x)])
+            xs.append(x)
             ys.append(y)
-        done: list[tuple] = [None] * len(tags)  # each client's (activation, FLOPs)
-        ragged = ragged_ok(slots[0].module)  # batches of different sizes padded into one pack (MergeSFL's)
+        ragged = ragged_ok(slots[flat[0][0].client].module)  # batches of different sizes padded into one pack
         shapes: dict[tuple, list[int]] = {}
         for i, x in enumerate(xs):
-            shapes.setdefault(tuple(x.shape[1:] if ragged else x.shape), []).append(i)
+            if own[i]:
+                shapes.setdefault(tuple(x.shape[1:] if ragged else x.shape), []).append(i)
         for ii in shapes.values():
-            packed = None if len(ii) < 2 else self.executor.forward_together([slots[i].module for i in ii],
-                                                                             [xs[i] for i in ii])
+            packed = None if len(ii) < 2 else self.executor.forward_together([encs[i] for i in ii], [xs[i] for i in ii])
             for k, i in enumerate(ii):
                 if packed is not None:
                     done[i] = packed[0][k]
-                    self.packed[tags[i]] = (packed[1], k)
+                    self.packed[flat[i][0]] = (packed[1], k)
                     continue
-                with self._stream(tags[i]):  # one at a time, as forward() runs it (its inputs drawn again)
-                    x = self.rule.inputs(tags[i], idx[i])[0].to(self.executor.device)
-                    [done[i]] = self.executor.forward([Forward(("fwd", tuple(x.shape)), slots[i].module, x)])
-        return [[self._sent(tag, t0, x, y, *out)] for tag, t0, x, y, out in zip(tags, starts, xs, ys, done)]
+                with self._stream(flat[i][0]):  # one at a time, as forward() runs it (its inputs drawn again)
+                    x = self.rule.inputs(flat[i][0], idx[i])[0].to(self.executor.device)
+                    [done[i]] = self.executor.forward([Forward(("fwd", tuple(x.shape)), encs[i], x)])
+        sent = iter([self._sent(tag, first.pop(tag.client) if tag.client in first else self.meter.now(tag.client),
+                                x, y, *out)
+                     for (tag, _), x, y, out in zip(flat, xs, ys, done)])
+        return [[next(sent) for _ in tags] for tags, _ in items]
 
     def backward(self, grad: Gradient) -> float:
         """Apply the gradient for the activation of its tag; the client's clock (or the rule's ``after_backward``'s)."""
