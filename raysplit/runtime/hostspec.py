@@ -4,6 +4,7 @@ cursor, the finite-loss rule, and the small helpers hosts share (thread limits, 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -202,6 +203,7 @@ KERNEL_ENV = {
 }
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_kind() -> str:
     """This process's CPU model and torch's CPU kernel set (``torch.backends.cpu.get_cpu_capability``; "lowered from"
     the CPU's own where the environment pins a narrower one, :data:`KERNEL_ENV`): what decides how float sums round
