@@ -67,7 +67,8 @@ def _cache(tag: str, seed: int, out_dir: Path) -> Path:
 def ladder(a, out_dir):
     """CycleSFL (E = 1) minus SFLV2 at each setting of ``LADDER``, paired by seed (``--cached-only``: the settings
     whose runs are all cached, nothing run)."""
-    jobs = [(m, s, st) for st in LADDER for s in a.seeds for m in ("cyclesfl", "sflv2")]
+    settings = a.settings or list(LADDER)
+    jobs = [(m, s, st) for st in settings for s in a.seeds for m in ("cyclesfl", "sflv2")]
     if a.cached_only:
         jobs = [j for j in jobs if all(_cache(f"{m} [{j[2]}]", j[1], out_dir).is_file() for m in ("cyclesfl", "sflv2"))]
     done = [(j[2], *r) for j, r in zip(jobs, run([one(j[0], {}, j[1], a.backend, out_dir, setting=j[2])
@@ -76,7 +77,7 @@ def ladder(a, out_dir):
     print("| setting | changed from raysplit's | cyclesfl (E=1) accuracy % | sflv2 accuracy % | "
           "cyclesfl - sflv2 (points), paired by seed | per seed |")
     print("|---|---|---|---|---|---|")
-    for st, over in LADDER.items():
+    for st, over in ((st, LADDER[st]) for st in settings):
         if any((st, m, s) not in acc for m in ("cyclesfl", "sflv2") for s in a.seeds):
             print(f"| {st} | not run yet | | | | |")
             continue
@@ -96,6 +97,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "outputs" / "cyclesl_table"))
     ap.add_argument("--methods", nargs="*", default=None, help="only these algorithm names (e.g. psl sglr sflv1)")
     ap.add_argument("--cached-only", action="store_true", help="--ladder: report the settings already run, run none")
+    ap.add_argument("--settings", nargs="*", default=None, choices=list(LADDER),
+                    help="--ladder: only these settings (default: every one, in LADDER's order)")
     ap.add_argument("--ladder", action="store_true", help="CycleSFL (E = 1) and SFLV2 from raysplit's setting toward "
                                                           "the paper's (LADDER), instead of the table")
     a = ap.parse_args()
