@@ -218,6 +218,17 @@ def test_per_client_copies_interleave_their_steps_when_clients_pack(name):
         assert unpacked == 0 and not _close(want, got, 1e-6)
 
 
+def test_a_rule_that_cannot_pack_keeps_its_clients_in_turn():
+    """SplitGP inherits SFLV1's copies but its client rule changes the backward (ClientRule.packable is false): with
+    packing on its steps are not interleaved for nothing; the run is its golden run, clock included, and nothing
+    packed."""
+    from raysplit.algorithms.sflvariants import SplitGPRule
+
+    assert not SplitGPRule.packable()
+    got, packed = _packed_steps("splitgp", **{"runtime.pack_clients": True})
+    assert packed == 0 and not golden.differences(golden.load("splitgp"), got)
+
+
 @pytest.mark.parametrize("name", ["fedavg", "sflv1", "mergesfl"])
 def test_packed_runs_on_one_or_two_client_hosts_agree_within_float_rounding(name):
     """Packing changes which clients share a computation with the number of client hosts (local training; split

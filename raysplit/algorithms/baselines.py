@@ -89,8 +89,9 @@ class PSL(Algorithm):
         Where the client hosts pack their clients' steps (``runtime.pack_clients``; auto: on an accelerator only),
         the steps are interleaved as well, batched copies or not, so that a host's clients of a step forward as one
         computation and take their gradients back through it together (:attr:`Runtime.packs_clients`): the same
-        models within float rounding, and the interleaved clock. On a CPU (auto: off) nothing changes."""
-        if getattr(self.params, "batched_copies", False) or rt.packs_clients:
+        models within float rounding, and the interleaved clock; not where the method's client rule cannot pack
+        (``ClientRule.packable``: SplitGP's backward). On a CPU (auto: off) nothing changes."""
+        if getattr(self.params, "batched_copies", False) or (rt.packs_clients and self.client_rule.packable()):
             rt.pooled_steps(clients, {c: self.steps_for(rt, c) for c in clients}, ServerHost.train_copies)
         else:
             self.each_client_in_turn(rt, clients, own_server_copy=True)

@@ -48,6 +48,12 @@ class ClientRule(Checkpointed):
     def __init__(self, host):
         self.host = host
 
+    @classmethod
+    def packable(cls) -> bool:
+        """Whether this rule's clients can take their split steps packed (``runtime.pack_clients``): its backward
+        is the plain one (a rule's own encoder only keeps that stream one at a time)."""
+        return cls.backward_pass is ClientRule.backward_pass
+
     def build_module(self) -> torch.nn.Module:
         """A fresh client model (its weights are loaded after): the client part."""
         return build_parts(self.host.spec)[0]
