@@ -214,10 +214,10 @@ def produce(config: Path = CONFIG, rounds: int | None = None, speed: dict | None
 
 
 def pinned_env(documented_machine: str | None) -> dict | None:
-    """The environment that runs this check with the page's kernel set, where the page was made with a narrower one
-    than this CPU's (an AVX2 page on an AVX-512 machine: :data:`~raysplit.runtime.hostspec.KERNEL_ENV`), so the
-    comparison's tolerances hold the learned figures to what the kernel set, not the tolerance, leaves over; None
-    where nothing is to pin (the same kernel set, a wider one, or already pinned)."""
+    """The environment variables that run this check with the page's kernel set, where the page was made with a
+    narrower one than this CPU's (an AVX2 page on an AVX-512 machine: :data:`~raysplit.runtime.hostspec.KERNEL_ENV`),
+    so the comparison's tolerances hold the learned figures to what the kernel set, not the tolerance, leaves over;
+    None where nothing is to pin (the same kernel set, a wider one, or already pinned)."""
     import torch
 
     from raysplit.runtime.hostspec import KERNEL_ENV
@@ -229,7 +229,7 @@ def pinned_env(documented_machine: str | None) -> dict | None:
     here = torch.backends.cpu.get_cpu_capability()
     if here not in order or order.index(here) <= order.index(m.group(1)):
         return None
-    return {**os.environ, **KERNEL_ENV[m.group(1)]}
+    return KERNEL_ENV[m.group(1)]
 
 
 def check(doc: Path, config: Path, block: str, times: Path | None = None) -> int:
@@ -240,15 +240,12 @@ def check(doc: Path, config: Path, block: str, times: Path | None = None) -> int
     except ValueError as e:
         print(f"{doc}: {e}", file=sys.stderr)
         return 2
-    env = pinned_env(documented.get("machine"))
-    if env is not None:
-        from raysplit.runtime.hostspec import KERNEL_ENV
-
-        pins = next(v for v in KERNEL_ENV.values() if v["ATEN_CPU_CAPABILITY"] == env["ATEN_CPU_CAPABILITY"])
+    pins = pinned_env(documented.get("machine"))
+    if pins is not None:
         print(f"{doc}: the {block} block was made with the kernel set of '{documented.get('machine')}', narrower "
               f"than this CPU's: checking with it pinned ({' '.join(f'{k}={v}' for k, v in pins.items())})",
               flush=True)
-        return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+        return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **pins}).returncode
     speed: dict = {}
     produced = produce(config, ROUNDS[block], speed)
     if times is not None:  # .ci/run's phase file: the quickstart's seconds a round, a speed figure of the machine
