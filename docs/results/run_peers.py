@@ -74,7 +74,8 @@ model and the server on the 10,000 test images. Both sides' runs are made by, an
 
 Prints the table (final accuracy per code: median [min, max] over the seeds and per seed; server updates, simulated
 time and wall seconds per round beside it), raysplit minus the authors' code paired by seed, and both curves at
-every evaluated round; "no cached runs" where there are none.
+every evaluated round; "no cached runs" where there are none. With the page's runs (the default folder, 12 rounds,
+seeds 0, 1 and 2 on both sides) it writes docs/results/peers_gas.png, both sides' curves.
 """
 
 from __future__ import annotations
@@ -414,7 +415,31 @@ def gas(seeds: list[int], folder: Path, rounds: int | None = None) -> int:
         ca, cb = ([100 * dict(r[s]["curve"])[rd] for s in common] for r in (b, a))
         print(f"| {rd} | {np.median(ca):.2f} | {np.median(cb):.2f} | "
               f"{median_range([y - x for x, y in zip(ca, cb)], '+.2f')} |")
+    page = folder == GAS / ".runs" and rounds == 12 and seeds == [0, 1, 2]
+    if page and all(len(runs[side]) == 3 for side in runs):  # the page's figure: the page's runs only
+        gas_figure(runs, rounds)
+    elif page:  # a machine without the runs cached must not overwrite the page's figure with fewer curves
+        print("\npeers_gas.png not written: the page's six runs are not all cached here", file=sys.stderr)
     return 0
+
+
+def gas_figure(runs: dict, rounds: int) -> None:
+    """docs/results/peers_gas.png: each side's test accuracy per evaluated round, each seed thin, the median thick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for side, color, ls in (("authors", "C0", "--"), ("raysplit", "C1", "-")):
+        seed_curves(ax, runs[side], f"GAS, {side}", color, ls, thin=(0.6, 0.4))
+    ax.set_xlabel("global round"), ax.set_ylabel("global test accuracy (%)"), ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"GAS, Fashion-MNIST shards 2, AlexNet cut L2, {rounds} rounds: authors' code and raysplit",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(HERE / "peers_gas.png", dpi=110)
+    plt.close(fig)
 
 
 def seed_curves(ax, by_seed: dict, label: str, color: str, ls: str, thin: tuple[float, float]) -> None:
