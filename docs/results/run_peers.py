@@ -74,8 +74,8 @@ model and the server on the 10,000 test images. Both sides' runs are made by, an
 
 Prints the table (final accuracy per code: median [min, max] over the seeds and per seed; server updates, simulated
 time and wall seconds per round beside it), raysplit minus the authors' code paired by seed, and both curves at
-every evaluated round; "no cached runs" where there are none. With the page's runs (the default folder, 12 rounds,
-seeds 0, 1 and 2 on both sides) it writes docs/results/peers_gas.png, both sides' curves.
+every evaluated round; "no cached runs" where there are none. With the page's runs (the default folder, the config's
+rounds, seeds 0, 1 and 2 on both sides) it writes docs/results/peers_gas.png, both sides' curves.
 """
 
 from __future__ import annotations
@@ -378,7 +378,8 @@ def gas_run(folder: Path, side: str, seed: int, rounds: int) -> dict | None:
 def gas(seeds: list[int], folder: Path, rounds: int | None = None) -> int:
     import yaml
 
-    rounds = rounds or yaml.safe_load((GAS / "raysplit.yaml").read_text())["train"]["rounds"]
+    configured = yaml.safe_load((GAS / "raysplit.yaml").read_text())["train"]["rounds"]
+    rounds = rounds or configured
     runs = {side: {s: r for s in seeds if (r := gas_run(folder, side, s, rounds)) is not None}
             for side in ("authors", "raysplit")}
     where = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
@@ -415,7 +416,7 @@ def gas(seeds: list[int], folder: Path, rounds: int | None = None) -> int:
         ca, cb = ([100 * dict(r[s]["curve"])[rd] for s in common] for r in (b, a))
         print(f"| {rd} | {np.median(ca):.2f} | {np.median(cb):.2f} | "
               f"{median_range([y - x for x, y in zip(ca, cb)], '+.2f')} |")
-    page = folder == GAS / ".runs" and rounds == 12 and seeds == [0, 1, 2]
+    page = folder == GAS / ".runs" and rounds == configured and seeds == [0, 1, 2]
     if page and all(len(runs[side]) == 3 for side in runs):  # the page's figure: the page's runs only
         gas_figure(runs, rounds)
     elif page:  # a machine without the runs cached must not overwrite the page's figure with fewer curves

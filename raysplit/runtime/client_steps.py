@@ -74,7 +74,7 @@ class ClientSteps:
         (Semi-SFL's teacher stream) run one at a time."""
         return (self.executor.pack and self.executor.unpackable is None and len(items) > 1 and self.tail is None
                 and self.cut.defence is None and not self.spec.asynchronous
-                and type(self.rule).packable())
+                and self.rule.packable())
 
     def forward_clients(self, items: list[tuple[list[Tag], int | None]]) -> list[list[Activation]]:
         """:meth:`forward_many` for several clients of this host (``items``: each client's tags and batch size), in
