@@ -12,8 +12,10 @@ to it), the seeds and the rounds, and the command that made them::
     python scripts/stamps.py stamp benchmarks/RESULTS.md --section "Reliability II" --methods sflv2 ...
     python scripts/stamps.py check            # make check-results (CI): no training, reads the stamps only
 
-``--stale REASON`` stamps a page made before a change it has not been rerun for: the check prints it (and the
-page carries a "Stale" line at its top, or at its section's top) but does not fail. A page whose stamp names a
+``--commit HASH`` names the commit the runs were made at where it is not HEAD (a study run from a worktree, or a
+page stamped after later commits); the default is HEAD. ``--stale REASON`` stamps a page made before a change it
+has not been rerun for: the check prints it (and the page carries a "Stale" line at its top, or at its section's
+top) but does not fail. A page whose stamp names a
 fingerprint other than today's fails the check, naming page, section and method: the method's behaviour changed
 (tests/golden/ was rewritten) and the numbers on the page were not made again.
 """
@@ -107,15 +109,15 @@ def _strip(body: str, section: str | None) -> tuple[str, str]:
 
 
 def stamp(page: Path, section: str | None, methods: list[str], seeds: str, rounds: str, command: str,
-          stale: str | None) -> None:
+          stale: str | None, commit: str | None = None) -> None:
     text = page.read_text()
     start, end = _find_section(text, section)
     # the stamp names the full heading: an earlier stamp of this section is found by it, whatever prefix was given
     title = None if section is None else re.match(r"## (.+)", text[start:end]).group(1).strip()
     body, tail = _strip(text[start:end], title)
     body = re.sub(r"\n{3,}", "\n\n", body).rstrip("\n")
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = commit[:7] if commit else subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT,
+                                                      capture_output=True, text=True).stdout.strip() or "unknown"
     from raysplit.runtime.hostspec import cpu_kind
 
     data = {"commit": commit, "date": datetime.date.today().isoformat(), "section": title, "machine": cpu_kind(),
@@ -183,12 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--rounds", required=True)
     st.add_argument("--command", required=True, help="the committed command that made the numbers")
     st.add_argument("--stale", help="why the numbers are stale on purpose (made before a change, not rerun)")
+    st.add_argument("--commit", help="the commit the runs were made at, where it is not HEAD (a study run from a "
+                    "worktree, or stamped after later commits); default HEAD")
     sub.add_parser("check", help="name every stamped page whose methods changed since it was made")
     args = ap.parse_args(argv)
+    if args.what == "stamp" and args.commit and not re.fullmatch(r"[0-9a-f]{7,40}", args.commit):
+        ap.error(f"--commit {args.commit!r}: not a commit hash (7 to 40 hex digits)")
     if args.what == "check":
         return check()
     stamp(args.page.resolve(), args.section, [m for m in args.methods.split(",") if m], args.seeds, args.rounds,
-          args.command, args.stale)
+          args.command, args.stale, args.commit)
     return 0
 
 

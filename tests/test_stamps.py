@@ -56,6 +56,19 @@ def test_a_page_fails_the_check_once_a_method_it_reports_changes(stamps, tmp_pat
     assert "run_gas.py" in changed[0]
 
 
+def test_a_stamp_names_the_commit_its_runs_were_made_at_where_given(stamps, tmp_path):
+    page = tmp_path / "docs" / "results" / "gas.md"
+    page.write_text("# GAS\n\n## Accuracy\n\ntext\n")
+    stamps.main(["stamp", str(page), "--methods", "gas", "--seeds", "0", "--rounds", "4", "--command", "c",
+                 "--commit", "3b7179e0a1b2"])  # a study run from a worktree at an earlier commit
+    text = page.read_text()
+    assert "stamped at commit 3b7179e on" in text and '"commit": "3b7179e"' in text
+    with pytest.raises(SystemExit):  # not a hash: refused before the page is touched
+        stamps.main(["stamp", str(page), "--methods", "gas", "--seeds", "0", "--rounds", "4", "--command", "c",
+                     "--commit", "HEAD~1"])
+    assert page.read_text() == text
+
+
 def test_stale_on_purpose_is_printed_with_a_banner_at_the_top_and_does_not_fail(stamps, tmp_path, capsys):
     page = tmp_path / "docs" / "results" / "hydra.md"
     page.write_text("# Hydra\n\nintro\n\n## Table\n\nrows\n")
