@@ -17,7 +17,6 @@ End to end: one PSL round through the local backend (clients' forward and backwa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from raysplit.config import load_config
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.runtime import Activation, ServerHost, Tag, transport
-from raysplit.runtime.hosts import build_parts
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 MODELS = {
@@ -61,14 +59,14 @@ def make_cfg(model: str, clients: int, batched: bool, batch: int | None, threads
 
 def first_batches(p) -> list[tuple[np.ndarray, np.ndarray, float]]:
     """Every client's first batch through the initial client part: (activation, labels, weight)."""
-    i, spec = p.inputs, p.inputs.spec
-    client, _ = build_parts(spec)
+    i, plan = p.inputs, p.inputs.plan
+    client, _ = plan.parts()
     client.load_state_dict(transport.unpack_state(i.client_init))
     out = []
     with torch.no_grad():
         for idx in i.train_idx:
-            b = np.asarray(idx)[:spec.batch_size]
-            x = client(to_tensor(i.train_data["x"][b], spec.data_spec))
+            b = np.asarray(idx)[:plan.sections.train.batch_size]
+            x = client(to_tensor(i.train_data["x"][b], plan.model.inputs))
             out.append((transport.pack(x), np.asarray(i.train_data["y"][b]), float(len(idx))))
     return out
 
@@ -78,8 +76,7 @@ class ServerRounds:
 
     def __init__(self, p, batched: bool, batches):
         i = p.inputs
-        self.host = ServerHost(dataclasses.replace(i.spec, batched_copies=batched), i.server_init, i.client_init,
-                               i.test_data)
+        self.host = ServerHost(i.plan, i.server_init, i.client_init, i.test_data)  # algorithm.batched_copies: batched
         self.batches = batches
         self.clients = list(range(len(batches)))
         self.r = 0
@@ -129,7 +126,7 @@ def run_case(model: str, clients: int, threads: int, a) -> dict:
            "server_speedup": mmm([x / y for x, y in zip(t_per, t_bat)]),
            "step_per_copy": mmm(steps["per_copy"]), "step_batched": mmm(steps["batched"]),
            "step_speedup": mmm([x / y for x, y in zip(steps["per_copy"], steps["batched"])]),
-           "max_abs_weight_diff": diff, "batch": p.inputs.spec.batch_size, "dataset": p.cfg.data.dataset,
+           "max_abs_weight_diff": diff, "batch": p.inputs.plan.sections.train.batch_size, "dataset": p.cfg.data.dataset,
            "fell_back": bat.host._unbatched, "raw": {"server": [t_per, t_bat], "step": steps}}
     if a.e2e_reps:
         e_per = RaysplitRounds(make_cfg(model, clients, False, a.batch, threads, a.device))

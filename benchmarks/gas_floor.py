@@ -63,17 +63,16 @@ def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[in
     from raysplit.config import load_config
     from raysplit.data import to_tensor
     from raysplit.experiment import prepare
-    from raysplit.models import build_model
     from raysplit.runtime.api import machine_cores
 
     torch.set_num_threads(threads or machine_cores())
     cfg = load_config(CONFIG, {"train.rounds": rounds, "tracking.enabled": False, "tracking.progress": False})
     p = prepare(cfg)
-    spec = p.inputs.spec
+    plan = p.inputs.plan
     x, y = p.inputs.train_data["x"], p.inputs.train_data["y"]
     xt, yt = p.inputs.test_data["x"], p.inputs.test_data["y"]
     idx = [np.asarray(ix) for ix in p.inputs.train_idx]
-    client, server = build_model(spec.model, spec.num_classes, spec.input_shape).split(spec.cut)
+    client, server = plan.parts()
     client.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in p.inputs.client_init.items()})
     server.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in p.inputs.server_init.items()})
     o = cfg.train.optimizer
@@ -82,7 +81,7 @@ def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[in
     server_opt = torch.optim.SGD(server.parameters(), **opt)
     counts = np.asarray(p.partition_counts, dtype=np.float64)
     adjust = torch.as_tensor(np.log(counts / counts.sum(1, keepdims=True) + 1e-12), dtype=torch.float32)
-    labels, per_label, bs, steps = spec.num_classes, cfg.train.batch_size, cfg.train.batch_size, cfg.train.local_steps
+    labels, per_label, bs, steps = plan.model.num_classes, cfg.train.batch_size, cfg.train.batch_size, cfg.train.local_steps
     rng = np.random.default_rng(0)
     times, updates, evals = [], [], []
     for rnd in range(rounds):

@@ -31,7 +31,6 @@ import raysplit
 from raysplit.config import load_config
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
-from raysplit.models import build_model
 from raysplit.runtime import runtime_for
 from raysplit.runtime.aggregation import average_states
 
@@ -70,32 +69,32 @@ class Reference:
     server copies averaged) with FedAvg of the client models."""
 
     def __init__(self, p, algorithm: str):
-        spec = p.inputs.spec
+        plan = p.inputs.plan
         self.algorithm = algorithm
-        self.spec = spec
+        self.seed = plan.sections.seed
         self.x, self.y = p.inputs.train_data["x"], p.inputs.train_data["y"]
         self.idx = [np.asarray(ix) for ix in p.inputs.train_idx]
         self.sizes = [float(len(ix)) for ix in self.idx]
         self.cursor = [(0, 0)] * len(self.idx)
         self.perm: dict[int, tuple[int, np.ndarray]] = {}
-        client, server = build_model(spec.model, spec.num_classes, spec.input_shape).split(spec.cut)
+        client, server = plan.parts()
         client.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in p.inputs.client_init.items()})
         server.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in p.inputs.server_init.items()})
         self.client_global = {k: v.clone() for k, v in client.state_dict().items()}
         self.client = client
         self.server = server
-        o = spec.client_optimizer
-        self.opt_args = dict(lr=o["lr"], momentum=o["momentum"])
+        o = plan.sections.train.optimizer
+        self.opt_args = dict(lr=o.lr, momentum=o.momentum)
         self.server_opt = torch.optim.SGD(server.parameters(), **self.opt_args)
         self.client_opt_state: dict[int, dict] = {}
-        self.bs = spec.batch_size
+        self.bs = plan.sections.train.batch_size
 
     def batch(self, c: int):
         epoch, pos = self.cursor[c]
         if pos >= len(self.idx[c]):
             epoch, pos = epoch + 1, 0
         if c not in self.perm or self.perm[c][0] != epoch:
-            self.perm[c] = (epoch, np.random.default_rng([self.spec.seed, c, epoch]).permutation(self.idx[c]))
+            self.perm[c] = (epoch, np.random.default_rng([self.seed, c, epoch]).permutation(self.idx[c]))
         b = self.perm[c][1][pos:pos + self.bs]
         self.cursor[c] = (epoch, pos + len(b))
         return to_tensor(self.x[b], self.spec.data_spec), torch.as_tensor(self.y[b], dtype=torch.long)

@@ -222,7 +222,7 @@ class FaultInjection(_Strict):
     round: int = Field(default=0, ge=0, description="the round (counted from 0) from which calls are counted")
     call: int = Field(default=1, ge=1, description="it dies entering its Nth counted host method call")
     method: str | None = Field(default=None, description="count only calls of this host method (e.g. 'ingest', "
-                               "'step_through'); null: every public method")
+                               "'step'); null: every public method")
 
 
 class PlacementConfig(_Strict):

@@ -20,7 +20,8 @@ from raysplit.algorithms.base import clients_per_round
 from raysplit.clock import draw_profiles
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
-from raysplit.runtime import HostSpec, RuntimeInputs, make_backend, runtime_for, transport
+from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
+from raysplit.runtime.events import EventPlan
 from raysplit.runtime.drivers import RoundGuard
 
 
@@ -43,6 +44,22 @@ def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> n
     """The client-sampling stream: depends only on (seed, V, m, rounds), so it is identical across algorithms."""
     rng = np.random.default_rng([seed, 0x5A3])
     return np.stack([rng.choice(num_clients, per_round, replace=False) for _ in range(rounds)])
+
+
+def cut_shape(model, cut: int | None, data_spec) -> tuple | None:
+    """The per-sample shape of what crosses the cut: the client blocks' output on zeros (None without a cut)."""
+    if cut is None:
+        return None
+    kind = torch.long if data_spec.kind == "tokens" else torch.float32
+    client = model.split(cut)[0]
+    flags = [(m, m.training) for m in client.modules()]
+    client.eval()
+    try:
+        with torch.no_grad():
+            return tuple(client(torch.zeros((1, *data_spec.input_shape), dtype=kind)).shape[1:])
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
@@ -85,30 +102,22 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     if eval_mode == "clients" and cfg.data.test_fraction == 0:
         raise ConfigError("eval.mode=clients needs data.test_fraction > 0 (per-client test splits)")
 
-    opt = cfg.train.optimizer.model_dump()
-    spec = HostSpec(
-        model=cfg.model.name, num_classes=spec_d.num_classes, input_shape=tuple(spec_d.input_shape),
-        model_options=dict(cfg.model.options), cut=cut, client_optimizer=opt,
-        server_optimizer=(cfg.train.server_optimizer.model_dump() if cfg.train.server_optimizer else opt),
-        data_spec=spec_d, batch_size=cfg.train.batch_size, seed=cfg.seed, eval_batch_size=cfg.eval.batch_size,
-        drop_last=cfg.train.drop_last, torch_threads=cfg.runtime.torch_threads,
-        server_device=cfg.runtime.server.device, client_device=cfg.runtime.client.device,
-        deterministic=cfg.runtime.deterministic, pack_clients=cfg.runtime.pack_clients,
-        server_flops=cfg.clock.server_flops,
-        persist_client_models=not alg.keeps_global_client_model(), stop_on_nonfinite=cfg.train.stop_on_nonfinite,
-        rounds=cfg.train.rounds, params=alg.params, host_setup=alg.host_setup(),
-        clip_grad_norm=cfg.train.clip_grad_norm, asynchronous=alg.driver.asynchronous, charge_server=cfg.clock.charge_server,
-        on_bad_client=cfg.runtime.faults.on_bad_client, batched_copies=getattr(alg.params, "batched_copies", False),
-        client_state_bytes=(int(cfg.runtime.placement.client_state_mb * 2**20)
-                            if cfg.runtime.placement.client_state_mb else None),
-        spill_dir=cfg.runtime.placement.spill_dir,
+    sizes = tuple(int(n) for n in counts.sum(axis=1))
+    events = EventPlan(active=m, local_steps=cfg.train.local_steps, client_sizes=sizes, profiles=tuple(profiles),
+                       split=alg.split) if alg.driver.asynchronous else None
+    plan = HostPlan(
+        sections=Sections(train=cfg.train, eval=cfg.eval, clock=cfg.clock, runtime=cfg.runtime, seed=cfg.seed),
+        model=ModelFacts(name=cfg.model.name, options=dict(cfg.model.options), inputs=spec_d, cut=cut,
+                         tail_cut=ushape.tail_cut if ushape is not None else None,
+                         cut_shape=cut_shape(model, cut, spec_d)),
+        method=Method(params=alg.params, setup=alg.host_setup(), client_rule=alg.client_rule,
+                      server_rule=alg.server_rule, persist_client_models=not alg.keeps_global_client_model(),
+                      asynchronous=alg.driver.asynchronous),
         privacy=privacy_spec(cfg.privacy, alg.name, alg.keeps_global_client_model(), cut, cfg.data.dataset,
                              tuple(spec_d.input_shape), x_te, num_clients),
-        ushape=ushape,
-        client_rule=alg.client_rule, server_rule=alg.server_rule,
-    )
+        ushape=ushape, events=events)
     inputs = RuntimeInputs(
-        spec=spec, server_host=alg.driver.server_host,
+        plan=plan, server_host=alg.driver.server_host,
         train_data={"x": np.ascontiguousarray(x_tr), "y": np.asarray(y_tr, dtype=np.int64)},
         test_data={"x": np.ascontiguousarray(x_te), "y": np.asarray(y_te, dtype=np.int64)}, labeled_data=labeled_data,
         train_idx=train_idx, test_idx=test_idx,

@@ -45,11 +45,25 @@ class DefenceParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     KIND: ClassVar[str] = "defence"  # what an error calls the member that ``kind`` picked
+    active: ClassVar[bool] = True  # it changes what leaves the client (or its loss)
+    keeps_inputs: ClassVar[bool] = False  # it needs each forward's inputs beside its activation (a loss term)
+
+    @property
+    def sent_bits(self) -> int | None:
+        """The bits per value an activation is sent at (None: the float tensor's own)."""
+        return None
+
+    def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """What leaves the client instead of the activation ``z`` (its graph kept, so the server's gradient reaches
+        the client part) and the bytes it takes (None: the tensor's own); random draws from torch's current
+        stream (the caller seeds it)."""
+        return z, None
 
 
 class NoDefence(DefenceParams):
     kind: Literal["none"] = Field(default="none", description="none: no defence, activations leave the client as "
                                   "computed")
+    active: ClassVar[bool] = False
 
 
 class NoiseDefence(DefenceParams):
@@ -62,18 +76,30 @@ class NoiseDefence(DefenceParams):
                                "first (the sensitivity; needed for an epsilon)")
     delta: float = Field(default=1e-5, gt=0, lt=1, description="the delta epsilon is reported at")
 
+    def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        return clip_and_noise(z, self.clip, self.sigma), None
+
 
 class NopeekDefence(DefenceParams):
     kind: Literal["nopeek"] = Field(description="nopeek: NoPeek (Vepakomma et al. 2020), alpha x distance "
                                     "correlation of inputs and activations added to the client's loss")
     alpha: float = Field(gt=0, le=100, description="weight of the distance correlation term (required: 0 is no "
                          "defence, kind none)")
+    keeps_inputs: ClassVar[bool] = True
 
 
 class QuantizeDefence(DefenceParams):
     kind: Literal["quantize"] = Field(description="quantize: uniform quantization of each activation batch to "
                                       "bits bits (min-max), charged at its size")
     bits: int = Field(default=8, ge=1, le=16, description="bits per value")
+
+    @property
+    def sent_bits(self) -> int | None:
+        return self.bits
+
+    def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        q, nbytes = quantize(z.detach(), self.bits)
+        return z + (q - z.detach()), nbytes  # a straight-through estimator: the gradient passes as it is
 
 
 DEFENCE_MODELS: tuple[type[DefenceParams], ...] = (NoDefence, NoiseDefence, NopeekDefence, QuantizeDefence)
@@ -235,13 +261,7 @@ class CutDefence:
         self.params = spec.defence  # the defence's own section (``kind`` and its keys)
 
     def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        d = self.params
-        if d.kind == "noise":
-            return clip_and_noise(z, d.clip, d.sigma), None
-        if d.kind == "quantize":
-            q, nbytes = quantize(z.detach(), d.bits)
-            return z + (q - z.detach()), nbytes
-        return z, None
+        return self.params.release(z)
 
     def loss(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """NoPeek's term (``defend`` keeps (x, z) only under nopeek, whose alpha the config holds above 0)."""

@@ -232,7 +232,7 @@ class Reporter:
     def _attack(self, rnd: int, rt, global_handle) -> dict:
         """The attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``, ``dcor``); the
         last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
-        per = rt.reconstruction(list(self.prepared.inputs.spec.privacy.victims), rnd, global_handle)
+        per = rt.reconstruction(list(self.prepared.inputs.plan.privacy.victims), rnd, global_handle)
         self.reconstructions = [per[c]["images"] for c in sorted(per)]
         return {f"privacy/{k}": float(np.mean([per[c][k] for c in per])) for k in ("ssim", "psnr", "mse", "dcor")}
 

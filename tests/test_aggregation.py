@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raysplit.runtime.aggregation import average_optimizer_states, average_states, finish_average, weighted_sum
+from raysplit.config import OptimizerConfig
 from raysplit.runtime.optim import make_optimizer, round_lr
 
 
@@ -32,18 +33,18 @@ def test_partial_sums_then_finish_equal_one_weighted_average():
 def test_optimizer_state_average_momentum_and_none_for_plain_sgd():
     def opt_with_momentum(buf):
         p = torch.nn.Parameter(torch.zeros(2))
-        opt = make_optimizer([p], {"name": "sgd", "lr": 0.1, "momentum": 0.9})
+        opt = make_optimizer([p], OptimizerConfig(name="sgd", lr=0.1, momentum=0.9))
         p.grad = torch.tensor(buf)
         opt.step()  # first step: momentum buffer = grad
         return opt.state_dict()
 
     merged = average_optimizer_states([opt_with_momentum([1.0, 0.0]), opt_with_momentum([0.0, 3.0])], [3.0, 1.0])
     torch.testing.assert_close(merged["state"][0]["momentum_buffer"], torch.tensor([0.75, 0.75]))
-    plain = make_optimizer([torch.nn.Parameter(torch.zeros(1))], {"name": "sgd", "lr": 0.1}).state_dict()
+    plain = make_optimizer([torch.nn.Parameter(torch.zeros(1))], OptimizerConfig(name="sgd", lr=0.1)).state_dict()
     assert average_optimizer_states([plain, plain], [1.0, 1.0]) is None
 
 
 def test_round_lr_decays_to_its_floor():
-    assert [round_lr({"lr": 1.0, "decay": 0.5, "min_lr": 0.2}, r) for r in range(4)] == pytest.approx(
+    assert [round_lr(OptimizerConfig(lr=1.0, decay=0.5, min_lr=0.2), r) for r in range(4)] == pytest.approx(
         [1.0, 0.5, 0.25, 0.2])
-    assert np.isclose(round_lr({"lr": 0.3}, 10), 0.3)
+    assert np.isclose(round_lr(OptimizerConfig(lr=0.3), 10), 0.3)

@@ -312,16 +312,22 @@ def test_scaffold_lowers_the_client_drift(tmp_path, mlflow_uri, monkeypatch):
     drift apart far less than SplitFed's (mean squared distance to their mean, rounds 3-5, from the same start and
     batches). Measured: SplitFed 0.16-0.19, SCAFFOLD 0.02-0.03 on 3 seeds; round 1 (no control yet) is equal."""
     from raysplit.runtime.client_host import ClientHost
+    from raysplit.runtime.client_transfers import ModelTransfers
 
     brought: dict[int, dict] = {}  # round -> client -> the device block it brings to aggregation
-    partial_sum = ClientHost.partial_sum
+    partial_sum, begin_round, now = ModelTransfers.partial_sum, ClientHost.begin_round, [-1]
 
     def spy(self, weights):
-        brought.setdefault(self.round, {}).update({int(c): {k: v.clone() for k, v in self.states.state_of(int(c)).items()}
-                                                   for c in weights if int(c) in self.data})
+        brought.setdefault(now[0], {}).update({int(c): {k: v.clone() for k, v in self.states.state_of(int(c)).items()}
+                                               for c in weights if int(c) in self.data})
         return partial_sum(self, weights)
 
-    monkeypatch.setattr(ClientHost, "partial_sum", spy)
+    def begin(self, rnd, *args):
+        now[0] = rnd
+        return begin_round(self, rnd, *args)
+
+    monkeypatch.setattr(ModelTransfers, "partial_sum", spy)
+    monkeypatch.setattr(ClientHost, "begin_round", begin)
 
     def drift(states):
         keys = next(iter(states.values()))
@@ -351,7 +357,7 @@ def test_scaffold_server_controls_follow_option_ii_on_the_server_copies(tmp_path
     before_step = ScaffoldServer.before_step
 
     def spy(self, module, optimizers, tag):  # the raw gradients, before the correction
-        if tag.client in self.host.models and module is self.host.models[tag.client].module:
+        if tag.client in self.ctx.models and module is self.ctx.models[tag.client].module:
             raw.setdefault(tag.client, []).append([p.grad.detach().clone() for p in module.parameters()])
         return before_step(self, module, optimizers, tag)
 
@@ -391,7 +397,7 @@ def test_scaffold_server_controls_lower_the_server_copies_drift(tmp_path, mlflow
     before_merge = ScaffoldServer.before_merge
 
     def spy(self, weights):
-        brought[len(brought)] = [{k: v.clone() for k, v in self.host.models[c].module.state_dict().items()}
+        brought[len(brought)] = [{k: v.clone() for k, v in self.ctx.models[c].module.state_dict().items()}
                                  for c in weights]
         return before_merge(self, weights)
 

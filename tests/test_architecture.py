@@ -15,7 +15,7 @@ import torch
 from helpers import (contract_violations, import_cycles, import_graph, imported_closure, make_config,
                      runtime_private_names)
 from raysplit.experiment import prepare, run_experiment
-from raysplit.runtime import ClientHost, Gradient, NonFiniteLossError, Runtime, ServerHost, make_backend
+from raysplit.runtime import ClientHost, Gradient, NonFiniteLossError, Runtime, ServerHost, batch_step, make_backend
 
 
 def _runtime(cfg):
@@ -47,13 +47,20 @@ def test_unknown_host_method_fails_at_the_call_naming_class_and_method(tmp_path,
 
 
 class TwoStreamClient(ClientHost):
-    """A second feature stream without a graph (no gradient comes back for it), as Semi-SFL's teacher encoder."""
+    """A second feature stream without a graph (no gradient comes back for it), as Semi-SFL's teacher encoder: its
+    split steps' forward (a component's call) wrapped in the test's host."""
 
-    def forward(self, tag, batch_size=None):
-        if tag.stream != "teacher":
-            return super().forward(tag, batch_size)
-        with torch.no_grad():
-            return super().forward(tag, batch_size)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        forward = self.steps.forward
+
+        def two_streams(tag, batch_size=None):
+            if tag.stream != "teacher":
+                return forward(tag, batch_size)
+            with torch.no_grad():
+                return forward(tag, batch_size)
+
+        self.steps.forward = two_streams  # forward_many reaches it too
 
 
 class TwoStreamServer(ServerHost):
@@ -61,11 +68,12 @@ class TwoStreamServer(ServerHost):
 
     served: list = []
 
-    def train_step(self, act, key="main"):
-        TwoStreamServer.served.append(act.tag)
-        if act.tag.stream == "teacher":
-            return Gradient(act.tag, None, act.t_sent)
-        return super().train_step(act, key)
+    @batch_step(starts="on_arrival")
+    def train_step(self, b, key="main"):
+        TwoStreamServer.served.append(b.tag)
+        if b.tag.stream == "teacher":
+            return Gradient(b.tag, None, b.t_sent)
+        return super().train_step(b, key)
 
 
 def _two_stream_runtime(cfg):
@@ -124,12 +132,12 @@ def test_server_busy_time_counts_for_every_family(tmp_path, mlflow_uri, algorith
 def test_hooks_decide_split_eval_and_persistence(tmp_path, mlflow_uri):
     over = {"runtime.backend": "local"}
     fedavg = prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "fedavg", **over}))
-    assert fedavg.cut is None and fedavg.inputs.spec.cut is None  # the whole model on the clients
+    assert fedavg.cut is None and fedavg.inputs.plan.model.cut is None  # the whole model on the clients
     psl = prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", **over}))
-    assert psl.eval_mode == "clients" and psl.inputs.spec.persist_client_models
+    assert psl.eval_mode == "clients" and psl.inputs.plan.method.persist_client_models
     sflv3 = prepare(make_config(tmp_path, mlflow_uri, **{"algorithm.name": "sflv3", "data.test_fraction": 0.0,
                                                          **over}))
-    assert sflv3.eval_mode == "global" and sflv3.inputs.spec.persist_client_models
+    assert sflv3.eval_mode == "global" and sflv3.inputs.plan.method.persist_client_models
     from raysplit.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eval.mode=clients is not available for multihead"):
@@ -244,7 +252,7 @@ def test_algorithms_keep_to_the_public_runtime_contract():
     contract; checked on attribute access and calls, not only on imports)."""
     root = Path(__file__).resolve().parent.parent / "raysplit"
     private = runtime_private_names(root / "runtime")
-    assert {"_pool", "_perm", "_leaks", "_replay"} <= private  # what the runtime keeps to itself is seen
+    assert {"_pool", "_perm", "_leaks", "_kept"} <= private  # what the runtime keeps to itself is seen
     found = {p.name: v for p in sorted((root / "algorithms").glob("*.py"))
              if (v := contract_violations(p.read_text(), private))}
     assert not found, found

@@ -18,7 +18,7 @@ from helpers import make_config
 from raysplit.errors import BadClientInput
 from raysplit.runtime import Runtime, make_backend
 from raysplit.runtime.hosts import activation_fault, gradient_fault
-from raysplit.runtime.messages import Activation, Gradient, Tag
+from raysplit.runtime.messages import Activation, Gradient, Tag, batch_step
 
 CORRUPTIONS = {
     "nan": lambda m: dataclasses.replace(m, x=np.where(np.arange(m.x.size).reshape(m.x.shape) % 7 == 0, np.nan,
@@ -35,11 +35,17 @@ def corrupting(base: type, kind: str, client: int = 3, rnd: int | None = 1, step
     (``rnd`` None: at that step of every round or job)."""
 
     class Corrupt(base):
-        def forward(self, tag, batch_size=None):
-            msg = super().forward(tag, batch_size)
-            if tag.client == client and tag.step == step and rnd in (None, tag.round):
-                msg = CORRUPTIONS[kind](msg)
-            return msg
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            forward = self.steps.forward  # the split steps' forward: every path to it (forward_many too) sees this
+
+            def corrupted(tag, batch_size=None):
+                msg = forward(tag, batch_size)
+                if tag.client == client and tag.step == step and rnd in (None, tag.round):
+                    msg = CORRUPTIONS[kind](msg)
+                return msg
+
+            self.steps.forward = corrupted
 
     return Corrupt
 
@@ -163,9 +169,10 @@ def test_a_dropped_client_is_left_out_of_the_aggregate_and_keeps_its_model(tmp_p
 class NaNGradientServer:
     """Mixin: the server's gradient for client 1 at round 0, step 1 is NaN (a corrupt transfer)."""
 
-    def train_step(self, act, key="main"):
-        g = super().train_step(act, key)
-        if act.tag.client == 1 and act.tag.step == 1 and act.tag.round == 0:
+    @batch_step(starts="on_arrival")
+    def train_step(self, b, key="main"):
+        g = super().train_step(b, key)
+        if b.tag.client == 1 and b.tag.step == 1 and b.tag.round == 0:
             return Gradient(g.tag, np.full_like(g.g, np.nan), g.t_sent, g.loss)
         return g
 

@@ -32,12 +32,19 @@ TOL = 1e-6
 TOL_ADAM = 1e-5
 
 
+def batched_plan(plan, batched: bool):
+    """``plan`` whose server host is told ``algorithm.batched_copies: batched`` (the driver's algorithm still follows
+    its own config)."""
+    params = plan.method.params.model_copy(update={"batched_copies": batched})
+    return dataclasses.replace(plan, method=dataclasses.replace(plan.method, params=params))
+
+
 def run(cfg, spec_batched: bool | None = None):
     """Run ``cfg``'s rounds; returns per round (train_loss, accuracy, RoundStats) and the final runtime state.
     ``spec_batched`` overrides what the server host is told (the algorithm still follows the config)."""
     p = prepare(cfg)
     if spec_batched is not None:
-        p.inputs.spec = dataclasses.replace(p.inputs.spec, batched_copies=spec_batched)
+        p.inputs.plan = batched_plan(p.inputs.plan, spec_batched)
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     try:
         driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
@@ -143,8 +150,7 @@ def host_pair(tmp_path, mlflow_uri, **over):
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "algorithm.name": "psl",
                                                "train.optimizer.momentum": 0.9, **over})
     i = prepare(cfg).inputs
-    return [ServerHost(dataclasses.replace(i.spec, batched_copies=b), i.server_init, i.client_init, i.test_data)
-            for b in (False, True)]
+    return [ServerHost(batched_plan(i.plan, b), i.server_init, i.client_init, i.test_data) for b in (False, True)]
 
 
 def fork_random_copies(hosts, clients, main=None, seed=0):
@@ -155,7 +161,7 @@ def fork_random_copies(hosts, clients, main=None, seed=0):
         if main is not None:
             h.models["main"].module = copy.deepcopy(main)
             h.models["main"].optimizer = torch.optim.SGD(h.models["main"].module.parameters(), lr=0.1, momentum=0.9)
-        h.fork(clients)
+        h.models.fork(clients)
     for c in clients:
         noise = [torch.randn(p.shape, generator=g) * 0.05 for p in hosts[0].models[c].module.parameters()]
         for h in hosts:
@@ -165,7 +171,7 @@ def fork_random_copies(hosts, clients, main=None, seed=0):
 
 
 def activations(host, clients, step, rng, sizes=None, t0=0.0):
-    shape, dtype = host.activation_form()
+    shape, dtype = host.screen.form()
     return [Activation(Tag(c, 3, step), rng.standard_normal(((sizes or {}).get(c, 16), *shape)).astype(dtype),
                        rng.integers(0, 10, (sizes or {}).get(c, 16)), t0 + 1e-5 * (c % 3)) for c in clients]
 
@@ -182,9 +188,9 @@ def assert_same_steps(hosts, clients, steps, sizes=None, buffers=False) -> None:
             np.testing.assert_allclose(ga.g, gb.g, atol=1e-8)
             assert ga.g.shape == gb.g.shape and ga.g.dtype == gb.g.dtype
     per, bat = hosts
-    assert per.clock == bat.clock and per.round_flops == bat.round_flops
-    np.testing.assert_allclose(per.losses, bat.losses, atol=TOL)
-    np.testing.assert_allclose(per.grad_norms, bat.grad_norms, rtol=1e-6)
+    assert per.clock == bat.clock and per.trainer.tally.flops == bat.trainer.tally.flops
+    np.testing.assert_allclose(per.trainer.tally.losses, bat.trainer.tally.losses, atol=TOL)
+    np.testing.assert_allclose(per.trainer.tally.grad_norms, bat.trainer.tally.grad_norms, rtol=1e-6)
     for c in clients:
         sa, sb = (h.models[c].module.state_dict() for h in hosts)
         assert max_diff(sa, sb) < TOL
@@ -252,7 +258,7 @@ def test_model_vmap_refuses_falls_back_with_a_warning(tmp_path, mlflow_uri, monk
             b = hosts[1].serve("train_copies", *copy.deepcopy(acts))
         for ga, gb in zip(a, b, strict=True):
             assert np.array_equal(ga.g, gb.g) and ga.loss == gb.loss and ga.t_sent == gb.t_sent
-    assert hosts[1]._unbatched
+    assert hosts[1].models.unbatched
     for c in (0, 1, 2):
         sa, sb = (h.models[c].module.state_dict() for h in hosts)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -301,12 +307,16 @@ def test_switch_is_validated_documented_and_reaches_the_server_host(tmp_path, ml
         make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", "algorithm.batched_copies": "sometimes"})
     with pytest.raises(ConfigError, match="unknown key 'algorithm.batched_copies' for multihead"):
         make_config(tmp_path, mlflow_uri, **{"algorithm.name": "multihead", "algorithm.batched_copies": True})
+    def server_batches(cfg) -> bool:  # what the server host's models were told
+        i = prepare(cfg).inputs
+        return ServerHost(i.plan, i.server_init, i.client_init, i.test_data).models.batch_copies
+
     cfg = make_config(tmp_path, mlflow_uri, **{"algorithm.batched_copies": True, "algorithm.name": "psl"})
-    assert prepare(cfg).inputs.spec.batched_copies is True
-    assert prepare(make_config(tmp_path, mlflow_uri)).inputs.spec.batched_copies is False
+    assert server_batches(cfg) is True
+    assert server_batches(make_config(tmp_path, mlflow_uri)) is False  # sflv2 has no copies to batch
     with pytest.warns(FutureWarning, match="runtime.batched_copies is now algorithm.batched_copies"):
         old = make_config(tmp_path, mlflow_uri, **{"runtime.batched_copies": True, "algorithm.name": "sflv1"})
-    assert old.algorithm.batched_copies is True and prepare(old).inputs.spec.batched_copies is True
+    assert old.algorithm.batched_copies is True and prepare(old).inputs.plan.method.params.batched_copies is True
 
 
 @pytest.mark.parametrize("opt", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.001}],
@@ -316,10 +326,10 @@ def test_forked_copies_own_their_optimizer_state(tmp_path, mlflow_uri, opt):
     moments and step count) as they were: merging then averages states that each copy built alone."""
     host = host_pair(tmp_path, mlflow_uri, **{"train.optimizer": opt})[0]
     host.begin_round(3, 0.0)
-    host.fork([9])
+    host.models.fork([9])
     host.serve("train_copies", *activations(host, [9], 0, np.random.default_rng(0)))
-    host.merge({9: 1.0})  # the server optimizer now holds state
-    host.fork([0, 1])
+    host.models.merge({9: 1.0})  # the server optimizer now holds state
+    host.models.fork([0, 1])
     before = copy.deepcopy(host.models[1].optimizer.state_dict()["state"])
     host.serve("train_copies", *activations(host, [0], 1, np.random.default_rng(1)))
     for key in ("main", 1):

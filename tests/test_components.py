@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from raysplit.clock import ClientProfile, FlopCache
+from raysplit.config import OptimizerConfig
 from raysplit.data import DataSpec
 from raysplit.privacy import NoiseDefence, NopeekDefence, PrivacySpec
 from raysplit.runtime.client_data import ClientData, advance_cursor
@@ -88,7 +89,7 @@ def test_the_state_store_keeps_weights_and_optimizer_state_and_pools_modules():
         return built[-1]
 
     init = {k: v.clone() for k, v in torch.nn.Linear(3, 2).state_dict().items()}
-    sgd = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False}
+    sgd = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
     states = ClientStates(build, init, sgd, persist=True, state_bytes=None, spill_dir=None, changed=changed)
     slot = states.activate(0, lr=0.5)
     assert slot.optimizer.param_groups[0]["lr"] == 0.5 and torch.equal(slot.module.weight, init["weight"])

@@ -28,11 +28,11 @@ def one_round_cfg(tmp_path, mlflow_uri, algorithm, **extra):
 def reference_algorithm1(cfg, p):
     """Algorithm 1 by hand for one client and E = 1 with the server batch = the client batch (plain SGD)."""
     torch.manual_seed(cfg.seed)
-    spec = p.inputs.spec
-    client, server = build_model(cfg.model.name, spec.num_classes, spec.input_shape).split(p.cut)
+    model = p.inputs.plan.model
+    client, server = build_model(cfg.model.name, model.num_classes, model.input_shape).split(p.cut)
     idx = p.inputs.train_idx[0]
     b = np.random.default_rng([cfg.seed, 0, 0]).permutation(idx)[:cfg.train.batch_size]
-    x = to_tensor(p.inputs.train_data["x"][b], spec.data_spec)
+    x = to_tensor(p.inputs.train_data["x"][b], model.inputs)
     y = torch.as_tensor(p.inputs.train_data["y"][b])
     lr = cfg.train.optimizer.lr
     f = client(x)  # client extracts features
@@ -102,14 +102,14 @@ def test_resampled_loss_is_weighted_by_client_size(tmp_path, mlflow_uri):
     sizes = [len(ix) for ix in p.inputs.train_idx]
     assert len(set(sizes)) > 1  # the clients differ in size, so weighting matters
     rt.begin_round(0, [0, 1, 2], 0.0)
-    acts = [host.forward(Tag(c, 0, 0)) for c in range(3)]
+    acts = [host.steps.forward(Tag(c, 0, 0)) for c in range(3)]
     model = copy.deepcopy(server.models["main"].module)
     x = torch.cat([torch.from_numpy(np.array(a.x)) for a in acts])
     y = torch.cat([torch.from_numpy(np.array(a.y)) for a in acts])
     w = torch.cat([torch.full((len(a.y),), float(sizes[a.tag.client])) for a in acts])
     loss = (w * F.cross_entropy(model(x), y, reduction="none")).sum() / w.sum()
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    server.rule.cycle_step(*acts)  # one resampled batch holds every row: one step on the weighted loss
+    server.serve("cycle_step", *acts)  # one resampled batch holds every row: one step on the weighted loss
     lr = cfg.train.optimizer.lr
     for prm, g, new in zip(model.parameters(), grads, server.models["main"].module.parameters()):
         torch.testing.assert_close(new.detach(), (prm - lr * g).detach(), rtol=1e-5, atol=1e-6)
@@ -130,9 +130,9 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
     # cyclesl variant: copies per client; the first half (1 of 3) gets the shared gradient, the others their own
     cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "sglr", alg={"variant": "cyclesl"})
     rt.begin_round(0, [0, 1, 2], 0.0)
-    acts = [host.forward(Tag(c, 0, 0)) for c in range(3)]
-    server.fork([0, 1, 2])
-    g = server.rule.sglr_step(*acts)
+    acts = [host.steps.forward(Tag(c, 0, 0)) for c in range(3)]
+    server.models.fork([0, 1, 2])
+    g = server.serve("sglr_copies_step", *acts)
     own0 = g[0].g
     assert np.allclose(own0, own0[0])  # one per-sample gradient repeated over the batch
     lr0 = server.models[0].optimizer.param_groups[0]["lr"]
@@ -141,16 +141,16 @@ def test_sglr_variants_differ_where_they_should(tmp_path, mlflow_uri):
     cfg, p, rt, server, host = _hosts(tmp_path, mlflow_uri, "sglr", alg={"variant": "original", "lr_pow": 1.0},
                                       **{"train.rounds": 10})
     rt.begin_round(0, [0, 1, 2], 0.0)
-    acts = [host.forward(Tag(c, 0, 0)) for c in range(3)]
-    g = server.rule.sglr_step(*acts)
+    acts = [host.steps.forward(Tag(c, 0, 0)) for c in range(3)]
+    g = server.serve("sglr_concat_step", *acts)
     assert server.models["main"].optimizer.param_groups[0]["lr"] == pytest.approx(3 * cfg.train.optimizer.lr)
     n = min(len(x.g) for x in g)
     assert all(np.allclose(x.g[:n], g[0].g[:n]) for x in g)  # shared while round < 0.6 * rounds
     server.begin_round(7, 0.0)  # past comm_fraction: each client its own slice
     for c in range(3):
-        host.pending.clear(), host.begin_round(7, [c], 0.0)
-    acts = [host.forward(Tag(c, 7, 0)) for c in range(3)]
-    g = server.rule.sglr_step(*acts)
+        host.steps.pending.clear(), host.begin_round(7, [c], 0.0)
+    acts = [host.steps.forward(Tag(c, 7, 0)) for c in range(3)]
+    g = server.serve("sglr_concat_step", *acts)
     assert not np.allclose(g[0].g[:n], g[1].g[:n])
 
 

@@ -80,7 +80,7 @@ def test_server_aggregate_handles_zero_dim_buffers(tmp_path, mlflow_uri):
         "data.options": {"num_samples": 64, "shape": [3, 32, 32]}})
     p = prepare(cfg)
     i = p.inputs
-    host = ServerHost(i.spec, i.server_init, i.client_init, i.test_data)
+    host = ServerHost(i.plan, i.server_init, i.client_init, i.test_data)
     a = {k: np.array(v, copy=True) for k, v in i.client_init.items()}
     b = {k: np.array(v, copy=True) for k, v in i.client_init.items()}
     nbt = next(k for k in a if k.endswith("num_batches_tracked"))

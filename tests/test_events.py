@@ -28,7 +28,7 @@ class RecordingServer(AsyncRule):
         return super().on_arrival(act)
 
     def on_model_upload(self, cid, msg, job):
-        RecordingServer.log.append(("upload", cid, job.version, self.host.version, msg.t_sent))
+        RecordingServer.log.append(("upload", cid, job.version, self.ctx.global_model.version, msg.t_sent))
         return super().on_model_upload(cid, msg, job)
 
 
@@ -90,11 +90,11 @@ def test_event_order_equals_hand_computation(tmp_path, mlflow_uri):
     profs = (ClientProfile(1e9, 2e6, 1e7), ClientProfile(2.5e9, 5e5, 1e7))
     import dataclasses
 
-    setup = dataclasses.replace(p.inputs.spec.host_setup, profiles=profs)
-    spec = dataclasses.replace(p.inputs.spec, host_setup=setup)
-    p.inputs = dataclasses.replace(p.inputs, spec=spec, profiles=list(profs))
+    events = dataclasses.replace(p.inputs.plan.events, profiles=profs)
+    plan = dataclasses.replace(p.inputs.plan, events=events)
+    p.inputs = dataclasses.replace(p.inputs, plan=plan, profiles=list(profs))
     from raysplit.runtime import Runtime, make_backend
-    from raysplit.runtime.async_server import EventDriver
+    from raysplit.runtime.drivers import EventDriver
 
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     try:
@@ -103,8 +103,8 @@ def test_event_order_equals_hand_computation(tmp_path, mlflow_uri):
         rt.shutdown()
     # by hand
     torch.manual_seed(0)
-    client, _ = build_model(cfg.model.name, p.num_classes, p.inputs.spec.input_shape).split(p.cut)
-    x = torch.zeros(16, *p.inputs.spec.input_shape)
+    client, _ = build_model(cfg.model.name, p.num_classes, p.inputs.plan.model.input_shape).split(p.cut)
+    x = torch.zeros(16, *p.inputs.plan.model.input_shape)
     a, fwd = _flops(lambda: client(x))
     _, bwd = _flops(lambda: a.backward(torch.ones_like(a)))
     act_bytes = a.numel() * 4 + 16 * 8

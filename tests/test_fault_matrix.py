@@ -50,7 +50,7 @@ CASES: dict[str, tuple[dict, int, dict]] = {
     "ampere-transfer": ({"algorithm": {"name": "ampere", "device_rounds": 2, "server_epochs": 2, "chunk_rows": 64},
                          "train.rounds": 4}, 1, {"client0": ("export", 2), "server": ("ingest", 3)}),
     "ampere-server": ({"algorithm": {"name": "ampere", "device_rounds": 2, "server_epochs": 2, "chunk_rows": 64},
-                       "train.rounds": 4}, 2, {"client0": (None, 1), "server": ("step_through", 3)}),
+                       "train.rounds": 4}, 2, {"client0": (None, 1), "server": ("step", 3)}),
 }
 # what CI runs: each family once, each transport and each victim several times
 CI = {("sflv2-spilled", "client0", "compiled"), ("psl-spilled", "server", "calls"),

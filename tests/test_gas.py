@@ -68,8 +68,9 @@ def _gas_server(tmp_path, mlflow_uri, **over):
 
 
 def _activation(server, client, labels, rng):
+    """A client's batch as the server's rule gets it (decoded by the host)."""
     x = rng.normal(size=(len(labels), *server.rule.act_shape)).astype(np.float32)
-    return Activation(Tag(client, 0, 0), x, np.asarray(labels, dtype=np.int64), 0.0)
+    return server.decode(Activation(Tag(client, 0, 0), x, np.asarray(labels, dtype=np.int64), 0.0))
 
 
 def test_generation_tops_every_label_up_exactly(tmp_path, mlflow_uri):
@@ -77,13 +78,13 @@ def test_generation_tops_every_label_up_exactly(tmp_path, mlflow_uri):
                                                                              "buffer_size": 2}})
     rng = np.random.default_rng(0)
     seen = []
-    orig = server.step_through
+    orig = server.trainer.step
 
     def spy(x, y, *a, **k):
         seen.append(y.clone())
         return orig(x, y, *a, **k)
 
-    server.step_through = spy
+    server.trainer.step = spy
     for c in range(3):
         server.rule.on_job_start(c, None)
     server.begin_round(0, 0.0)
@@ -120,16 +121,18 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
     server.rule.on_job_start(0, Job(0, 0, 0, 0.0))
     server.rule.on_arrival(_activation(server, 0, list(range(10)), np.random.default_rng(0)))
     server.rule.flush()
-    assert server.rule.on_model_upload(0, server.global_model(), Job(0, 0, 0, 0.0))  # model buffer of 1: a global round
+    model = server.global_model.current()
+    assert server.rule.on_model_upload(0, model, Job(0, 0, 0, 0.0))  # model buffer of 1: a global round
     assert server.round_metrics()["grad_dissimilarity"] > 0  # the buffer was random activations
-    client = server.eval_client
-    client.load_state_dict(transport.unpack_state(server.global_model().state))
+    model = server.global_model.current()
+    client = server.evaluation.client
+    client.load_state_dict(transport.unpack_state(model.state))
     with torch.no_grad():
-        x = client.eval()(to_tensor(np.asarray(server.test_x), server.spec.data_spec))
-    y = torch.as_tensor(np.asarray(server.test_y), dtype=torch.long)
-    assert server.rule.gradient_dissimilarity(x, y) < 1e-10
+        x = client.eval()(to_tensor(np.asarray(server.evaluation.x), server.plan.model.inputs))
+    y = torch.as_tensor(np.asarray(server.evaluation.y), dtype=torch.long)
+    assert server.rule.gradient_dissimilarity(model, x, y) < 1e-10
     shuffled = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))]
-    assert server.rule.gradient_dissimilarity(x, shuffled) > 1e-6
+    assert server.rule.gradient_dissimilarity(model, x, shuffled) > 1e-6
     rt.shutdown()
     final = run_experiment(gas_cfg(tmp_path, mlflow_uri, **{
         "algorithm": {"name": "gas", "dissimilarity_batches": 2}, "tracking.experiment": "gas-v"}))
@@ -177,20 +180,20 @@ def _fl_server(tmp_path, mlflow_uri, algorithm):
 
 
 def _state(server, value):
-    ref = transport.unpack_state(server.global_model().state)
+    ref = transport.unpack_state(server.global_model.current().state)
     return {k: np.full(v.shape, value, dtype=np.float32) for k, v in ref.items()}
 
 
 def test_fedbuff_moves_by_server_lr_times_the_mean_update(tmp_path, mlflow_uri):
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "fedbuff", "buffer_size": 2, "server_lr": 0.5})
-    server.set_global(StateMsg(_state(server, 1.0)))
+    server.global_model.publish(StateMsg(_state(server, 1.0)))
     from raysplit.runtime.events import Job
 
     for c in (0, 1):
-        server.rule.on_job_start(c, Job(c, server.version, 0, 0.0))
+        server.rule.on_job_start(c, Job(c, server.global_model.version, 0, 0.0))
     assert not server.rule.on_model_upload(0, StateMsg(_state(server, 3.0)), Job(0, 1, 0, 0.0))  # update +2
     assert server.rule.on_model_upload(1, StateMsg(_state(server, 5.0)), Job(1, 1, 0, 0.0))  # update +4
-    got = transport.unpack_state(server.global_model().state)
+    got = transport.unpack_state(server.global_model.current().state)
     assert all(torch.allclose(v, torch.full_like(v, 1.0 + 0.5 * 3.0)) for v in got.values())
     rt.shutdown()
 
@@ -199,8 +202,8 @@ def test_ca2fl_calibrates_with_every_clients_cached_update(tmp_path, mlflow_uri)
     from raysplit.runtime.events import Job
 
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "ca2fl", "buffer_size": 1})
-    n = len(server.setup.client_sizes)
-    server.set_global(StateMsg(_state(server, 0.0)))
+    n = len(server.plan.events.client_sizes)
+    server.global_model.publish(StateMsg(_state(server, 0.0)))
     server.rule.on_job_start(0, Job(0, 1, 0, 0.0))
     server.rule.on_model_upload(0, StateMsg(_state(server, 2.0)), Job(0, 1, 0, 0.0))  # v = 0 + (2 - 0) = 2
     server.rule.on_job_start(1, Job(1, 2, 0, 0.0))
@@ -209,7 +212,7 @@ def test_ca2fl_calibrates_with_every_clients_cached_update(tmp_path, mlflow_uri)
     x = 2.0 + 2.0 / n + 4.0
     server.rule.on_model_upload(0, StateMsg(_state(server, x + 1.0)), Job(0, 3, 0, 0.0))  # v = (2+4)/n + (1 - 2)
     want = x + 6.0 / n - 1.0
-    got = transport.unpack_state(server.global_model().state)
+    got = transport.unpack_state(server.global_model.current().state)
     assert all(torch.allclose(v, torch.full_like(v, want)) for v in got.values())
     rt.shutdown()
 
@@ -218,10 +221,10 @@ def test_fedasync_mixes_by_staleness(tmp_path, mlflow_uri):
     from raysplit.runtime.events import Job
 
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "fedasync", "alpha": 0.5, "staleness_power": 1.0})
-    server.set_global(StateMsg(_state(server, 0.0)))  # version 1
-    server.version = 3
+    server.global_model.publish(StateMsg(_state(server, 0.0)))  # version 1
+    server.global_model.version = 3
     assert server.rule.on_model_upload(0, StateMsg(_state(server, 8.0)), Job(0, 1, 0, 0.0))  # staleness 2: a = 0.5/3
-    got = transport.unpack_state(server.global_model().state)
+    got = transport.unpack_state(server.global_model.current().state)
     assert all(torch.allclose(v, torch.full_like(v, 8.0 * 0.5 / 3)) for v in got.values())
     rt.shutdown()
 

@@ -100,9 +100,11 @@ def test_pg_bw_and_per_position_on_a_hand_made_history():
 def test_most_confident_model_decides_each_sample():
     x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=np.float32)
     y = np.array([0, 1, 1])
-    fake = SimpleNamespace(host=SimpleNamespace(test_x=x, test_y=y, device=torch.device("cpu"),
-                                                spec=SimpleNamespace(eval_batch_size=2,
-                                                                     data_spec=DataSpec("toy", "float", (2,), 2))))
+    from raysplit.runtime.evaluation import ServerEvaluation
+
+    evaluation = ServerEvaluation({"x": x, "y": y}, DataSpec("toy", "float", (2,), 2), 2, torch.device("cpu"),
+                                  torch.nn.Identity())
+    fake = SimpleNamespace(ctx=SimpleNamespace(evaluation=evaluation))
     a, b = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         a.weight.copy_(torch.tensor([[3.0, 0.0], [0.0, 0.0]]))  # confident "0" on feature 0

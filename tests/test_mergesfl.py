@@ -88,14 +88,14 @@ def test_merged_step_dispatches_slices_of_one_concatenated_forward(tmp_path, mlf
     server, host = rt.backend.server, rt.backend.workers[0]
     rt.begin_round(0, [0, 1, 2], 0.0)
     sizes = {0: 5, 1: 12, 2: 31}
-    acts = [host.forward(Tag(c, 0, 0), d) for c, d in sizes.items()]
+    acts = [host.steps.forward(Tag(c, 0, 0), d) for c, d in sizes.items()]
     model = server.models["main"].module
     before = [prm.detach().clone() for prm in model.parameters()]
     x = torch.cat([torch.from_numpy(np.array(a.x)) for a in acts]).requires_grad_(True)
     y = torch.cat([torch.from_numpy(np.array(a.y)) for a in acts])
     loss = F.cross_entropy(model(x), y)
     grads = torch.autograd.grad(loss, [x] + list(model.parameters()))
-    out = server.rule.merge_step(*acts)
+    out = server.serve("merge_step", *acts)
     lo = 0
     for a, g in zip(acts, out):
         d = len(a.y)
@@ -112,11 +112,11 @@ def test_merged_step_dispatches_slices_of_one_concatenated_forward(tmp_path, mlf
 def whole_model_sgd_step(cfg, p, sizes: dict[int, int]):
     """One plain-SGD step of the whole model on the concatenation of each client's first batch of ``sizes[c]``."""
     torch.manual_seed(cfg.seed)
-    spec = p.inputs.spec
+    spec = p.inputs.plan.model
     model = build_model(cfg.model.name, spec.num_classes, spec.input_shape)
     rows = np.concatenate([np.random.default_rng([cfg.seed, c, 0]).permutation(p.inputs.train_idx[c])[:d]
                            for c, d in sizes.items()])
-    x = to_tensor(p.inputs.train_data["x"][rows], spec.data_spec)
+    x = to_tensor(p.inputs.train_data["x"][rows], spec.inputs)
     F.cross_entropy(model(x), torch.as_tensor(p.inputs.train_data["y"][rows])).backward()
     with torch.no_grad():
         for prm in model.parameters():

@@ -104,7 +104,7 @@ def test_noise_at_sigma_zero_without_clip_equals_the_undefended_run(tmp_path, ml
     off = run_rounds(local(tmp_path, mlflow_uri, **{"algorithm.name": alg}))
     on = run_rounds(local(tmp_path, mlflow_uri, **{"algorithm.name": alg, "privacy.defence.kind": "noise",
                                                    "privacy.defence.sigma": 0.0}))
-    assert on[2].inputs.spec.privacy is not None  # the defence really ran
+    assert on[2].inputs.plan.privacy is not None  # the defence really ran
     assert_identical_runs(off, on)
     for a, b in zip(off[3], on[3], strict=True):
         assert {c: v["bytes_up"] for c, v in a.clients.items()} == {c: v["bytes_up"] for c, v in b.clients.items()}

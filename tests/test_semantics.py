@@ -18,7 +18,7 @@ from raysplit.runtime import Runtime, make_backend
 def centralized_reference(cfg, p, rounds):
     """Plain SGD on the full model over the exact batches the one client draws (seeded permutation per epoch)."""
     torch.manual_seed(cfg.seed)
-    spec = p.inputs.spec
+    spec = p.inputs.plan.model
     model = build_model(cfg.model.name, spec.num_classes, spec.input_shape)
     o = cfg.train.optimizer
     opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum)
@@ -33,7 +33,7 @@ def centralized_reference(cfg, p, rounds):
         b = perm[pos:pos + cfg.train.batch_size]
         pos += len(b)
         opt.zero_grad()
-        F.cross_entropy(model(to_tensor(x_all[b], spec.data_spec)), torch.as_tensor(y_all[b])).backward()
+        F.cross_entropy(model(to_tensor(x_all[b], spec.inputs)), torch.as_tensor(y_all[b])).backward()
         opt.step()
     return model
 
@@ -64,7 +64,7 @@ def test_sflv2_one_client_equals_centralized_sgd(tmp_path, mlflow_uri):
         torch.testing.assert_close(got[k], full[k], rtol=1e-5, atol=1e-6, msg=k)
     # and it really trained: weights moved away from the initial ones
     torch.manual_seed(cfg.seed)
-    init = build_model(cfg.model.name, p.num_classes, p.inputs.spec.input_shape).state_dict()
+    init = build_model(cfg.model.name, p.num_classes, p.inputs.plan.model.input_shape).state_dict()
     assert any(not torch.allclose(init[k], full[k]) for k in full)
     assert cut == 1
 
@@ -93,7 +93,7 @@ def test_virtual_clock_matches_hand_computation(tmp_path, mlflow_uri):
     _, _, p, stats = run_rounds(cfg, 1)
     st = stats[0]
     bs = cfg.train.batch_size
-    spec = p.inputs.spec
+    spec = p.inputs.plan.model
     torch.manual_seed(0)
     client, server = build_model(cfg.model.name, spec.num_classes, spec.input_shape).split(p.cut)
     x = torch.randn(bs, *spec.input_shape)
@@ -126,17 +126,17 @@ def test_gradient_pairs_by_tag_not_arrival(tmp_path, mlflow_uri):
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.num_workers": 1})
     p = prepare(cfg)
     i = p.inputs
-    host = ClientHost(i.spec, 0, i.train_data, dict(enumerate(i.train_idx)), dict(enumerate(i.test_idx)),
+    host = ClientHost(i.plan, 0, i.train_data, dict(enumerate(i.train_idx)), dict(enumerate(i.test_idx)),
                       dict(enumerate(i.profiles)), i.client_init)
     host.begin_round(0, [0, 1], 0.0)
-    a0 = host.forward(Tag(0, 0, 0))
-    a1 = host.forward(Tag(1, 0, 0))
+    a0 = host.steps.forward(Tag(0, 0, 0))
+    a1 = host.steps.forward(Tag(1, 0, 0))
     # gradients arrive in the opposite order; each must be applied to its own activation
-    host.backward(Gradient(a1.tag, np.zeros_like(a1.x), a1.t_sent))
-    host.backward(Gradient(a0.tag, np.zeros_like(a0.x), a0.t_sent))
-    assert not host.pending
+    host.steps.backward(Gradient(a1.tag, np.zeros_like(a1.x), a1.t_sent))
+    host.steps.backward(Gradient(a0.tag, np.zeros_like(a0.x), a0.t_sent))
+    assert not host.steps.pending
     with pytest.raises(KeyError, match="no pending activation"):
-        host.backward(Gradient(Tag(0, 0, 5), np.zeros_like(a0.x), 0.0))
+        host.steps.backward(Gradient(Tag(0, 0, 5), np.zeros_like(a0.x), 0.0))
 
 
 def test_gas_cell_profile_matches_the_formula():
@@ -155,9 +155,10 @@ def test_gas_cell_profile_matches_the_formula():
 
 
 def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_uri):
+    from raysplit.config import OptimizerConfig
     from raysplit.runtime.optim import round_lr
 
-    cfg = {"lr": 0.05, "decay": 0.5, "min_lr": 0.01}
+    cfg = OptimizerConfig(lr=0.05, decay=0.5, min_lr=0.01)
     assert [round_lr(cfg, r) for r in range(4)] == pytest.approx([0.05, 0.025, 0.0125, 0.01])
     c = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 3,
                                              "train.optimizer.decay": 0.5, "train.optimizer.momentum": 0.9})
@@ -177,19 +178,19 @@ def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_u
 def test_frozen_gives_only_the_input_gradient_and_restores_each_flag():
     """ServerHost.frozen: inside, a pass yields dL/dx and no parameter gradient; afterwards every parameter's
     requires_grad is what it was (one frozen before stays frozen), also when the block raises."""
-    from raysplit.runtime import ServerHost
+    from raysplit.runtime.trainer import frozen
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].bias.requires_grad_(False)
     flags = [p.requires_grad for p in model.parameters()]
     x = torch.randn(5, 4, requires_grad=True)
-    with ServerHost.frozen(model):
+    with frozen(model):
         F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1, 1])).backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert all(p.grad is None for p in model.parameters())
     assert [p.requires_grad for p in model.parameters()] == flags == [True, True, True, False]
     with pytest.raises(RuntimeError, match="inside"):
-        with ServerHost.frozen(model):
+        with frozen(model):
             raise RuntimeError("inside")
     assert [p.requires_grad for p in model.parameters()] == flags

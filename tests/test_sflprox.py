@@ -41,7 +41,7 @@ def test_a_step_adds_mu_times_the_distance_to_the_rounds_start(tmp_path, mlflow_
                                                               "train.clip_grad_norm": None}))
     rt = Runtime(LocalBackend(1), p.inputs)
     host = rt.backend.workers[0]
-    slot = host.activate(0)
+    slot = host.slots.activate(0)
     params = list(slot.module.parameters())
     start = [q.detach().clone() for q in params]
     with torch.no_grad():
@@ -52,5 +52,5 @@ def test_a_step_adds_mu_times_the_distance_to_the_rounds_start(tmp_path, mlflow_
     host.rule.before_step(0, slot)
     for q, s in zip(params, start):
         torch.testing.assert_close(q.grad, torch.ones_like(q) + 0.5 * (q.detach() - s))
-    host.release(0)
+    host.slots.release(0)
     assert 0 not in host.rule.anchor

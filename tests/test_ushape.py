@@ -31,15 +31,15 @@ def test_a_u_shaped_run_trains_the_unsplit_model_with_plain_sgd(tmp_path, alg):
                                          "train.batch_size": 4096, "train.local_steps": 3, "train.rounds": 2,
                                          "train.participation.count": 1})
     client, server, p, _ = run_rounds(cfg)
-    spec = p.inputs.spec
-    model = build_model(spec.model, spec.num_classes, spec.input_shape)
-    head, middle, tail = model.split3(spec.cut, spec.ushape.tail_cut)
+    spec = p.inputs.plan.model
+    model = build_model(spec.name, spec.num_classes, spec.input_shape)
+    head, middle, tail = model.split3(spec.cut, spec.tail_cut)
     init_c = transport.unpack_state(p.inputs.client_init)
     head.load_state_dict({k[5:]: v for k, v in init_c.items() if k.startswith("head.")})
     tail.load_state_dict({k[5:]: v for k, v in init_c.items() if k.startswith("tail.")})
     middle.load_state_dict(transport.unpack_state(p.inputs.server_init))
     idx = p.inputs.train_idx[0]
-    x = to_tensor(p.inputs.train_data["x"][idx], spec.data_spec)
+    x = to_tensor(p.inputs.train_data["x"][idx], spec.inputs)
     y = torch.as_tensor(p.inputs.train_data["y"][idx])
     opt = torch.optim.SGD(model.parameters(), lr=cfg.train.optimizer.lr)
     for _ in range(6):
@@ -60,19 +60,19 @@ def test_labels_stay_on_the_clients_and_the_extra_exchange_is_charged(tmp_path, 
     middle's output and the returned gradient are counted as bytes of their own (one batch of the middle's output
     size per step each way), the tail's FLOPs on the clients; the label scores are logged."""
     from raysplit.models import build_model
-    from raysplit.runtime.server_steps import ServerSteps
+    from raysplit.runtime.messages import Batch
 
     seen = []
-    decode = ServerSteps.decode
-    monkeypatch.setattr(ServerSteps, "decode", lambda self, act: (seen.append(np.asarray(act.y).size),
-                                                                  decode(self, act))[1])
+    decode = Batch.of.__func__
+    monkeypatch.setattr(Batch, "of", classmethod(lambda cls, act, device: (seen.append(np.asarray(act.y).size),
+                                                                           decode(cls, act, device))[1]))
     over = {**U, "train.rounds": 2, "privacy.label_attack": {"kind": "gradient_scoring"}}
     cfg = make_config(tmp_path, None, **over)
     _, _, p, stats = run_rounds(cfg)
     assert seen and set(seen) == {0}, seen
-    spec = p.inputs.spec
-    model = build_model(spec.model, spec.num_classes, spec.input_shape)
-    head, middle, _ = model.split3(spec.cut, spec.ushape.tail_cut)
+    spec = p.inputs.plan.model
+    model = build_model(spec.name, spec.num_classes, spec.input_shape)
+    head, middle, _ = model.split3(spec.cut, spec.tail_cut)
     per_sample = int(np.prod(middle(head(torch.zeros(1, *spec.input_shape))).shape[1:])) * 4
     for st in stats:
         for c, row in st.clients.items():

@@ -48,7 +48,6 @@ from ..models.auxiliary import UnsupportedLayer, auxiliary_net
 from ..runtime import ClientRule, ServerRule
 from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import StateMsg, Tag
-from ..runtime.optim import make_optimizer
 
 
 def with_auxiliary(model, device: torch.nn.Module, server: torch.nn.Module, cut, ratio: float) -> torch.nn.Sequential:
@@ -64,20 +63,19 @@ def with_auxiliary(model, device: torch.nn.Module, server: torch.nn.Module, cut,
         raise ConfigError(f"model.cut={cut!r}: {e}") from None
 
 
-def aux_parts(spec) -> tuple[torch.nn.Sequential, torch.nn.Module]:
-    """(device block + auxiliary net, server block) of a host spec (``spec.params.ratio``)."""
-    from ..models import build_model
-
-    model = build_model(spec.model, spec.num_classes, tuple(spec.input_shape), **spec.model_options)
-    device, server = model.split(spec.cut)
-    return with_auxiliary(model, device, server, spec.cut, spec.params.ratio), server
+def aux_parts(ctx) -> tuple[torch.nn.Sequential, torch.nn.Module]:
+    """(device block + auxiliary net, server block), fresh, of a rule's context (``ctx.model``, at the auxiliary
+    net's ``ctx.params.ratio``)."""
+    model = ctx.model.build()
+    device, server = model.split(ctx.model.cut)
+    return with_auxiliary(model, device, server, ctx.model.cut, ctx.params.ratio), server
 
 
 class AuxRule(ClientRule):
     """A client whose model is (device block, auxiliary net); the device block alone encodes its activations."""
 
     def build_module(self) -> torch.nn.Module:
-        return aux_parts(self.host.spec)[0]
+        return aux_parts(self.ctx)[0]
 
     def encoder(self, tag: Tag, slot):
         return slot.module[0]
@@ -86,13 +84,13 @@ class AuxRule(ClientRule):
 class AuxServer(ServerRule):
     """A server whose client models are (device block, auxiliary net): aggregation and evaluation know it."""
 
-    def __init__(self, host):
-        super().__init__(host)
-        self.host.eval_client = aux_parts(host.spec)[0].to(host.device)
-        self.host.eval_client.load_state_dict(self.host.client_init.tensors())
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        ctx.evaluation.replace_client(aux_parts(ctx)[0].to(ctx.device))
+        ctx.evaluation.client.load_state_dict(ctx.initial_client.tensors())
 
     def client_encoder(self) -> torch.nn.Module:
-        return self.host.eval_client[0]  # evaluation: the device block with the server block, the auxiliary net unused
+        return self.ctx.evaluation.client[0]  # evaluation: the device block with the server block, not the aux net
 
 
 class AmpereRule(AuxRule):
@@ -104,16 +102,15 @@ class AmpereRule(AuxRule):
     @torch.no_grad()
     def validate(self) -> tuple[np.ndarray, np.ndarray, float]:
         """The global (device block, auxiliary net) on the validation splits of every device this worker hosts."""
-        host = self.host
-        model = aux_parts(host.spec)[0]
-        model.load_state_dict(host.states.global_state)
+        ctx = self.ctx
+        model = aux_parts(ctx)[0]
+        model.load_state_dict(ctx.states.global_state)
         model.eval()
         tally = EvalTally()
-        for c in sorted(host.data.test_idx):
-            idx = host.data.test_idx[c]
+        for c in sorted(ctx.data.test_idx):
+            idx = ctx.data.test_idx[c]
             if len(idx):
-                predict_batches(host.data.x[idx], host.data.y[idx], host.spec.data_spec, host.spec.eval_batch_size,
-                                model, tally)
+                predict_batches(ctx.data.x[idx], ctx.data.y[idx], ctx.model.inputs, ctx.eval.batch_size, model, tally)
         return tally.result()
 
     @torch.no_grad()
@@ -121,26 +118,26 @@ class AmpereRule(AuxRule):
         """Chunk ``chunk`` (``rows`` rows) of the device block's activations of the device's ``split`` (train or
         validation), computed with the global device block, charged (FLOPs, activation bytes) from ``t_start`` on:
         ``(features, labels, device, split, time it reached the server)``."""
-        host = self.host
+        ctx = self.ctx
         if chunk == 0:
-            host.meter.wait_until(cid, t_start)
-        if self._export_of is not host.states.global_state:  # the global device block, once per transfer
-            self._export_model = aux_parts(host.spec)[0].to(host.executor.device)
-            self._export_model.load_state_dict(host.states.global_state)
+            ctx.meter.wait_until(cid, t_start)
+        if self._export_of is not ctx.states.global_state:  # the global device block, once per transfer
+            self._export_model = aux_parts(ctx)[0].to(ctx.device)
+            self._export_model.load_state_dict(ctx.states.global_state)
             self._export_model.eval()
-            self._export_of = host.states.global_state
+            self._export_of = ctx.states.global_state
         device = self._export_model[0]
-        idx = (host.data.train_idx if split == "train" else host.data.test_idx)[cid][chunk * rows:(chunk + 1) * rows]
-        x, y = host.data.batch(idx)
-        out, fl = host.executor.run(("export", tuple(x.shape)), lambda: device(x))
-        host.meter.charge_compute(cid, fl)
+        idx = (ctx.data.train_idx if split == "train" else ctx.data.test_idx)[cid][chunk * rows:(chunk + 1) * rows]
+        x, y = ctx.data.batch(idx)
+        out, fl = ctx.executor.run(("export", tuple(x.shape)), lambda: device(x))
+        ctx.meter.charge_compute(cid, fl)
         nbytes = None
-        if host.cut.defence is not None:  # privacy.defence on the one-shot transfer (each sample released once)
-            out, nbytes = host.defend(Tag(cid, host.round, chunk, f"export_{split}"), x, out,
-                                      count=split == "train" and chunk == 0, rate=1.0)
+        if ctx.cut.defence is not None:  # privacy.defence on the one-shot transfer (each sample released once)
+            out, nbytes = ctx.defend(Tag(cid, ctx.round, chunk, f"export_{split}"), x, out,
+                                     count=split == "train" and chunk == 0, rate=1.0)
         feats = out.cpu().contiguous().numpy()  # to the server's activation store
         labels = y.cpu().numpy()
-        t = host.meter.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + labels.nbytes, "activations")
+        t = ctx.meter.charge_upload(cid, (feats.nbytes if nbytes is None else nbytes) + labels.nbytes, "activations")
         return feats, labels, cid, split, t
 
 
@@ -149,9 +146,9 @@ class AmpereServer(AuxServer):
 
     checkpointed = ("epochs_done", "arrivals", "server_init", "store_path", "best_val", "best_state", "last_val")
 
-    def __init__(self, host):
-        super().__init__(host)
-        self.server_init = copy.deepcopy(self.host.models["main"].module.state_dict())
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.server_init = copy.deepcopy(ctx.models.main.module.state_dict())
         self.best_val, self.best_state, self.last_val = -1.0, None, float("nan")
         self.stores: dict[str, ActivationStore] = {}
         self.arrivals: list[float] = []
@@ -186,34 +183,35 @@ class AmpereServer(AuxServer):
     # ---- server phase ---------------------------------------------------------------------------------------------
     def server_epoch(self) -> None:
         """One epoch of the server block on the consolidated activations (or per-device blocks, averaged)."""
-        p, slot = self.host.params, self.host.models["main"]
-        if self.epochs_done == 0:  # the server block starts from scratch (its initial weights)
+        ctx = self.ctx
+        p, slot = ctx.params, ctx.models.main
+        if self.epochs_done == 0:  # the server block starts from scratch (its initial weights and optimizer)
             slot.module.load_state_dict(self.server_init)
-            slot.optimizer = make_optimizer(slot.module.parameters(), self.host.spec.server_optimizer)
-            self.host.wait_until(min(self.arrivals))
+            slot.optimizer = ctx.trainer.optimizer(slot.module.parameters())
+            ctx.trainer.wait_until(min(self.arrivals))
         store = self._store("train")
         if p.consolidate:
             self._train(slot, store.shards, "main")
         else:
             sources = sorted({s["source"] for s in store.shards})
-            self.host.fork(sources)
+            ctx.models.fork(sources)
             for d in sources:
-                self._train(self.host.models[d], [s for s in store.shards if s["source"] == d], d)
+                self._train(ctx.models[d], [s for s in store.shards if s["source"] == d], d)
             rows = {d: sum(s["rows"] for s in store.shards if s["source"] == d) for d in sources}
-            self.host.merge({d: float(rows[d]) for d in sources})
+            ctx.models.merge({d: float(rows[d]) for d in sources})
         if self.epochs_done == 0:  # the first epoch cannot end before the last activations have arrived
-            self.host.wait_until(max(self.arrivals))
+            ctx.trainer.wait_until(max(self.arrivals))
         self.epochs_done += 1
 
     def _train(self, slot, shards: list[dict], key) -> None:
-        p = self.host.params
+        ctx = self.ctx
+        p = ctx.params
         loader = ShuffledLoader(self._store("train"), p.server_batch_size, int(p.cache_mb * 2**20),
-                                self.host.spec.seed * 1000 + (0 if key == "main" else int(key) + 1), shards)
+                                ctx.seed * 1000 + (0 if key == "main" else int(key) + 1), shards)
         for step, (x, y) in enumerate(loader.epoch(self.epochs_done)):
-            xt = torch.from_numpy(np.ascontiguousarray(x)).to(self.host.device)
-            self.host.step_through(xt, torch.from_numpy(y).to(self.host.device), slot.module, [slot.optimizer],
-                                   tag=Tag(-1, self.host.round, step, "server"), flop_key=("server_epoch",),
-                                   varying_batch=True, where=f"the server phase, epoch {self.epochs_done}, step {step}")
+            xt = torch.from_numpy(np.ascontiguousarray(x)).to(ctx.device)
+            ctx.trainer.step(xt, torch.from_numpy(y).to(ctx.device), slot, step=step,
+                             where=f"the server phase, epoch {self.epochs_done}, step {step}")
         self.peak_cache = max(getattr(self, "peak_cache", 0), loader.peak_bytes)
 
     def _store(self, split: str) -> ActivationStore:
@@ -224,11 +222,11 @@ class AmpereServer(AuxServer):
     @torch.no_grad()
     def validate_server(self) -> float:
         """Accuracy of the server block on the validation activations."""
-        store, module = self._store("validation"), self.host.models["main"].module
+        store, module = self._store("validation"), self.ctx.models.main.module
         module.eval()
         correct = total = 0
-        for x, y in ShuffledLoader(store, 4096, int(self.host.params.cache_mb * 2**20), 0).epoch(0):
-            pred = module(torch.from_numpy(np.ascontiguousarray(x)).to(self.host.device)).argmax(1).cpu().numpy()
+        for x, y in ShuffledLoader(store, 4096, int(self.ctx.params.cache_mb * 2**20), 0).epoch(0):
+            pred = module(torch.from_numpy(np.ascontiguousarray(x)).to(self.ctx.device)).argmax(1).cpu().numpy()
             correct += int((pred == y).sum())
             total += len(y)
         module.train()
@@ -239,17 +237,18 @@ class AmpereServer(AuxServer):
 
     def restore_best(self) -> None:
         if self.best_state is not None:
-            self.host.models["main"].module.load_state_dict(self.best_state)
+            self.ctx.models.main.module.load_state_dict(self.best_state)
 
     @torch.no_grad()
     def evaluate_phase(self, client_state: StateMsg, phase: str) -> tuple[np.ndarray, np.ndarray, float]:
         """Device block + auxiliary net (device phase) or device block + server block (server phase)."""
+        evaluation = self.ctx.evaluation
         if phase != "device":
-            return self.host.evaluate(client_state)
-        model = self.host.eval_client
+            return evaluation.evaluate(client_state.tensors(), self.ctx.models.main.module)
+        model = evaluation.client
         model.load_state_dict(client_state.tensors())
         model.eval()
-        return self.host.predict(model)
+        return evaluation.predict(model)
 
     def round_metrics(self) -> dict:
         out = {"server_epochs": self.epochs_done, "cache_peak_mb": getattr(self, "peak_cache", 0) / 2**20}

@@ -40,14 +40,14 @@ class UpdateServer(AsyncRule):
 
     checkpointed = ("start_of", "pending")
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.start_of: dict[int, StateMsg] = {}
         self.pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # (client, update) in the buffer
-        self.buffer_size = getattr(self.host.params, "buffer_size", None) or self.host.setup.active
+        self.buffer_size = getattr(ctx.params, "buffer_size", None) or ctx.events.active
 
     def on_job_start(self, cid: int, job: Job) -> None:
-        self.start_of[cid] = self.host.global_model()
+        self.start_of[cid] = self.ctx.global_model.current()
 
     def update_of(self, cid: int, msg: StateMsg) -> dict[str, torch.Tensor]:
         start = _to_float(self.start_of.pop(cid))
@@ -55,12 +55,12 @@ class UpdateServer(AsyncRule):
 
     def move_global(self, step: dict[str, torch.Tensor], scale: float = 1.0) -> None:
         """x <- x + scale * step (integer buffers rounded back)."""
-        current = self.host.global_model().tensors()
+        current = self.ctx.global_model.current().tensors()
         new = {}
         for k, v in current.items():
             moved = v.double() + scale * step[k]
             new[k] = (moved if v.is_floating_point() else moved.round()).to(v.dtype)
-        self.host.set_global(StateMsg.packed(new, weight=1.0))
+        self.ctx.global_model.publish(StateMsg.packed(new, weight=1.0))
 
 
 class FedBuffParams(AlgorithmParams):
@@ -73,7 +73,7 @@ class FedBuffParams(AlgorithmParams):
 
 class FedBuffServer(UpdateServer):
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        p = self.host.params
+        p = self.ctx.params
         if p.aggregate == "models":
             self.start_of.pop(cid, None)
             self.pending.append((cid, _to_float(msg)))
@@ -84,9 +84,9 @@ class FedBuffServer(UpdateServer):
         mean = {k: sum(u[k] for _, u in self.pending) / len(self.pending) for k in self.pending[0][1]}
         self.pending = []
         if p.aggregate == "models":
-            ref = self.host.global_model().tensors()
+            ref = self.ctx.global_model.current().tensors()
             state = {k: (v if ref[k].is_floating_point() else v.round()).to(ref[k].dtype) for k, v in mean.items()}
-            self.host.set_global(StateMsg.packed(state, weight=1.0))
+            self.ctx.global_model.publish(StateMsg.packed(state, weight=1.0))
         else:
             self.move_global(mean, p.server_lr)
         return True
@@ -112,18 +112,18 @@ class CA2FLParams(FedBuffParams):
 class CA2FLServer(UpdateServer):
     checkpointed = ("cache",)
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.cache: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
         self.pending.append((cid, self.update_of(cid, msg)))
         if len(self.pending) < self.buffer_size:
             return False
-        n = len(self.host.setup.client_sizes)
+        n = len(self.ctx.events.client_sizes)
         keys = list(self.pending[0][1])
         zero = {k: torch.zeros_like(v) for k, v in self.pending[0][1].items()}
-        if self.host.params.calibration == "paper":
+        if self.ctx.params.calibration == "paper":
             mean_cache = {k: sum(h[k] for h in self.cache.values()) / n if self.cache else zero[k] for k in keys}
             calib = {k: sum(u[k] - self.cache.get(c, zero)[k] for c, u in self.pending) / len(self.pending)
                      for k in keys}
@@ -133,11 +133,11 @@ class CA2FLServer(UpdateServer):
         else:
             for c, u in self.pending:
                 self.cache[c] = u
-            sizes = self.host.setup.client_sizes
+            sizes = self.ctx.events.client_sizes
             total = float(sum(sizes))
             step = {k: sum(h[k] * (sizes[c] / total) for c, h in self.cache.items()) for k in keys}
         self.pending = []
-        self.move_global(step, self.host.params.server_lr)
+        self.move_global(step, self.ctx.params.server_lr)
         return True
 
 
@@ -162,9 +162,9 @@ class FedAsyncServer(UpdateServer):
         pass
 
     def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
-        p = self.host.params
-        mix = p.alpha * (self.host.version - job.version + 1) ** (-p.staleness_power)
-        current = _to_float(self.host.global_model())
+        p = self.ctx.params
+        mix = p.alpha * (self.ctx.global_model.version - job.version + 1) ** (-p.staleness_power)
+        current = _to_float(self.ctx.global_model.current())
         step = {k: v - current[k] for k, v in _to_float(msg).items()}
         self.move_global(step, mix)
         return True

@@ -25,9 +25,7 @@ from pydantic_core import PydanticUndefined
 
 from ..errors import ConfigError
 from ..runtime import AsyncRule, Checkpointed, ClientRule, ServerRule
-from ..runtime.drivers import RoundDriver
-from ..runtime.async_server import EventDriver
-from ..runtime.events import EventSetup
+from ..runtime.drivers import EventDriver, RoundDriver
 
 
 class AlgorithmParams(BaseModel):
@@ -136,7 +134,7 @@ class Algorithm(Checkpointed):
         return {}
 
     def host_setup(self) -> Any:
-        """What the hosts need beyond the validated ``Params`` (derived at ``setup``; ``HostSpec.host_setup``)."""
+        """What the hosts need beyond the validated ``Params``, derived at ``setup``: the rules' ``ctx.setup``."""
         return None
 
     def finished(self) -> bool:
@@ -232,14 +230,6 @@ class AsyncAlgorithm(Algorithm):
         if buffer is not None and buffer > m * k:  # an activation buffer in batches, or a buffer of updates
             raise ConfigError(f"algorithm.buffer_size={buffer} exceeds the {m * k} batches the {m} active clients "
                               "send in one job each (train.participation x train.local_steps)")
-
-    def setup(self, info: SetupInfo) -> None:
-        sizes = tuple(int(n) for n in info.counts.sum(axis=1))
-        self.event_setup = EventSetup(active=info.clients_per_round, local_steps=self.local_steps,
-                                      client_sizes=sizes, profiles=tuple(info.profiles), split=self.split)
-
-    def host_setup(self) -> EventSetup:
-        return self.event_setup
 
     def run_round(self, rt, rnd, clients, rng):
         raise TypeError(f"{self.name} is asynchronous: the event driver runs it, not rounds")

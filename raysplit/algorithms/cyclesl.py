@@ -35,10 +35,8 @@ from pydantic import Field
 
 from .base import Algorithm, AlgorithmParams, CopiesParams, register
 from ..errors import ConfigError
-from ..runtime import ServerRule
-from ..runtime import Batch, batch_step
+from ..runtime import Batch, ServerRule, batch_step
 from ..runtime.messages import Gradient
-from ..runtime.optim import round_lr, set_lr
 
 
 def sglr_shared_gradient(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
@@ -60,22 +58,22 @@ def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
 
 
 class CycleServer(ServerRule):
-    """Server rule with the CycleSL step and SGLR's server-side rules (``self.host.params``: the algorithm's Params)."""
+    """Server rule with the CycleSL step and SGLR's server-side rules (``self.ctx.params``: the algorithm's
+    Params)."""
 
-    @batch_step
+    @batch_step(starts="after_last_arrival")
     def cycle_step(self, *acts: Batch) -> list[Gradient]:
         """Algorithm 1: pool the round's features, train the server for E epochs on resampled batches with
         client-size-weighted loss, freeze it, return each client's gradient on its original features."""
-        p = self.host.params
-        slot = self.host.models["main"]
-        model, opt = slot.module, slot.optimizer
+        ctx = self.ctx
+        p, main, trainer = ctx.params, ctx.models.main, ctx.trainer
         x_all, y_all = torch.cat([a.x for a in acts]), torch.cat([a.y for a in acts])
-        w_all = torch.cat([torch.full((len(a.y),), float(a.weight), device=self.host.device) for a in acts])
-        g = torch.Generator().manual_seed(self.host.spec.seed * 100003 + self.host.round)
-        bs = p.server_batch_size or self.host.spec.batch_size
+        w_all = torch.cat([torch.full((len(a.y),), float(a.weight), device=x_all.device) for a in acts])
+        g = torch.Generator().manual_seed(ctx.seed * 100003 + ctx.round)
+        bs = p.server_batch_size or ctx.train.batch_size
         n = len(y_all)
         for _ in range(p.server_epochs):
-            perm = torch.randperm(n, generator=g).to(self.host.device)
+            perm = torch.randperm(n, generator=g).to(x_all.device)
             starts = range(0, n, bs) if p.server_steps == "epoch" else [0]
             for i in starts:
                 idx = perm[i:i + bs]
@@ -83,57 +81,47 @@ class CycleServer(ServerRule):
                 def weighted_ce(out, y, w=w_all[idx]):
                     return (w * F.cross_entropy(out, y, reduction="none")).sum() / w.sum()
 
-                self.host.step_through(x_all[idx], y_all[idx], model, [opt], tag=acts[0].tag,
-                                       flop_key=("cycle", len(idx)), loss_fn=weighted_ce)
-        return self._frozen_gradients(model, acts)
-
-    def _frozen_gradients(self, model, acts: tuple[Batch, ...]) -> list[Gradient]:
-        """Each client's gradient on its original features through ``model`` with its parameters frozen."""
-        out = []
-        with self.host.frozen(model):
-            for a in acts:
-                x = a.x.detach().clone().requires_grad_(True)
-                lv = self.host.step_through(x, a.y, model, [], tag=a.tag, flop_key=("grad", tuple(x.shape)),
-                                            record=False)
-                out.append(self.host.answer(a, x.grad, lv))
-        return out
+                trainer.step(x_all[idx], y_all[idx], main, tag=acts[0].tag, loss=weighted_ce)
+        return [trainer.gradient(a, main.module) for a in acts]
 
     def share_gradients(self, grads: list[Gradient], weights: list[float], active: int) -> list[Gradient]:
         """CycleSL's SGLR rule on already computed gradients: the first ``active`` get the shared one."""
         if active < 1:
             return grads
         shared = sglr_shared_gradient([g.g for g in grads[:active]], weights[:active])
-        return self.host.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
+        return self.ctx.trainer.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
 
-    @batch_step
+    @batch_step(starts="after_last_arrival")
     def cycle_sglr_step(self, *acts: Batch) -> list[Gradient]:
         grads = self.cycle_step(*acts)
-        active = int(self.host.params.active_fraction * len(acts))
+        active = int(self.ctx.params.active_fraction * len(acts))
         return self.share_gradients(grads, [a.weight for a in acts], active)
 
-    @batch_step(stamp=False)
-    def sglr_step(self, *acts: Batch) -> list[Gradient]:
-        """SGLR, ``variant`` cyclesl or original (module docstring)."""
-        p = self.host.params
-        if p.variant == "cyclesl":
-            grads = self.host.train_copies(*acts)  # copies forked by the driver; batched with algorithm.batched_copies
-            active = int(p.active_fraction * len(acts))
-            return self.share_gradients(grads, [a.weight for a in acts], active)
-        slot = self.host.models["main"]
-        self.host.wait_until(max(a.t_sent for a in acts))  # the concatenated step waits for the last of them
+    @batch_step(starts="on_arrival")
+    def sglr_copies_step(self, *acts: Batch) -> list[Gradient]:
+        """SGLR, ``variant: cyclesl`` (module docstring): each client's server copy steps on its batch from its
+        arrival on, then the first ``active_fraction`` share one gradient."""
+        grads = self.ctx.models.train_copies(*acts)  # copies forked by the round; batched with batched_copies
+        active = int(self.ctx.params.active_fraction * len(acts))
+        return self.share_gradients(grads, [a.weight for a in acts], active)
+
+    @batch_step(starts="after_last_arrival")
+    def sglr_concat_step(self, *acts: Batch) -> list[Gradient]:
+        """SGLR, ``variant: original`` (module docstring): one step of the server model on the concatenated
+        batch at ``lr * N ** lr_pow``, once the last batch has arrived; the position-wise mean of the gradient
+        slices while ``round < comm_fraction * rounds``."""
+        ctx = self.ctx
+        p, main = ctx.params, ctx.models.main
         x = torch.cat([a.x for a in acts]).requires_grad_(True)
         ys = [a.y for a in acts]
-        y = torch.cat(ys)
-        spec = self.host.spec
-        set_lr(slot.optimizer, round_lr(spec.server_optimizer, self.host.round, spec.rounds) * len(acts) ** p.lr_pow)
-        lv = self.host.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag,
-                                    flop_key=("concat", tuple(x.shape)))
+        ctx.trainer.scale_lr(main.optimizer, len(acts) ** p.lr_pow)
+        lv = ctx.trainer.step(x, torch.cat(ys), main, tag=acts[0].tag)
         sizes = np.cumsum([0] + [len(t) for t in ys])
         slices = [x.grad[sizes[i]:sizes[i + 1]] for i in range(len(acts))]
-        if self.host.round < p.comm_fraction * self.host.spec.rounds:
+        if ctx.round < p.comm_fraction * ctx.train.rounds:
             mean = torch.from_numpy(positionwise_mean([s.cpu().numpy() for s in slices]))
             slices = [mean[:len(s)].clone() for s in slices]
-        return [self.host.answer(a, s, lv) for a, s in zip(acts, slices)]
+        return [ctx.trainer.answer(a, s, lv) for a, s in zip(acts, slices)]
 
 
 class CycleParams(AlgorithmParams):
@@ -225,10 +213,13 @@ class SGLR(PooledRound):
     name = "sglr"
     description = "SGLR: server-side gradient averaging (variant cyclesl | original)"
     Params = SGLRParams
-    server_method = CycleServer.sglr_step
 
     def keeps_global_client_model(self) -> bool:
         return False
+
+    def pooled_steps(self, rt, clients) -> None:
+        step = CycleServer.sglr_copies_step if self.params.variant == "cyclesl" else CycleServer.sglr_concat_step
+        rt.pooled_steps(clients, self.local_steps, step)
 
     def run_round(self, rt, rnd, clients, rng):
         cyclesl = self.params.variant == "cyclesl"

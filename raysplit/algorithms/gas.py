@@ -46,16 +46,19 @@ from pydantic import Field
 
 from .base import AsyncAlgorithm, AlgorithmParams, SetupInfo, register
 from ..gaussian import LabelGaussian
-from ..data import to_tensor
-from ..runtime import AsyncRule
-from ..runtime.events import EventSetup, Job
-from ..runtime import Batch, batch_step
-from ..runtime.messages import Gradient, StateMsg, Tag
+from ..runtime import AsyncRule, Batch
 
 
 @dataclass(frozen=True)
-class GASSetup(EventSetup):
-    label_counts: tuple = ()  # (clients x labels) train-label counts, for logit adjustment
+class GASSetup:
+    """What GAS's server needs beyond its Params, derived at setup: the (clients x labels) train-label counts (for
+    logit adjustment), every client's train size, and the buffer sizes with their defaults resolved."""
+
+    label_counts: tuple
+    client_sizes: tuple
+    buffer_size: int  # batches per server update
+    model_buffer_size: int  # uploads per global model
+    min_per_label: int  # samples per label in a server update after generation
 
 
 class GASParams(AlgorithmParams):
@@ -88,64 +91,46 @@ class GASServer(AsyncRule):
     checkpointed = ("stats", "buffer", "models_in", "weight_count", "total_weight", "server_updates", "gen_rng",
                     "last_update")
 
-    def __init__(self, host):
-        super().__init__(host)
-        spec = host.spec
-        p, setup = host.params, spec.host_setup
-        self.buffer_size = p.buffer_size or setup.active
-        self.model_buffer_size = p.model_buffer_size or setup.active
-        self.min_per_label = spec.batch_size if p.min_per_label is None else p.min_per_label
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        p, setup = ctx.params, ctx.setup
         counts = np.asarray(setup.label_counts, dtype=np.float64)
         self.num_labels = counts.shape[1]
         pi = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
-        self.adjustment = torch.as_tensor(np.log(pi ** p.tau + 1e-12), dtype=torch.float32, device=self.host.device)
-        self.act_shape = self.host.events.costs.act_shape
+        self.adjustment = torch.as_tensor(np.log(pi ** p.tau + 1e-12), dtype=torch.float32, device=ctx.device)
+        self.act_shape = ctx.model.cut_shape
         dim = int(np.prod(self.act_shape))
         self.stats = [LabelGaussian(dim, p.covariance, p.rank) for _ in range(self.num_labels)]
         self.buffer: list[tuple[torch.Tensor, torch.Tensor, float]] = []
-        self.models_in: list[StateMsg] = []
+        self.models_in: list = []  # uploaded client models (messages) in the model buffer
         self.weight_count: dict[int, float] = {}
         self.total_weight = 1.0
         self.server_updates = 0
-        self.gen_rng = np.random.default_rng([spec.seed, 0x6A5])
+        self.gen_rng = ctx.rng(0x6A5)
         self.last_update: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, y) of the last server update
-        self._reset_gas_round()
-
-    def _reset_gas_round(self):
-        self.generated = 0
-        self.updates_this_round = 0
-        self.dissimilarity: float | None = None
-
-    def on_begin_round(self, rnd: int) -> None:
-        self._reset_gas_round()
+        self.generated, self.updates_this_round, self.dissimilarity = 0, 0, None  # this round's (round_metrics)
 
     # ---- hooks ------------------------------------------------------------------------------------------------
-    def on_job_start(self, cid: int, job: Job) -> None:
+    def on_job_start(self, cid: int, job) -> None:
         self.weight_count[cid] = self.total_weight
 
-    @batch_step(stamp=False)  # the step below starts at the arrival (ready_at)
-    def on_arrival(self, act: Batch) -> Gradient:
-        c = act.tag.client
-        w = self.weight_count[c] if self.host.params.weighting == "recency" else 1.0
+    def on_arrival(self, b: Batch):
+        c = b.tag.client
+        w = self.weight_count[c] if self.ctx.params.weighting == "recency" else 1.0
         self.weight_count[c] += 1
-        x, y = act.x, act.y
-        self.buffer.append((x.detach().clone(), y, w))
-        model = self.host.models["main"].module
-        adjust = self.adjustment[c] if self.host.params.logit_adjustment else None
+        self.buffer.append((b.x.detach().clone(), b.y, w))
+        adjust = self.adjustment[c] if self.ctx.params.logit_adjustment else None
 
         def adjusted_ce(out, y):
             return F.cross_entropy(out + adjust if adjust is not None else out, y)
 
-        x.requires_grad_(True)
-        with self.host.frozen(model):
-            lv = self.host.step_through(x, y, model, [], tag=act.tag, flop_key=("gas_client", tuple(x.shape)),
-                                        ready_at=act.t_sent, loss_fn=adjusted_ce, record=False)
-        return self.host.answer(act, x.grad, lv)
+        return self.ctx.trainer.gradient(b, self.ctx.models.main.module, adjusted_ce)
 
     def should_flush(self) -> bool:
-        return len(self.buffer) >= self.buffer_size
+        return len(self.buffer) >= self.ctx.setup.buffer_size
 
     def flush(self) -> None:
+        p = self.ctx.params
         xs = torch.cat([b[0] for b in self.buffer])
         ys = torch.cat([b[1] for b in self.buffer])
         ws = np.concatenate([np.full(len(b[1]), b[2]) for b in self.buffer])
@@ -157,64 +142,55 @@ class GASServer(AsyncRule):
             st.merge(flat[mask], ws[mask])
             if not st.finite():
                 raise FloatingPointError(f"GAS: the activation statistics of label {int(lab)} became non-finite at "
-                                         f"server update {self.server_updates} (round {self.host.round})")
-        if self.host.params.generate and all(st.merges for st in self.stats):
+                                         f"server update {self.server_updates}")
+        if p.generate and all(st.merges for st in self.stats):
             gen_x, gen_y = [], []
             counts = np.bincount(labels, minlength=self.num_labels)
             for lab in range(self.num_labels):
-                need = self.min_per_label - int(counts[lab])
+                need = self.ctx.setup.min_per_label - int(counts[lab])
                 if need > 0:
                     gen_x.append(self.stats[lab].sample(need, self.gen_rng))
                     gen_y.append(np.full(need, lab))
             if gen_x:
-                g = torch.as_tensor(np.concatenate(gen_x), dtype=xs.dtype, device=self.host.device)
+                g = torch.as_tensor(np.concatenate(gen_x), dtype=xs.dtype, device=xs.device)
                 xs = torch.cat([xs, g.reshape(len(g), *self.act_shape)])
-                ys = torch.cat([ys, torch.as_tensor(np.concatenate(gen_y), device=self.host.device)])
+                ys = torch.cat([ys, torch.as_tensor(np.concatenate(gen_y), device=ys.device)])
                 self.generated += len(g)
-        slot = self.host.models["main"]
-        self.host.step_through(xs, ys, slot.module, [slot.optimizer], tag=Tag(-1, self.host.round, self.server_updates),
-                               flop_key=("gas_server",), varying_batch=True)
-        if self.host.params.dissimilarity_batches:
+        self.ctx.trainer.step(xs, ys, self.ctx.models.main, step=self.server_updates)
+        if p.dissimilarity_batches:
             self.last_update = (xs.detach(), ys)
         self.buffer = []
         self.server_updates += 1
         self.updates_this_round += 1
 
-    def on_model_upload(self, cid: int, msg: StateMsg, job: Job) -> bool:
+    def on_model_upload(self, cid: int, msg, job) -> bool:
+        ctx = self.ctx
         self.weight_count.pop(cid, None)
-        size = float(self.host.setup.client_sizes[cid]) if self.host.params.model_weights == "samples" else 1.0
+        size = float(ctx.setup.client_sizes[cid]) if ctx.params.model_weights == "samples" else 1.0
         self.models_in.append(replace(msg, weight=size))
-        if len(self.models_in) < self.model_buffer_size:
+        if len(self.models_in) < ctx.setup.model_buffer_size:
             return False
-        self.host.set_global(self.host.average(self.models_in, [m.weight for m in self.models_in]))
+        new = ctx.global_model.average(self.models_in, [m.weight for m in self.models_in])
+        ctx.global_model.publish(new)
         self.models_in = []
         self.total_weight += self.server_updates
-        if self.host.params.dissimilarity_batches and self.last_update is not None:
-            self.dissimilarity = self.gradient_dissimilarity(*self.last_update)
+        if ctx.params.dissimilarity_batches and self.last_update is not None:
+            self.dissimilarity = self.gradient_dissimilarity(new, *self.last_update)
         return True
 
-    def gradient_dissimilarity(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def gradient_dissimilarity(self, model, x: torch.Tensor, y: torch.Tensor) -> float:
         """The paper's gradient dissimilarity (Fig. 2a; the code's ``calculate_v_value``): the server model's
         gradient on the last server update's activations (generated ones included) against its gradient on
         ``dissimilarity_batches`` random test batches through the new global client model, as the code computes
         it: the squared distance summed per parameter tensor, divided by the number of tensors. (The code runs
         the test batches through whichever client's weights its shared client module last held; here it is the
         global model, the paper's intent.) A diagnostic: it changes no model and no clock."""
-        server = self.host.models["main"].module
-        client = self.host.eval_client
-        client.load_state_dict(self.host.global_model().tensors())
-        client.eval()
+        ctx = self.ctx
+        server = ctx.models.main.module
         params = [q for q in server.parameters() if q.requires_grad]
-        rng = np.random.default_rng([self.host.spec.seed, 0xD15, self.host.version])
-        n, bs = len(self.host.test_y), self.host.spec.eval_batch_size
         real = [torch.zeros_like(q) for q in params]
-        k = self.host.params.dissimilarity_batches
-        for _ in range(k):
-            idx = np.sort(rng.choice(n, size=min(bs, n), replace=False))
-            xb = to_tensor(np.asarray(self.host.test_x[idx]), self.host.spec.data_spec).to(self.host.device)
-            yb = torch.as_tensor(np.asarray(self.host.test_y)[idx], dtype=torch.long, device=self.host.device)
-            with torch.no_grad():
-                feats = client(xb)
+        k = ctx.params.dissimilarity_batches
+        for feats, yb in ctx.evaluation.encoded(model, ctx.rng(0xD15, ctx.global_model.version), k):
             for acc, g in zip(real, torch.autograd.grad(F.cross_entropy(server(feats), yb), params)):
                 acc += g / k
         sampled = torch.autograd.grad(F.cross_entropy(server(x), y), params)
@@ -224,6 +200,7 @@ class GASServer(AsyncRule):
         out = {"server_updates": self.updates_this_round, "generated_activations": self.generated}
         if self.dissimilarity is not None:
             out["grad_dissimilarity"] = self.dissimilarity
+        self.generated, self.updates_this_round, self.dissimilarity = 0, 0, None  # the next round's, from zero
         return out
 
 
@@ -240,10 +217,17 @@ class GAS(AsyncAlgorithm):
     server_rule = GASServer
 
     def setup(self, info: SetupInfo) -> None:
-        super().setup(info)
-        self.event_setup = GASSetup(**vars(self.event_setup), label_counts=tuple(map(tuple, info.counts.tolist())))
+        p, m = self.params, info.clients_per_round
+        self.gas_setup = GASSetup(
+            label_counts=tuple(map(tuple, info.counts.tolist())),
+            client_sizes=tuple(int(n) for n in info.counts.sum(axis=1)),
+            buffer_size=p.buffer_size or m, model_buffer_size=p.model_buffer_size or m,
+            min_per_label=self.cfg.train.batch_size if p.min_per_label is None else p.min_per_label)
+
+    def host_setup(self) -> GASSetup:
+        return self.gas_setup
 
     def resolved(self) -> dict:
-        p, m = self.params, self.event_setup.active
-        return {"gas.buffer_size": p.buffer_size or m, "gas.model_buffer_size": p.model_buffer_size or m,
-                "gas.min_per_label": self.cfg.train.batch_size if p.min_per_label is None else p.min_per_label}
+        s = self.gas_setup
+        return {"gas.buffer_size": s.buffer_size, "gas.model_buffer_size": s.model_buffer_size,
+                "gas.min_per_label": s.min_per_label}

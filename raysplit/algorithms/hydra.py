@@ -43,9 +43,7 @@ from ..errors import ConfigError
 from ..models.core import param_bytes
 from ..runtime import Batch, ClientRule, ModelSlot, ServerRule, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
-from ..runtime.hosts import EvalTally, predict_batches
 from ..runtime.messages import Gradient, StateMsg
-from ..runtime.optim import make_optimizer, round_lr, set_lr
 
 
 def greedy_groups(counts: np.ndarray, label_groups: list[list[int]]) -> list[int]:
@@ -71,17 +69,17 @@ class LabelRule(ClientRule):
     """Clients that can report their label counts and hand out their own models for evaluation."""
 
     def label_counts(self, num_classes: int, charge: bool) -> dict[int, np.ndarray]:
-        out = {}
-        for c, idx in self.host.data.train_idx.items():
-            v = np.bincount(np.asarray(self.host.data.y[idx], dtype=np.int64), minlength=num_classes)
+        data, out = self.ctx.data, {}
+        for c, idx in data.train_idx.items():
+            v = np.bincount(np.asarray(data.y[idx], dtype=np.int64), minlength=num_classes)
             if charge:
-                self.host.meter.charge_upload(c, v.nbytes, "labels")
+                self.ctx.meter.charge_upload(c, v.nbytes, "labels")
             out[c] = v
         return out
 
     def own_states(self) -> dict[int, StateMsg]:
         """The own model of every hosted client that has one (evaluation only: not charged)."""
-        return {c: StateMsg.packed(st) for c, st in self.host.states.own.items()}
+        return {c: StateMsg.packed(st) for c, st in self.ctx.states.own.items()}
 
 
 class ConfidentServer(ServerRule):
@@ -90,30 +88,28 @@ class ConfidentServer(ServerRule):
     @torch.no_grad()
     def _confident(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]]):
         """Per test sample, the logits of the (client part, server part) pair whose largest logit is largest."""
-        host = self.host
         for c, s in pairs:
             c.eval(), s.eval()
 
         def most_confident(x):
             logits = torch.stack([s(c(x)) for c, s in pairs])  # (models, batch, classes)
             best = logits.max(dim=2).values.argmax(dim=0)
-            return logits[best, torch.arange(x.shape[0], device=host.device)]
+            return logits[best, torch.arange(x.shape[0], device=x.device)]
 
-        tally = predict_batches(host.test_x, host.test_y, host.spec.data_spec, host.spec.eval_batch_size,
-                                most_confident, EvalTally(), host.device)
+        out = self.ctx.evaluation.predict(most_confident)
         for _, s in pairs:
             s.train()
-        return np.asarray(self.host.test_y), tally.result()[1], tally.loss
+        return out
 
     def evaluate_client_models(self, *parts: dict[int, StateMsg]) -> tuple[np.ndarray, np.ndarray, float]:
         """SplitFedV3: every client's own part-1 (from ``LabelClient.own_states``) with the server part."""
         states = {c: st for p in parts for c, st in p.items()}
         if not states:
             states = {-1: None}
-        server = self.host.models["main"].module
+        server = self.ctx.models.main.module
         pairs = []
         for c, st in sorted(states.items()):
-            client = copy.deepcopy(self.host.eval_client)
+            client = copy.deepcopy(self.ctx.evaluation.client)
             if st is not None:
                 client.load_state_dict(st.tensors())
             pairs.append((client, server))
@@ -121,46 +117,45 @@ class ConfidentServer(ServerRule):
 
     def ensure_heads(self, keys: list) -> None:
         """MultiHead: a server head per client, forked from the initial server part the first time it is seen."""
-        self.host.fork([k for k in keys if k not in self.host.models])
+        models = self.ctx.models
+        models.fork([k for k in keys if k not in models])
 
     def evaluate_heads(self, client_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """MultiHead: the global part-1 with every client head (the initial part if no head exists yet)."""
-        self.host.eval_client.load_state_dict(client_state.tensors())
-        heads = [s.module for k, s in sorted(self.host.models.items(), key=lambda kv: str(kv[0])) if k != "main"]
-        return self._confident([(self.host.eval_client, h) for h in heads or [self.host.models["main"].module]])
+        client, models = self.ctx.evaluation.client, self.ctx.models
+        client.load_state_dict(client_state.tensors())
+        heads = [s.module for k, s in sorted(models.items(), key=lambda kv: str(kv[0])) if k != "main"]
+        return self._confident([(client, h) for h in heads or [models.main.module]])
 
 
 class HydraServer(ServerRule):
-    """``host.models['main']`` is the whole server part (part-2a then the averaged head) used for evaluation; its
-    optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers (``spec.host_setup`` is
-    the algorithm's :class:`HydraLayout`)."""
+    """``models['main']`` is the whole server part (part-2a then the averaged head) used for evaluation; its
+    optimizer steps part-2a only. ``heads[g]`` are the K heads with their own optimizers (``ctx.setup`` is the
+    algorithm's :class:`HydraLayout`)."""
 
-    def __init__(self, host):
-        super().__init__(host)
-        full = host.models["main"].module
-        layout: HydraLayout = host.spec.host_setup
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        full = ctx.models.main.module
+        layout: HydraLayout = ctx.setup
         self.body, self.head = full[:layout.head_at], full[layout.head_at:]
-        host.models["main"] = ModelSlot(full, make_optimizer(self.body.parameters(), host.spec.server_optimizer))
+        ctx.models.replace("main", ModelSlot(full, ctx.trainer.optimizer(self.body.parameters())))
         self.heads = [self._new_head() for _ in range(layout.num_heads)]
         self.head_samples = np.zeros(len(self.heads))
 
     def _new_head(self) -> ModelSlot:
         m = copy.deepcopy(self.head)
-        return ModelSlot(m, make_optimizer(m.parameters(), self.host.spec.server_optimizer))
+        return ModelSlot(m, self.ctx.trainer.optimizer(m.parameters()))
 
     def on_begin_round(self, rnd: int) -> None:
         self.head_samples[:] = 0
-        for h in self.heads:
-            set_lr(h.optimizer, round_lr(self.host.spec.server_optimizer, rnd, self.host.spec.rounds))
 
-    @batch_step(stamp=False)  # the step starts at the arrival (ready_at)
-    def hydra_step(self, act: Batch, key: int) -> Gradient:
+    @batch_step(starts="on_arrival")
+    def hydra_step(self, b: Batch, key: int) -> Gradient:
         """part-2a then head ``key`` (the client's group); both step; the gradient goes back to the client."""
-        g = int(key)
-        head = self.heads[g]
-        self.head_samples[g] += len(act.y)
-        return self.host.step_batch(act, torch.nn.Sequential(self.body, head.module),
-                                    [self.host.models["main"].optimizer, head.optimizer], "hydra")
+        head = self.heads[int(key)]
+        self.head_samples[int(key)] += len(b.y)
+        return self.ctx.trainer.train(b, torch.nn.Sequential(self.body, head.module), self.ctx.models.main.optimizer,
+                                      head.optimizer)
 
     def merge_heads(self, mode: str = "samples") -> None:
         """Average the heads (weights and optimizer states) into one head, copied back into every head."""

@@ -96,31 +96,30 @@ class LabelMix:
 
 
 class MergeServer(ServerRule):
-    """Server rule with MergeSFL's merged step (``host.spec.host_setup``: the :class:`LabelMix`)."""
+    """Server rule with MergeSFL's merged step (``ctx.setup``: the :class:`LabelMix`)."""
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.label_kls: list[float] = []
 
     def on_begin_round(self, rnd: int) -> None:
         self.label_kls = []
 
-    @batch_step(stamp=False)  # the step below starts when the last one has arrived (ready_at)
+    @batch_step(starts="after_last_arrival")
     def merge_step(self, *acts: Batch) -> list[Gradient]:
         """Feature merging: one step of the server model on the concatenated activations (mean cross-entropy over
         the merged batch); each client gets its slice of the gradient times ``D / d_i`` (module docstring)."""
-        slot = self.host.models["main"]
+        trainer = self.ctx.trainer
         feats = [a.x for a in acts]
         x = torch.cat(feats).requires_grad_(True)
         y = torch.cat([a.y for a in acts])
-        lv = self.host.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("merge",),
-                                    ready_at=max(a.t_sent for a in acts), varying_batch=True)
+        lv = trainer.step(x, y, self.ctx.models.main, tag=acts[0].tag)
         bounds = np.cumsum([0] + [len(f) for f in feats])
         out = []
         for a, lo, hi in zip(acts, bounds[:-1], bounds[1:]):
             g = x.grad[lo:hi] * (float(bounds[-1]) / float(hi - lo))
-            out.append(self.host.answer(a, g, lv))
-        mix: LabelMix = self.host.spec.host_setup
+            out.append(trainer.answer(a, g, lv))
+        mix: LabelMix = self.ctx.setup
         merged = sum(len(f) * mix.per_client[a.tag.client] for a, f in zip(acts, feats)) / bounds[-1]
         from scipy.stats import entropy  # here, not at import: scipy.stats costs every process ~0.6 s
 

@@ -71,34 +71,33 @@ class MiniBatchServer(CycleServer):
         """This round's groups: client -> the server model (``keys``: ``main``, or one copy per group) it trains."""
         self.keys, self.group_of = list(keys), {int(c): k for c, k in group_of.items()}
 
-    @batch_step(stamp=False)  # each group's step waits for its own clients (minibatch_step)
+    @batch_step(starts="on_arrival")  # each group's step starts after its own clients' last arrival (minibatch_step)
     def grouped_step(self, *acts: Batch) -> list[Gradient]:
         """One iteration of every group (``set_groups``): with several groups the copies are forked from the
         server model, each group steps its copy on its activations (its clients' gradients from the frozen server
         model) and the copies are averaged; one group steps the server model itself. Gradients in ``acts``'
         order."""
+        models = self.ctx.models
         copies = self.keys != ["main"]
         if copies:
-            self.host.fork(self.keys)
+            models.fork(self.keys)
         grads = {}
         for key in self.keys:
             mine = [a for a in acts if self.group_of[a.tag.client] == key]
             if mine:  # a group whose every activation was withheld (on_bad_client: drop) does not step
                 grads.update(zip((a.tag for a in mine), self.minibatch_step(key, *mine)))
         if copies:
-            self.host.merge({k: 1.0 for k in self.keys})
+            models.merge({k: 1.0 for k in self.keys})
         return [grads[a.tag] for a in acts]
 
-    @batch_step
+    @batch_step(starts="after_last_arrival")
     def minibatch_step(self, key, *acts: Batch) -> list[Gradient]:
         """Each client's gradient from the current server model (frozen), then one step of ``models[key]`` on
         the concatenated activations."""
-        main = self.host.models["main"].module
-        grads = self._frozen_gradients(main, acts)
-        slot = self.host.models[key]
+        ctx = self.ctx
+        grads = [ctx.trainer.gradient(a, ctx.models.main.module) for a in acts]
         x, y = torch.cat([a.x for a in acts]).detach(), torch.cat([a.y for a in acts])
-        self.host.step_through(x, y, slot.module, [slot.optimizer], tag=acts[0].tag, flop_key=("minibatch",),
-                               varying_batch=True)
+        ctx.trainer.step(x, y, ctx.models[key], tag=acts[0].tag)
         return grads
 
 

@@ -62,9 +62,7 @@ from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
 from ..models.core import ProjectionHead
 from ..runtime import Batch, ClientRule, ServerRule, batch_step
-from ..runtime.hosts import build_parts
 from ..runtime.messages import Gradient, StateMsg, Tag
-from ..runtime.optim import make_optimizer, round_lr
 
 
 # ---- K_s schedules (pure functions) ---------------------------------------------------------------------------
@@ -182,10 +180,10 @@ class SemiRule(ClientRule):
     """A client with unlabelled data: the student stream encodes a strong view of its next batch, the teacher
     stream a weak view of the same batch with the teacher encoder (no graph); no labels leave the client."""
 
-    def __init__(self, host):
-        super().__init__(host)
-        self.augment = Augmenter(host.spec.data_spec)
-        self.teacher = build_parts(host.spec)[0].to(host.executor.device)
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.augment = Augmenter(ctx.model.inputs)
+        self.teacher = ctx.model.parts()[0].to(ctx.device)
         self._batch_of: dict[tuple, np.ndarray] = {}
 
     def set_teacher(self, msg: StateMsg, receivers: list[int]) -> None:
@@ -193,19 +191,19 @@ class SemiRule(ClientRule):
         self.teacher.load_state_dict(msg.tensors())
         self.teacher.train()
         for c in receivers:
-            if int(c) in self.host.data:
-                self.host.meter.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
+            if int(c) in self.ctx.data:
+                self.ctx.meter.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
 
     def batch_indices(self, tag: Tag, batch_size):
         key = (tag.client, tag.round, tag.step)
         if tag.stream == "teacher":
             return self._batch_of.pop(key)
-        self._batch_of[key] = idx = self.host.data.draw(tag.client, batch_size)
+        self._batch_of[key] = idx = self.ctx.data.draw(tag.client, batch_size)
         return idx
 
     def inputs(self, tag: Tag, idx):
         view = "weak" if tag.stream == "teacher" else "strong"
-        return self.augment(self.host.data.x[idx], view), np.zeros(0, np.int64)  # the labels stay on the client
+        return self.augment(self.ctx.data.x[idx], view), np.zeros(0, np.int64)  # the labels stay on the client
 
     def encoder(self, tag: Tag, slot):
         if tag.stream != "teacher":
@@ -218,7 +216,7 @@ class SemiRule(ClientRule):
         return teacher
 
     def on_release(self, cid: int) -> None:
-        self.host.states.opt_state.pop(cid, None)  # a fresh optimiser every round (the code)
+        self.ctx.states.opt_state.pop(cid, None)  # a fresh optimiser every round (the code)
 
 
 class _Heads(torch.nn.Module):
@@ -261,23 +259,21 @@ class SemiServer(ServerRule):
 
     checkpointed = ("encoder", "heads", "t_encoder", "t_heads", "queue", "ks", "ema_steps", "history")
 
-    def __init__(self, host):
-        super().__init__(host)
-        p, spec = host.params, host.spec
-        self.cluster_reg = spec.host_setup.cluster_reg
-        client, _ = build_parts(spec)
-        client.load_state_dict(self.host.client_init.tensors())
-        self.encoder = client.to(self.host.device).train()
-        self.classifier = self.host.models["main"].module
-        with torch.no_grad():
-            emb = int(np.prod(self.encoder.eval()(torch.zeros(1, *spec.input_shape)).shape[1:]))
-        self.encoder.train()
-        torch.manual_seed(spec.seed * 1009 + 31)
-        self.proj = ProjectionHead(emb, p.proj_dim).to(self.host.device)
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        p = ctx.params
+        self.cluster_reg = ctx.setup.cluster_reg
+        client, _ = ctx.model.parts()
+        client.load_state_dict(ctx.initial_client.tensors())
+        self.encoder = client.to(ctx.device).train()
+        self.classifier = ctx.models.main.module
+        emb = int(np.prod(ctx.model.cut_shape))
+        torch.manual_seed(ctx.seed * 1009 + 31)
+        self.proj = ProjectionHead(emb, p.proj_dim).to(ctx.device)
         self.heads = _Heads(self.classifier, self.proj)
         self.t_encoder, self.t_heads = copy.deepcopy(self.encoder), copy.deepcopy(self.heads)
-        self.queue = FeatureQueue(p.queue_size, p.proj_dim, torch.Generator().manual_seed(spec.seed))
-        self.augment = Augmenter(spec.data_spec)
+        self.queue = FeatureQueue(p.queue_size, p.proj_dim, torch.Generator().manual_seed(ctx.seed))
+        self.augment = Augmenter(ctx.model.inputs)
         self.ks = p.ks_initial
         self.ema_steps = 0
         self.history: dict[str, list] = {"loss_x": [], "loss_u": [], "lr": [], "ks": []}
@@ -290,14 +286,13 @@ class SemiServer(ServerRule):
     # ---- 1. supervised phase --------------------------------------------------------------------------------------
     def supervised(self) -> int:
         """K_s steps on the labelled set with an EMA teacher update after each; returns K_s."""
-        p, rnd = self.host.params, self.host.round
-        lr = round_lr(self.host.spec.server_optimizer, rnd, self.host.spec.rounds)
-        opt = make_optimizer(list(self.encoder.parameters()) + list(self.heads.parameters()),
-                             {**self.host.spec.server_optimizer, "lr": lr})
+        ctx = self.ctx
+        p, rnd = ctx.params, ctx.round
+        opt = ctx.trainer.optimizer(list(self.encoder.parameters()) + list(self.heads.parameters()))
         self.queue.clear()
         module = _Supervised(self.encoder, self.heads, self.t_encoder, self.t_heads.proj)
-        x_all, y_all = self.host.labeled["x"], self.host.labeled["y"]
-        rng = np.random.default_rng([self.host.spec.seed, 0x5E1, rnd])
+        x_all, y_all = ctx.labeled["x"], ctx.labeled["y"]
+        rng = ctx.rng(0x5E1, rnd)
         need = p.server_batch_size * self.ks
         order = rng.permutation(np.tile(np.arange(len(y_all)), -(-need // len(y_all))))[:need]
         gamma = p.gamma if p.ema == "warmup" else p.gamma ** (self.ks / p.ks_initial)
@@ -305,20 +300,19 @@ class SemiServer(ServerRule):
             idx = order[step * p.server_batch_size:(step + 1) * p.server_batch_size]
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(rng.integers(2**62)))
-                views = torch.stack([self.augment(x_all[idx], v) for v in p.server_views]).to(self.host.device)
-            y = torch.as_tensor(y_all[idx], device=self.host.device)
+                views = torch.stack([self.augment(x_all[idx], v) for v in p.server_views]).to(ctx.device)
+            y = torch.as_tensor(y_all[idx], device=ctx.device)
 
             def loss_fn(out, y):
                 logits, q, k = out
                 loss = F.cross_entropy(logits, y)
                 if self.cluster_reg:  # the code's quirk: no masks at all here, and none written to the queue
-                    masks = None if p.stale_masks else torch.ones(len(y), device=self.host.device)
+                    masks = None if p.stale_masks else torch.ones(len(y), device=y.device)
                     loss = loss + queue_contrastive_loss(q, k, y, masks, self.queue, p.temperature)
                 return loss
 
-            lv = self.host.step_through(views, y, module, [opt], tag=Tag(-1, rnd, step, "supervised"),
-                                        flop_key=("supervised", len(y)), loss_fn=loss_fn,
-                                        where=f"the supervised phase, round {rnd}, step {step}")
+            lv = ctx.trainer.step(views, y, module, opt, step=step, loss=loss_fn,
+                                  where=f"the supervised phase, round {rnd}, step {step}")
             a = min(1 - 1 / (self.ema_steps + 1), gamma) if p.ema == "warmup" else gamma
             ema_update(self.t_encoder, self.encoder, a)
             ema_update(self.t_heads, self.heads, a)
@@ -328,22 +322,21 @@ class SemiServer(ServerRule):
 
     def encoders(self) -> list[StateMsg]:
         """The student and the teacher encoder, sent to the round's clients."""
-        return [self.host.state_message(m.state_dict()) for m in (self.encoder, self.t_encoder)]
+        return [self.ctx.trainer.message(m.state_dict()) for m in (self.encoder, self.t_encoder)]
 
     # ---- 3. cross-entity phase ---------------------------------------------------------------------------------
-    @batch_step  # the server waits for the last of them
+    @batch_step(starts="after_last_arrival")
     def semi_step(self, *acts: Batch) -> list[Gradient]:
         """One cross-entity step over every active client's (student, teacher) pair (module docstring)."""
-        p, rnd = self.host.params, self.host.round
+        ctx = self.ctx
+        p, rnd = ctx.params, ctx.round
         students, teachers = acts[0::2], acts[1::2]
         feats = [a.x for a in acts]
         e = torch.cat(feats[0::2]).requires_grad_(True)
         e_t = torch.cat(feats[1::2])
         t_logits, k = teacher_outputs(self.t_heads, e_t)
         if self._opt_u is None:  # a fresh optimiser for the phase (the code)
-            spec = self.host.spec
-            self._opt_u = make_optimizer(self.heads.parameters(), {
-                **spec.server_optimizer, "lr": round_lr(spec.server_optimizer, rnd, spec.rounds)})
+            self._opt_u = ctx.trainer.optimizer(self.heads.parameters())
         state = {}
 
         def loss_fn(out, _):
@@ -355,10 +348,8 @@ class SemiServer(ServerRule):
             return ce + queue_contrastive_loss(q, k, labels, mask, self.queue, p.temperature)
 
         step = len(self.round_loss["u"])
-        lv = self.host.step_through(e, torch.zeros(len(e)), self.heads, [self._opt_u],
-                                    tag=Tag(-1, rnd, step, "unsupervised"),
-                                    flop_key=("semi", len(e)), loss_fn=loss_fn,
-                                    where=f"the cross-entity phase, round {rnd}, step {step}")
+        lv = ctx.trainer.step(e, torch.zeros(len(e)), self.heads, self._opt_u, step=step, loss=loss_fn,
+                              where=f"the cross-entity phase, round {rnd}, step {step}")
         self.round_loss["u"].append(lv)
         self.round_loss["mask"].append(state["mask"])
         grad = e.grad * len(students)  # the code's rescale by the number of active clients
@@ -367,7 +358,7 @@ class SemiServer(ServerRule):
             n = s.x.shape[0]
             g = grad[start:start + n]
             start += n
-            out += [self.host.answer(s, g, lv), self.host.answer(t, None, lv)]
+            out += [ctx.trainer.answer(s, g, lv), ctx.trainer.answer(t, None, lv)]
         return out
 
     # ---- 4-6 -------------------------------------------------------------------------------------------------------
@@ -378,25 +369,25 @@ class SemiServer(ServerRule):
     @torch.no_grad()
     def evaluate_teacher(self) -> tuple[np.ndarray, np.ndarray, float]:
         self.t_encoder.eval(), self.t_heads.eval()
-        out = self.host.predict(lambda x: self.t_heads.classifier(self.t_encoder(x)))
+        out = self.ctx.evaluation.predict(lambda x: self.t_heads.classifier(self.t_encoder(x)))
         self.t_encoder.train(), self.t_heads.train()
         return out
 
     def round_metrics(self) -> dict:
         """The round's K_s step (the schedule decides the next K_s here) and its losses."""
-        p, h = self.host.params, self.history
+        ctx = self.ctx
+        p, h = ctx.params, self.history
         h["loss_x"].append(float(np.mean(self.round_loss["x"])) if self.round_loss["x"] else float("nan"))
         h["loss_u"].append(float(np.mean(self.round_loss["u"])) if self.round_loss["u"] else float("nan"))
-        h["lr"].append(round_lr(self.host.spec.server_optimizer, self.host.round, self.host.spec.rounds))
+        h["lr"].append(ctx.trainer.lr())
         h["ks"].append(self.ks)
         used, change, score = self.ks, None, None
         if p.ks == "milestones":
-            change = milestone_change(self.host.round, h["loss_x"], p.milestones, p.window)
+            change = milestone_change(ctx.round, h["loss_x"], p.milestones, p.window)
             self.ks = ks_on_change(self.ks, change, p.rho1, p.rho2)
         elif p.ks == "ratio":
-            setup = self.host.spec.host_setup
-            ku, share = setup.local_steps, len(self.host.labeled["y"]) / setup.num_train
-            score = ratio_score(self.host.round, h["loss_x"], h["loss_u"], h["lr"], h["ks"], ku, p.ratio_every,
+            ku, share = ctx.setup.local_steps, len(ctx.labeled["y"]) / ctx.setup.num_train
+            score = ratio_score(ctx.round, h["loss_x"], h["loss_u"], h["lr"], h["ks"], ku, p.ratio_every,
                                 p.window)
             self.ks = ks_on_score(self.ks, score, ku, p.alpha, p.beta, share)
         out = {"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
@@ -525,18 +516,16 @@ class SemiFLRule(SemiRule):
     strong view with the masked CE plus mixup of the confident samples."""
 
     def semi_local(self, cid: int, steps: int, tau: float, mixup_alpha: float) -> float:
-        host = self.host
-        slot = host.activate(cid)
+        ctx = self.ctx
+        slot = ctx.activate(cid)
         teacher = copy.deepcopy(slot.module).eval()  # the global model of the round, frozen
         losses = []
         for step in range(steps):
-            idx = host.data.draw(cid)
-            with host.executor.seeded(cid, 2, host.round, step):
-                dev = host.executor.device
-                xw = self.augment(host.data.x[idx], "weak").to(dev)
-                xs = self.augment(host.data.x[idx], "strong").to(dev)
-                lam = float(np.random.default_rng([host.spec.seed, cid, host.round, step]).beta(mixup_alpha,
-                                                                                                 mixup_alpha))
+            idx = ctx.data.draw(cid)
+            with ctx.seeded(cid, 2, ctx.round, step):
+                xw = self.augment(ctx.data.x[idx], "weak").to(ctx.device)
+                xs = self.augment(ctx.data.x[idx], "strong").to(ctx.device)
+                lam = float(ctx.rng(cid, ctx.round, step).beta(mixup_alpha, mixup_alpha))
                 perm = torch.randperm(len(idx))
 
                 def fwd_bwd():
@@ -553,11 +542,10 @@ class SemiFLRule(SemiRule):
                     loss.backward()
                     return loss
 
-                loss, fl = host.executor.run(("semifl", len(idx)), fwd_bwd)
-            host.clip_grads(slot.module)
-            slot.optimizer.step()
-            host.meter.charge_compute(cid, fl)
-            host.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
+                loss, fl = ctx.executor.run(("semifl", len(idx)), fwd_bwd)
+            ctx.update(cid, slot)
+            ctx.meter.charge_compute(cid, fl)
+            ctx.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
             losses.append(loss.item())
         return float(np.mean(losses))
 
@@ -567,33 +555,32 @@ class SemiFLServer(ServerRule):
 
     checkpointed = ("global_state",)
 
-    def __init__(self, host):
-        super().__init__(host)
-        self.augment = Augmenter(host.spec.data_spec)
-        self.global_state = self.host.client_init  # the clients' average after every round
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.augment = Augmenter(ctx.model.inputs)
+        self.global_state = ctx.initial_client  # the clients' average after every round
 
     def keep_global(self, msg: StateMsg) -> None:
         self.global_state = msg
 
     def supervised_global(self) -> StateMsg:
         """The global model after ``ks_initial`` supervised steps on the labelled set (weak views)."""
-        p, rnd = self.host.params, self.host.round
-        model = self.host.eval_client
+        ctx = self.ctx
+        p, rnd = ctx.params, ctx.round
+        model = ctx.evaluation.client
         model.load_state_dict(self.global_state.tensors())
         model.train()
-        lr = round_lr(self.host.spec.server_optimizer, rnd, self.host.spec.rounds)
-        opt = make_optimizer(model.parameters(), {**self.host.spec.server_optimizer, "lr": lr})
-        x_all, y_all = self.host.labeled["x"], self.host.labeled["y"]
-        rng = np.random.default_rng([self.host.spec.seed, 0x5F1, rnd])
+        opt = ctx.trainer.optimizer(model.parameters())
+        x_all, y_all = ctx.labeled["x"], ctx.labeled["y"]
+        rng = ctx.rng(0x5F1, rnd)
         for step in range(p.ks_initial):
             idx = rng.choice(len(y_all), p.server_batch_size, replace=False)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(rng.integers(2**62)))
-                x = self.augment(x_all[idx], "weak").to(self.host.device)
-            self.host.step_through(x, torch.as_tensor(y_all[idx], device=self.host.device), model, [opt],
-                                   tag=Tag(-1, rnd, step, "supervised"), flop_key=("semifl_server", len(idx)),
-                                   where=f"the supervised phase, round {rnd}, step {step}")
-        return self.host.state_message(model.state_dict())
+                x = self.augment(x_all[idx], "weak").to(ctx.device)
+            ctx.trainer.step(x, torch.as_tensor(y_all[idx], device=ctx.device), model, opt, step=step,
+                             where=f"the supervised phase, round {rnd}, step {step}")
+        return ctx.trainer.message(model.state_dict())
 
 
 class SemiFLParams(AlgorithmParams):

@@ -28,15 +28,15 @@ class ProxParams(CopiesParams):
 class ProxRule(ClientRule):
     """Remembers each client's starting weights of the round and pulls its steps towards them."""
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.anchor: dict[int, list[torch.Tensor]] = {}
 
     def on_activate(self, cid: int, slot) -> None:  # the round's first use of this client: its weights now are w_t
         self.anchor[cid] = [p.detach().clone() for p in slot.module.parameters()]
 
     def before_step(self, cid: int, slot) -> None:  # the host clips after: clipping sees the whole gradient
-        mu = self.host.params.mu
+        mu = self.ctx.params.mu
         for p, w_t in zip(slot.module.parameters(), self.anchor[cid]):
             if p.grad is not None and mu:
                 p.grad.add_(p.detach() - w_t, alpha=mu)

@@ -47,21 +47,21 @@ from ..runtime.messages import Activation, Gradient, StateMsg, Tag
 class PiParRule(ClientRule):
     """SplitFed's computation with a pipelined clock (module docstring)."""
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self._stages: dict[Tag, tuple] = {}  # per step: start, forward time, upload time, arrival at the server
 
     def after_forward(self, tag: Tag, t_start: float, msg: Activation) -> None:
-        upload = self.host.meter.upload_seconds(tag.client, msg.nbytes)
+        upload = self.ctx.meter.upload_seconds(tag.client, msg.nbytes)
         self._stages[tag] = (t_start, msg.t_sent - t_start - upload, upload, msg.t_sent)
 
     def after_backward(self, grad: Gradient, t_start: float, t_end: float) -> float:
         t0, f, u, arrival = self._stages.pop(grad.tag)
-        d = self.host.meter.download_seconds(grad.tag.client, grad.nbytes)
+        d = self.ctx.meter.download_seconds(grad.tag.client, grad.nbytes)
         s = max(grad.t_sent - arrival, 0.0)
         t_back = max(t_start, grad.t_sent) + d
         b = t_end - t_back
-        m = self.host.params.micro_batches
+        m = self.ctx.params.micro_batches
         return t0 + (f + u + s + d + b + (m - 1) * max(f + b, u, s, d)) / m
 
 
@@ -84,25 +84,25 @@ class PiPar(SFLV1):
 class SplitGPRule(AuxRule):
     """The device block gets the server's gradient scaled by 1 - lambda plus lambda times the local head's."""
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self._labels: dict[Tag, torch.Tensor] = {}  # the batch of each activation awaiting its gradient
 
     def inputs(self, tag: Tag, idx):
-        x, y = self.host.data.batch(idx)
+        x, y = self.ctx.data.batch(idx)
         self._labels[tag] = y
         return x, y.cpu().numpy()
 
     def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
-        lam = self.host.params.lambda_local
-        head = self.host.states.slots[tag.client].module[1]
+        lam = self.ctx.params.lambda_local
+        head = self.ctx.states.slots[tag.client].module[1]
         y = self._labels.pop(tag)
 
         def surrogate():
             local = F.cross_entropy(head(out), y)
             ((1 - lam) * (out * g).sum() + lam * local).backward()
 
-        return self.host.executor.run(("bwd_gp", tuple(out.shape)), surrogate)[1]
+        return self.ctx.executor.run(("bwd_gp", tuple(out.shape)), surrogate)[1]
 
 
 class SplitGPParams(CopiesParams):
@@ -134,8 +134,8 @@ class ScaffoldRule(ClientRule):
     client_fields = ("c_own",)  # a client's c_i moves with it
     checkpointed = ("c_global",)
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.c_global: list[torch.Tensor] | None = None
         self.c_own: dict[int, list[torch.Tensor]] = {}
         self.x_start: dict[int, list[torch.Tensor]] = {}
@@ -153,16 +153,16 @@ class ScaffoldRule(ClientRule):
 
     def set_control(self, msg: StateMsg, receivers: list[int]) -> None:
         """The server's control variate for the round (download charged to the round's clients)."""
-        state = msg.tensors(self.host.executor.device)
+        state = msg.tensors(self.ctx.device)
         self.c_global = [state[str(i)] for i in range(len(state))] if state else None
         for c in receivers:
-            if int(c) in self.host.data:
-                self.host.meter.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
+            if int(c) in self.ctx.data:
+                self.ctx.meter.charge_download(int(c), msg.nbytes, msg.t_sent, "model")
 
     def control_deltas(self, clients: list[int]) -> StateMsg | None:
         """Option II update of each hosted round client's ``c_i``; the sum of the changes goes to the server."""
         total, t = None, 0.0
-        slots, meter = self.host.states.slots, self.host.meter
+        slots, meter = self.ctx.states.slots, self.ctx.meter
         for c in (int(c) for c in clients):
             if c not in slots:
                 continue
@@ -195,8 +195,8 @@ class ScaffoldServer(ServerRule):
 
     checkpointed = ("control", "server_control", "server_own")
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.control: dict[str, torch.Tensor] = {}  # empty until the first round's updates: c = 0
         self.server_control: list[torch.Tensor] | None = None
         self.server_own: dict[int, list[torch.Tensor]] = {}
@@ -205,18 +205,18 @@ class ScaffoldServer(ServerRule):
         self._server_deltas: list[list[torch.Tensor]] = []
 
     def control_msg(self) -> StateMsg:
-        return self.host.state_message(self.control)
+        return self.ctx.trainer.message(self.control)
 
     def on_fork(self, keys: list) -> None:
-        if self.host.spec.params.server_controls:
-            self._at_fork = [p.detach().clone() for p in self.host.models["main"].module.parameters()]
+        if self.ctx.params.server_controls:
+            self._at_fork = [p.detach().clone() for p in self.ctx.models.main.module.parameters()]
             self._steps = {int(k): 0 for k in keys}
 
     def before_step(self, module, optimizers: list, tag) -> None:
         """A client's server copy steps with ``g - c_i + c`` (``server_controls``), as its device block does."""
         cid = tag.client
-        if (self.host.spec.params.server_controls and optimizers and cid in self._steps
-                and module is self.host.models[cid].module):
+        if (self.ctx.params.server_controls and optimizers and cid in self._steps
+                and module is self.ctx.models[cid].module):
             self._steps[cid] += 1
             if self.server_control is not None:
                 own = self.server_own.get(cid)
@@ -227,8 +227,8 @@ class ScaffoldServer(ServerRule):
     def before_merge(self, weights: dict) -> None:
         """Before the copies are averaged and dropped: option II on each copy (``server_controls``)."""
         self._server_deltas = []
-        for k in (weights if self.host.spec.params.server_controls else ()):
-            slot = self.host.models[k]
+        for k in (weights if self.ctx.params.server_controls else ()):
+            slot = self.ctx.models[k]
             steps, lr = max(self._steps.get(int(k), 0), 1), slot.optimizer.param_groups[0]["lr"]
             params = [p.detach() for p in slot.module.parameters()]
             own = self.server_own.get(int(k)) or [torch.zeros_like(p) for p in params]

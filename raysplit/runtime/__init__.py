@@ -6,7 +6,8 @@ import Ray; they are loaded when a Ray backend is requested.
 
 from raysplit.runtime.api import HostCalls, LocalBackend, RoundStats, Runtime, RuntimeInputs
 from raysplit.runtime.hostspec import host_device
-from raysplit.runtime.hosts import Checkpointed, ClientHost, HostSpec, ModelSlot, NonFiniteLossError, ServerHost
+from raysplit.runtime.hosts import Checkpointed, ClientHost, ModelSlot, NonFiniteLossError, ServerHost
+from raysplit.runtime.plan import HostPlan, Method, ModelFacts, Sections
 from raysplit.runtime.rules import AsyncRule, ClientRule, ServerRule
 from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
@@ -30,6 +31,6 @@ def runtime_for(rcfg, inputs: RuntimeInputs, backend=None) -> Runtime:
                    rcfg.placement.strategy)
 
 
-__all__ = ["Activation", "AsyncRule", "Batch", "Checkpointed", "ClientHost", "ClientRule", "Gradient", "HostCalls", "HostSpec", "LocalBackend",
+__all__ = ["Activation", "AsyncRule", "Batch", "Checkpointed", "ClientHost", "ClientRule", "Gradient", "HostCalls", "HostPlan", "LocalBackend", "Method", "ModelFacts", "Sections",
            "ModelSlot", "NonFiniteLossError", "RoundStats", "Runtime", "RuntimeInputs", "ServerHost", "ServerRule", "StateMsg", "Tag",
            "batch_step", "make_backend", "runtime_for"]

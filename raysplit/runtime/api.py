@@ -15,15 +15,16 @@ a list of handles). A name the host class does not have fails at once, on the dr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from raysplit.runtime import placement, stepping
 from raysplit.runtime.calls import HostCalls, step_name
-from raysplit.runtime.hosts import ClientHost, HostSpec, ServerHost, invoke
+from raysplit.runtime.hosts import ClientHost, ServerHost, invoke
 from raysplit.runtime.hostspec import cpu_kind, host_device_of, machine_cores
+from raysplit.runtime.plan import HostPlan
 from raysplit.runtime.ports import DriverPort, DriverServer, LocalPort
 from raysplit.runtime.rules import ServerRule
 
@@ -47,7 +48,7 @@ class RoundStats:
 class RuntimeInputs:
     """Everything the runtime needs to build its hosts (prepared by the experiment on the driver)."""
 
-    spec: HostSpec
+    plan: HostPlan  # what every host is built from (runtime/plan.py)
     client_host: type = ClientHost
     server_host: type = ServerHost
     train_data: dict = field(default_factory=dict)  # {"x", "y"} numpy
@@ -90,20 +91,20 @@ class Runtime:
         backend.start(inputs)
         # the worker holding each client's state; every client starts at home (placement.home)
         self.holders = np.arange(self.num_clients, dtype=np.int64) % len(backend.workers)
-        self.server_rule = inputs.spec.server_rule or ServerRule
+        self.server_rule = inputs.plan.method.server_rule or ServerRule
         self.server = HostCalls(backend, inputs.server_host, "server", lambda: backend.server, rule=self.server_rule)
         self.workers = HostCalls(backend, inputs.client_host, "client", lambda: backend.workers, fan_out=True,
-                                 rule=inputs.spec.client_rule)
+                                 rule=inputs.plan.method.client_rule)
 
     def client(self, cid: int) -> HostCalls:
         """Calls on the worker hosting client ``cid``, with ``cid`` as the method's first argument."""
         cid = int(cid)
         return HostCalls(self.backend, self.inputs.client_host, "client", lambda: self.worker_of(cid), bind=(cid,),
-                         rule=self.inputs.spec.client_rule)
+                         rule=self.inputs.plan.method.client_rule)
 
     @property
     def packs_clients(self) -> bool:
-        return packs_clients(self.inputs.spec.pack_clients, self.backend.resolved())  # see packs_clients()
+        return packs_clients(self.inputs.plan.sections.runtime.pack_clients, self.backend.resolved())  # see packs_clients()
 
     # ---- placement -------------------------------------------------------------------------------------------
     def worker_of(self, cid: int):
@@ -156,7 +157,7 @@ class Runtime:
         call to the server, which runs :func:`stepping.drive_steps` and calls the client hosts itself: the driver is
         off the per-step path. Hosts run the same calls in the same order as the driver-chained loop below, so
         results are bit-identical (tests/test_direct_steps.py)."""
-        method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.spec.ushape)
+        method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.plan.ushape)
         plan = stepping.plan_steps(seq, self.round, keys or {})
         route = self.route([s.client for s in plan])
         if self.backend.direct_steps:
@@ -172,7 +173,7 @@ class Runtime:
         one gradient per activation (CycleSL-style pooling, MiniBatch-SFL's groups, Semi-SFL's two streams,
         batched server copies). Server-driven (``stepping.drive_pooled``) where the backend offers it, otherwise
         the same loop chained through the driver (:class:`DriverPort`)."""
-        method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.spec.ushape, pooled=True)
+        method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.plan.ushape, pooled=True)
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
         route = self.route(clients)
@@ -287,11 +288,6 @@ def merged(parts: list[dict]) -> dict:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def with_threads(spec: HostSpec, threads: int) -> HostSpec:
-    """``spec`` with ``runtime.torch_threads: auto`` resolved to ``threads`` (a number or null stays as it is)."""
-    return replace(spec, torch_threads=threads) if spec.torch_threads == "auto" else spec
-
-
 class LocalBackend:
     """Runs the hosts in this process; handles are plain values. ``runtime.torch_threads: auto`` gives the process
     the machine's cores (one process computes at a time)."""
@@ -313,11 +309,11 @@ class LocalBackend:
         return {"transport": "in-process", "torch_threads": self.threads, "cpu": cpu_kind(), **devices}
 
     def start(self, inputs: RuntimeInputs) -> None:
-        spec = with_threads(inputs.spec, machine_cores())
-        self.threads = spec.torch_threads
-        self.server = inputs.server_host(spec, inputs.server_init, inputs.client_init, inputs.test_data,
+        plan = inputs.plan.with_threads(machine_cores())
+        self.threads = plan.sections.runtime.torch_threads
+        self.server = inputs.server_host(plan, inputs.server_init, inputs.client_init, inputs.test_data,
                                          inputs.labeled_data)
-        self.workers = [inputs.client_host(spec, w, inputs.train_data, tr, te, pr, inputs.client_init)
+        self.workers = [inputs.client_host(plan, w, inputs.train_data, tr, te, pr, inputs.client_init)
                         for w, (tr, te, pr) in enumerate(host_inputs(inputs, self.num_workers))]
 
     def call(self, host, method, *args, **kwargs):

@@ -1,5 +1,5 @@
-"""The server host of the asynchronous methods (:class:`AsyncServer`: the event loop of :mod:`events` where the
-server lives, and the global client model) and the driver that runs them (:class:`EventDriver`)."""
+"""The server host of the asynchronous methods: a server host with the event loop of :mod:`events` where the server
+lives and the global client model (:class:`GlobalModel`). Its driver is ``drivers.EventDriver``."""
 
 from __future__ import annotations
 
@@ -9,35 +9,28 @@ import numpy as np
 
 from raysplit.runtime import transport
 from raysplit.runtime.aggregation import average_states
-from raysplit.runtime.drivers import Driver
-from raysplit.runtime.events import ClientCosts, EventLoop, EventSetup
+from raysplit.runtime.events import ClientCosts, EventLoop, EventPlan
 from raysplit.runtime.messages import StateMsg, Tag
 from raysplit.runtime.server_host import ServerHost
 
 
-class AsyncServer(ServerHost):
-    """Server host of an asynchronous method: the event loop (``events``) and the global client model
-    (``version``, ``global_model``, ``set_global``). What the loop calls in simulated-time order (``on_job_start``,
-    ``on_arrival``, ``should_flush``, ``flush``, ``on_model_upload``) are the hooks of the method's
-    :class:`~raysplit.runtime.rules.AsyncRule` (``self.rule``)."""
+class GlobalModel:
+    """The global client model of an asynchronous run (a component of its server host; a rule's
+    ``ctx.global_model``): :meth:`current` (the latest), :meth:`publish` (a new one, made now: ``version`` counts
+    them) and :meth:`average` (weighted, of uploaded models). ``now()``: the server's time."""
 
-    def build(self) -> None:
-        setup: EventSetup = self.spec.host_setup
-        self.setup = setup
+    def __init__(self, initial: StateMsg, now):
+        self._current = StateMsg(initial.state, t_sent=0.0, weight=1.0)
         self.version = 0
-        self._global = StateMsg(self.client_init.state, t_sent=0.0, weight=1.0)
-        self.uploads: list[StateMsg] = []
-        spec, priv = self.spec, self.spec.privacy
-        costs = ClientCosts(self.eval_client, setup, spec.batch_size, spec.input_shape,
-                            transport.state_nbytes(self.client_init.state), spec.charge_server,
-                            act_bits=priv.defence.bits if priv is not None and priv.defence.kind == "quantize" else None,
-                            drop_last=spec.drop_last)
-        self.events = EventLoop(setup, costs, spec.seed)
+        self.now = now
 
-    def expected_round(self, tag: Tag) -> int | None:
-        """An activation carries the round its client's job began in (``Job.round``)."""
-        job = self.events.jobs.get(tag.client)
-        return job.round if job is not None else self.round
+    def current(self) -> StateMsg:
+        return self._current
+
+    def publish(self, msg: StateMsg) -> None:
+        """A new global client model, made now."""
+        self._current = StateMsg(msg.state, t_sent=self.now(), weight=msg.weight)
+        self.version += 1
 
     @staticmethod
     def average(msgs: list[StateMsg], weights: list[float]) -> StateMsg:
@@ -45,14 +38,33 @@ class AsyncServer(ServerHost):
         state = average_states([transport.unpack_state(m.state) for m in msgs], weights)
         return StateMsg(transport.pack_state(state), t_sent=max(m.t_sent for m in msgs), weight=float(sum(weights)))
 
-    # ---- the global client model ------------------------------------------------------------------------------
-    def global_model(self) -> StateMsg:
-        return self._global
 
-    def set_global(self, msg: StateMsg) -> None:
-        """A new global client model, made now: ``version`` counts them."""
-        self._global = StateMsg(msg.state, t_sent=max(self.clock, self.events.t_now), weight=msg.weight)
-        self.version += 1
+class AsyncServer(ServerHost):
+    """Server host of an asynchronous method: the event loop (``events``) and the global client model
+    (``global_model``). What the loop calls in simulated-time order (``on_job_start``, ``on_arrival``,
+    ``should_flush``, ``flush``, ``on_model_upload``) are the hooks of the method's
+    :class:`~raysplit.runtime.rules.AsyncRule` (``self.rule``)."""
+
+    CALLS = {**ServerHost.CALLS, "run_events": "run_events", "event_totals": "event_totals",
+             "current_global": "global_model.current"}
+
+    def build(self) -> None:
+        plan: EventPlan = self.plan.events
+        self.global_model = GlobalModel(self.client_init, lambda: max(self.clock, self.events.t_now))
+        priv, s = self.plan.privacy, self.plan.sections
+        costs = ClientCosts(self.evaluation.client, plan, s.train.batch_size, self.plan.model.input_shape,
+                            transport.state_nbytes(self.client_init.state), s.clock.charge_server,
+                            act_bits=priv.defence.sent_bits if priv is not None else None,
+                            drop_last=s.train.drop_last)
+        self.events = EventLoop(plan, costs, s.seed)
+
+    def context_items(self) -> dict:
+        return {"global_model": self.global_model, "events": self.plan.events}
+
+    def expected_round(self, tag: Tag) -> int | None:
+        """An activation carries the round its client's job began in (``Job.round``)."""
+        job = self.events.jobs.get(tag.client)
+        return job.round if job is not None else self.round
 
     # ---- driving ----------------------------------------------------------------------------------------------
     def reset_round(self):
@@ -76,20 +88,10 @@ class AsyncServer(ServerHost):
     def event_totals(self) -> dict[int, dict]:
         return {c: dict(v, t_last=v.get("t_end", 0.0)) for c, v in self.events.totals.items()}
 
-    checkpointed = ("events", "version", "_global", "uploads")
+    # ---- checkpoint: the loop and the global model, beside the models ------------------------------------------
+    def own_state(self) -> dict:
+        return {"events": self.events, "version": self.global_model.version, "_global": self.global_model._current}
 
-
-class EventDriver(Driver):
-    """Runs an asynchronous algorithm: each global round is the event loop up to the next global model."""
-
-    asynchronous = True
-    server_host = AsyncServer
-
-    def round(self, rnd: int):
-        stats = self.rt.run_events(rnd)
-        self.global_handle = self.rt.server.global_model()
-        self.t_sim = stats.t_end
-        return stats
-
-    def client_totals(self) -> dict[int, dict]:
-        return self.rt.get(self.rt.server.event_totals())
+    def load_own_state(self, own: dict) -> None:
+        self.events = own["events"]
+        self.global_model.version, self.global_model._current = own["version"], own["_global"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from raysplit.runtime.rules import host_calls, rule_calls
 from raysplit.runtime.ushape import u_shaped
 
 
@@ -27,8 +28,8 @@ class HostCalls:
                          rule=self._rule)
 
     def __getattr__(self, name: str):
-        fn = None if name.startswith("_") else getattr(self._cls, name, None) or getattr(self._rule, name, None)
-        if not callable(fn):
+        known = set(host_calls(self._cls)) | set(rule_calls(self._rule) if self._rule else ())
+        if name.startswith("_") or name not in known:
             raise AttributeError(f"{self._cls.__name__} (the {self._role} host) has no method {name!r}"
                                  + (f", nor has its rule {self._rule.__name__}" if self._rule else ""))
         b, args0 = self._backend, self._bind
@@ -54,7 +55,8 @@ def step_name(step: Callable, host: type, rule: type, ushape=None, pooled: bool 
     name (a TypeError says so, naming both classes). Under a U-shaped split (``ushape``) the step a loop runs
     instead (:func:`~raysplit.runtime.ushape.u_shaped`; ``pooled``: for pooled steps, which it refuses)."""
     name = step if isinstance(step, str) else getattr(step, "__name__", "")
-    if not any(vars(k).get(name) is step for k in (*host.__mro__, *rule.__mro__)):  # its own or inherited
+    if (not any(vars(k).get(name) is step for k in (*host.__mro__, *rule.__mro__))  # its own or inherited
+            or name not in set(host_calls(host)) | set(rule_calls(rule))):
         raise TypeError(f"server step {step!r}: give a method of {host.__name__} or {rule.__name__} by reference "
                         f"(e.g. {rule.__name__}.{name or 'my_step'}), not its name")
     return u_shaped(name, ushape, pooled)

@@ -1,10 +1,22 @@
-"""The client host: many virtual clients on one worker (see :mod:`raysplit.runtime.hosts`), assembled from its
-components: the clients' data and cursors (:class:`ClientData`), the cost meter (:class:`CostMeter`), the
-client-state store (:class:`ClientStates`), the privacy plug-ins at the cut (:class:`ClientCut`) and the executor
-that runs the clients' computations (:class:`Executor`). The host holds the split-learning step (a forward whose
-graph waits here for its gradient, the backward, the client's update); what a method changes around it is its
-client rule (:class:`~raysplit.runtime.rules.ClientRule`), whose hooks the host calls in the order given there;
-the step itself is :class:`~raysplit.runtime.client_steps.ClientSteps`."""
+"""The client host: many virtual clients on one worker (see :mod:`raysplit.runtime.hosts`), an assembly of
+components with a declared table of the calls it accepts from other actors (:attr:`ClientHost.CALLS`, plus its
+rule's own calls):
+
+- ``data`` (:class:`ClientData`): the hosted clients' samples and data cursors;
+- ``meter`` (:class:`CostMeter`): their simulated clocks and counters;
+- ``states`` (:class:`ClientStates`): their models and optimizer states;
+- ``cut`` (:class:`ClientCut`): the privacy plug-ins at the cut; ``tail`` (:class:`ClientTail`): a U-shaped
+  split's tail;
+- ``executor`` (:class:`Executor`): runs the clients' computations on the host's device;
+- ``slots`` (:class:`ClientSlots`): the round's clients, their update, the dropped ones;
+- ``steps`` (:class:`SplitSteps`): the split-learning step; ``pooled`` (:class:`PooledSteps`): several clients' in
+  one call, packed where they may be; ``jobs`` (:class:`LocalJobs`): training on their own;
+  ``transfers`` (:class:`ModelTransfers`): models in and out; ``moves`` (:class:`Moves`): clients moving and
+  checkpoints.
+
+What a method changes around its clients' steps is its client rule (:class:`~raysplit.runtime.rules.ClientRule`),
+built from a :class:`~raysplit.runtime.contexts.ClientContext` over these components, whose hooks the components
+call in the order given there."""
 
 from __future__ import annotations
 
@@ -14,138 +26,126 @@ import torch
 from raysplit.clock import ClientProfile
 from raysplit.runtime import transport
 from raysplit.runtime.client_data import ClientData
-from raysplit.runtime.client_jobs import ClientJobs
-from raysplit.runtime.client_moves import ClientMoves
+from raysplit.runtime.client_jobs import LocalJobs
+from raysplit.runtime.client_moves import Moves
+from raysplit.runtime.client_pooled import PooledSteps
+from raysplit.runtime.client_slots import ClientSlots
 from raysplit.runtime.client_states import ClientStates
-from raysplit.runtime.client_steps import ClientSteps
+from raysplit.runtime.client_steps import SplitSteps
 from raysplit.runtime.client_transfers import ModelTransfers
-from raysplit.runtime.cut import ClientCut, CutCalls
+from raysplit.runtime.contexts import client_context
+from raysplit.runtime.cut import ClientCut, reconstruction_attack
 from raysplit.runtime.evaluation import evaluate_own
 from raysplit.runtime.executor import Executor
-from raysplit.runtime.hostspec import HostSpec, ModelSlot, build_parts, host_device, limit_threads, set_determinism
-from raysplit.runtime.messages import StateMsg, Tag
+from raysplit.runtime.hostspec import host_device, limit_threads, set_determinism
+from raysplit.runtime.messages import StateMsg
 from raysplit.runtime.meter import CostMeter
-from raysplit.runtime.optim import round_lr
-from raysplit.runtime.rules import ClientRule
-from raysplit.runtime.ushape import ClientTail, TailCalls
+from raysplit.runtime.plan import HostPlan, Progress
+from raysplit.runtime.rules import ClientRule, call_table
+from raysplit.runtime.ushape import ClientTail
 
 
-class ClientHost(ClientSteps, ClientJobs, ClientMoves, CutCalls, TailCalls):
+class ClientHost:
     """Hosts a set of virtual clients on one worker (``data.train_idx``'s keys: those it holds now), computing on
-    ``runtime.client.device``. Methods give a client rule (``spec.client_rule``), made here as ``self.rule``."""
+    ``runtime.client.device``, built from a :class:`~raysplit.runtime.plan.HostPlan`. Methods give a client rule
+    (``plan.method.client_rule``), made here as ``self.rule``."""
 
-    # the host's own per-client mappings that move with a client (``export_clients``; its components' move too)
-    client_fields: tuple[str, ...] = ("job_round", "job_loss")
+    # what other actors may call: a name, or the component's call it is (a rule adds its own, shadowing none)
+    CALLS = {"begin_round": "begin_round", "end_round": "end_round", "evaluate_clients": "evaluate_clients",
+             "reconstruction": "reconstruction", "forward": "steps.forward", "forward_many": "steps.forward_many",
+             "forward_clients": "pooled.forward_clients", "backward": "steps.backward",
+             "backward_clients": "pooled.backward_clients", "tail_step": "tail.step",
+             "local_train": "jobs.local_train", "local_train_many": "jobs.local_train_many", "join": "jobs.join",
+             "local_job": "jobs.local_job", "leave": "jobs.leave", "partial_sum": "transfers.partial_sum",
+             "set_global": "transfers.install", "get_state": "transfers.send", "load_state": "transfers.receive",
+             "export_clients": "moves.export_clients", "import_clients": "moves.import_clients",
+             "changed_clients": "moves.changed_clients", "state_dict": "moves.state_dict",
+             "load_state_dict": "moves.load_state_dict", "client_totals": "meter.client_totals"}
 
-    def __init__(self, spec: HostSpec, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
+    def __init__(self, plan: HostPlan, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
                  test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
-        if spec.torch_threads:
-            limit_threads(spec.torch_threads)
-        device = host_device(spec.client_device, "runtime.client.device")
-        set_determinism(spec.deterministic, device)
-        torch.manual_seed(spec.seed * 1009 + worker_index)
-        self.spec = spec
-        self.params = spec.params
+        s, rt = plan.sections, plan.sections.runtime
+        if rt.torch_threads:
+            limit_threads(rt.torch_threads)
+        device = host_device(rt.client.device, "runtime.client.device")
+        set_determinism(rt.deterministic, device)
+        torch.manual_seed(s.seed * 1009 + worker_index)
+        self.plan = plan
         self.worker_index = worker_index
+        self.progress = Progress()
         self.changed: set[int] = {int(c) for c in train_idx}  # clients changed since the last changed_clients()
-        self.data = ClientData(data, train_idx, test_idx, spec.data_spec, batch_size=spec.batch_size,
-                               seed=spec.seed, drop_last=spec.drop_last, changed=self.changed, device=device)
-        self.meter = CostMeter(profiles, self.data.train_idx, charge_server=spec.charge_server, changed=self.changed)
+        self.data = ClientData(data, train_idx, test_idx, plan.model.inputs, batch_size=s.train.batch_size,
+                               seed=s.seed, drop_last=s.train.drop_last, changed=self.changed, device=device)
+        self.meter = CostMeter(profiles, self.data.train_idx, charge_server=s.clock.charge_server,
+                               changed=self.changed)
+        spill = rt.placement
         self.states = ClientStates(lambda: self.rule.build_module().to(device), transport.unpack_state(init_state),
-                                   spec.client_optimizer, persist=spec.persist_client_models, device=device,
-                                   state_bytes=spec.client_state_bytes, spill_dir=spec.spill_dir, changed=self.changed)
-        self.cut = ClientCut(spec.privacy)
-        self.tail = ClientTail(self, spec.ushape) if spec.ushape is not None else None  # U-shaped: labels stay here
-        self.executor = Executor(spec.seed, device, spec.pack_clients)
-        self.dropped: dict[int, str] = {}  # clients dropped this round (job, under events) and why (on_bad_client)
-        self.transfers = ModelTransfers(self.data, self.states, self.meter, self.dropped)
-        self.pending: dict[Tag, torch.Tensor] = {}  # forwards awaiting their gradient
-        self._replay: dict[Tag, tuple[np.ndarray, dict]] = {}  # event driver: what rebuilds a pending forward
-        self.packed: dict[Tag, tuple] = {}  # packed forwards awaiting their gradient: (Packed, index in it)
-        self.round = -1
-        self.job_round: dict[int, int] = {}  # event driver: the global round each active client's job began in
-        self.job_loss: dict[int, float] = {}  # event driver: mean loss of a local job, sent with the model
-        self.rule: ClientRule = (spec.client_rule or ClientRule)(self)
+                                   s.train.optimizer, persist=plan.method.persist_client_models, device=device,
+                                   state_bytes=int(spill.client_state_mb * 2**20) if spill.client_state_mb else None,
+                                   spill_dir=spill.spill_dir, changed=self.changed)
+        self.cut = ClientCut(plan.privacy)
+        self.executor = Executor(s.seed, device, rt.pack_clients)
+        self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
+                     if plan.ushape is not None else None)  # U-shaped: the labels stay here
+        rule = lambda: self.rule  # noqa: E731 - the components call the rule made last
+        self.slots = ClientSlots(self.data, self.states, self.meter, s.train, self.progress, rule, worker_index)
+        self.transfers = ModelTransfers(self.data, self.states, self.meter, self.slots.dropped)
+        self.steps = SplitSteps(plan, rule, self.slots, self.data, self.meter, self.states, self.executor,
+                                self.cut, self.tail, worker_index)
+        self.pooled = PooledSteps(self.steps)
+        self.jobs = LocalJobs(plan, self.slots, self.data, self.meter, self.states, self.executor, self.cut,
+                              self.transfers, worker_index)
+        self.moves = Moves(lambda: (self.data, self.meter, self.states, self.cut, self.jobs), self.steps, self.slots,
+                           self.data, self.states, self.executor, self.cut, rule, self.changed, worker_index)
+        ctx = client_context(sections=s, model=plan.model, method=plan.method, privacy=plan.privacy,
+                             progress=self.progress, data=self.data, meter=self.meter, states=self.states,
+                             executor=self.executor, cut=self.cut, activate=self.slots.activate,
+                             update=self.slots.update, defend=self.steps.defend)
+        self.rule: ClientRule = (plan.method.client_rule or ClientRule)(ctx)
+        self.calls = call_table(self, self.rule)
 
-    # ---- a client's round ----------------------------------------------------------------------------------------
-    def activate(self, cid: int, state: dict | None = None, rnd: int | None = None) -> ModelSlot:
-        """The client's slot for this round: its own model (or the global one, or ``state``), its optimizer with
-        the per-client state restored and the learning rate of round ``rnd`` (default: the host's round)."""
-        if cid in self.states.slots:
-            return self.states.slots[cid]
-        if cid not in self.data:
-            raise KeyError(f"client {cid} is not hosted by worker {self.worker_index}")
-        lr = round_lr(self.spec.client_optimizer, self.round if rnd is None else rnd, self.spec.rounds)
-        slot = self.states.activate(cid, lr, state)
-        self.rule.on_activate(cid, slot)
-        return slot
+    @property
+    def round(self) -> int:
+        return self.progress.round
 
-    def release(self, cid: int, keep_weights: bool | None = None) -> None:
-        """The client's round is over: its weights and optimizer state kept (a dropped client keeps what it had
-        before the round), then the rule's ``on_release``."""
-        self.states.release(cid, keep_weights, keep_state=cid not in self.dropped)
-        self.rule.on_release(cid)
+    @property
+    def job_round(self) -> dict[int, int]:
+        return self.jobs.job_round
 
+    # ---- a round ----------------------------------------------------------------------------------------------
     def begin_round(self, rnd: int, cids: list[int], t0: float) -> None:
-        self.round = rnd
-        self.dropped.clear()
+        self.progress.round = rnd
+        self.slots.dropped.clear()
         self.meter.start_round(cids, t0)
 
-    def clip_grads(self, module: torch.nn.Module) -> None:
-        if self.spec.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), self.spec.clip_grad_norm)
-
-    def _update(self, cid: int, slot: ModelSlot) -> None:
-        """The client's update once its gradients are in: the rule's ``before_step``, clipping
-        (``train.clip_grad_norm``: it sees the whole gradient), the optimizer's step."""
-        self.rule.before_step(cid, slot)
-        self.clip_grads(slot.module)
-        slot.optimizer.step()
-
-    def drop(self, cid: int, why: str) -> None:
-        """Client ``cid`` takes no further part in this round (job): no more updates, left out of aggregation, its
-        own model and optimizer state stay as they were before the round (``runtime.faults.on_bad_client: drop``)."""
-        if cid not in self.dropped:
-            self.dropped[cid] = why
-            self.meter.count(cid, dropped=1)
-
-    # ---- model transfers (ModelTransfers) and evaluation ------------------------------------------------------
-    def partial_sum(self, weights: dict[int, float]) -> StateMsg | None:
-        """FedAvg's weighted sum of the hosted clients' weights (upload counted per client)."""
-        return self.transfers.partial_sum(weights)
-
-    def set_global(self, msg: StateMsg, receivers: list[int] | None = None, only: list[int] | None = None) -> None:
-        """An aggregate installed for all clients, or as the own model of those in ``only``."""
-        self.transfers.install(msg, receivers, only)
-
-    def get_state(self, cid: int) -> StateMsg:
-        """Client ``cid`` sends its current model."""
-        return self.transfers.send(cid)
-
-    def load_state(self, cid: int, msg: StateMsg) -> None:
-        """Client ``cid`` receives a model as its own (a hand-over)."""
-        self.transfers.receive(cid, msg)
-
     def end_round(self) -> dict[int, dict]:
-        for tag in [t for t in self.pending if t.client in self.dropped]:  # never answered: its tag was forged
-            del self.pending[tag]
+        steps, dropped = self.steps, self.slots.dropped
+        for tag in [t for t in steps.pending if t.client in dropped]:  # never answered: its tag was forged
+            del steps.pending[tag]
             self.cut.take_leak(tag)
-        self.packed.clear()
-        if self.pending:
+        steps.packed.clear()
+        if steps.pending:
             raise RuntimeError(f"worker {self.worker_index}: round {self.round} ended with activations that never "
-                               f"got a gradient: {sorted(self.pending)[:5]}")
+                               f"got a gradient: {sorted(steps.pending)[:5]}")
         for c in list(self.states.slots):
-            self.release(c)
+            self.slots.release(c)
         out = self.meter.close_round()
         for c, row in out.items():
             row.update(self.cut.round_row(c))
-            if c in self.dropped:
-                row["drop_reason"] = self.dropped[c]
+            if c in dropped:
+                row["drop_reason"] = dropped[c]
         if self.tail is not None:
             self.tail.end_round(out)  # the label attack's scores into the clients' rows
         return out
 
+    # ---- evaluation and the privacy attack -------------------------------------------------------------------
     def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """Each client's own test split through its own client model and the given server model."""
-        return evaluate_own(build_parts(self.spec), self.data, self.states.state_of, cids,
-                            transport.unpack_state(server_state.state), self.spec, self.executor.device)
+        return evaluate_own(self.plan.parts(), self.data, self.states.state_of, cids,
+                            transport.unpack_state(server_state.state), self.plan.sections.eval.batch_size,
+                            self.executor.device)
+
+    def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
+        """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
+        return reconstruction_attack(self.plan.privacy, self.plan.sections.seed, self.data, self.states, self.cut,
+                                     self.executor, self.rule, cids, rnd, global_state)

@@ -11,13 +11,28 @@ from raysplit.runtime.hostspec import ModelSlot, check_finite
 from raysplit.runtime.messages import StateMsg
 
 
-class ClientJobs:
-    """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: a client's training on its own (no server
-    step), in a round (``local_train``) or in the event driver's jobs."""
+class LocalJobs:
+    """A client's training on its own (no server step), in a round (``local_train``) or in the event driver's
+    jobs (a component of the client host). ``job_round``: the global round each active client's job began in;
+    ``job_loss``: the mean loss of a local job, sent with the model."""
+
+    client_fields: tuple[str, ...] = ("job_round", "job_loss")  # per-client state that moves with a client
+
+    def __init__(self, plan, slots, data, meter, states, executor, cut, transfers, worker_index: int):
+        self.slots, self.data, self.meter, self.states = slots, data, meter, states
+        self.executor, self.cut, self.transfers = executor, cut, transfers
+        self.stop_on_nonfinite = plan.sections.train.stop_on_nonfinite
+        self.worker_index = worker_index
+        self.job_round: dict[int, int] = {}
+        self.job_loss: dict[int, float] = {}
+
+    @property
+    def round(self) -> int:
+        return self.slots.progress.round
 
     def local_train(self, cid: int, steps: int) -> float:
         """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss."""
-        slot = self.activate(cid)
+        slot = self.slots.activate(cid)
         with self.executor.seeded(cid, 1, self.round):
             return float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
 
@@ -33,7 +48,7 @@ class ClientJobs:
         mine = [int(c) for c in steps if int(c) in self.data]
         if not self.executor.pack or len(mine) < 2:
             return {c: self.local_train(c, steps[c]) for c in mine}
-        slots = {c: self.activate(c) for c in mine}
+        slots = {c: self.slots.activate(c) for c in mine}
         losses: dict[int, list[float]] = {c: [] for c in mine}
         for s in range(max(steps[c] for c in mine)):
             batch = {c: self.data.batch(self.data.draw(c)) for c in mine if s < steps[c]}
@@ -50,8 +65,8 @@ class ClientJobs:
                             losses[c].append(self._local_step(c, slots[c], batch[c]))
                         continue
                     lv, fl = done[i]
-                    check_finite(lv, self.spec.stop_on_nonfinite, f"round {self.round}, client {c}")
-                    self._update(c, slots[c])
+                    check_finite(lv, self.stop_on_nonfinite, f"round {self.round}, client {c}")
+                    self.slots.update(c, slots[c])
                     self.meter.charge_compute(c, fl)
                     self.meter.count(c, steps=1, loss_sum=lv, loss_n=1)
                     losses[c].append(lv)
@@ -67,8 +82,8 @@ class ClientJobs:
             return loss
 
         loss, fl = self.executor.run(("train", tuple(x.shape)), fwd_bwd)
-        check_finite(loss.item(), self.spec.stop_on_nonfinite, f"round {self.round}, client {cid}")
-        self._update(cid, slot)
+        check_finite(loss.item(), self.stop_on_nonfinite, f"round {self.round}, client {cid}")
+        self.slots.update(cid, slot)
         self.meter.charge_compute(cid, fl)
         self.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
         return loss.item()
@@ -83,8 +98,8 @@ class ClientJobs:
         state = transport.unpack_state(msg.state)
         self.meter.start(cid, t0)
         self.job_round[cid] = rnd
-        self.dropped.pop(cid, None)
-        self.activate(cid, state=state, rnd=rnd)
+        self.slots.dropped.pop(cid, None)
+        self.slots.activate(cid, state=state, rnd=rnd)
         return self.meter.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
 
     def local_job(self, cid: int, steps: int) -> float:
@@ -96,11 +111,11 @@ class ClientJobs:
 
     def leave(self, cid: int) -> StateMsg:
         """The client uploads its model (upload charged) and frees its slot."""
-        msg = self.get_state(cid)
+        msg = self.transfers.send(cid)
         msg.state = {k: np.array(v, copy=True) for k, v in msg.state.items()}  # the slot's module is reused
         msg.loss = self.job_loss.pop(cid, float("nan"))
-        msg.rejected = self.dropped.get(cid, "")
+        msg.rejected = self.slots.dropped.get(cid, "")
         if self.cut.accounted:  # what end_round reports in synchronous rounds
             msg.epsilon = self.cut.epsilon(cid)
-        self.release(cid, keep_weights=False)
+        self.slots.release(cid, keep_weights=False)
         return msg

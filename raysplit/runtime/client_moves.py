@@ -12,15 +12,24 @@ from raysplit.runtime.meter import Counters
 from raysplit.runtime.spill import StoreView
 
 
-class ClientMoves:
-    """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: clients moving between hosts (placement),
-    the host's state for a checkpoint or a snapshot, and the per-client totals. A client's state is every
-    per-client mapping its components, its rule and the host name in their ``client_fields``."""
+class Moves:
+    """Clients moving between hosts (placement), the host's state for a checkpoint or a snapshot (a component of the
+    client host). A client's state is every per-client mapping its ``owners`` (the host's components and its rule)
+    name in their ``client_fields``; ``changed``: the host's set of clients changed since the last snapshot."""
+
+    def __init__(self, owners, steps, slots, data, states, executor, cut, rule, changed: set[int],
+                 worker_index: int):
+        self.owners, self.steps, self.slots, self.data, self.states = owners, steps, slots, data, states
+        self.executor, self.cut, self.rule_of, self.changed = executor, cut, rule, changed
+        self.worker_index = worker_index
+
+    @property
+    def rule(self):
+        return self.rule_of()
 
     def _books(self) -> dict[str, object]:
         """Each per-client mapping's name and the object that holds it."""
-        return {name: owner for owner in (self.data, self.meter, self.states, self.cut, self.rule, self)
-                for name in owner.client_fields}
+        return {name: owner for owner in (*self.owners(), self.rule) for name in owner.client_fields}
 
     def _fields_of(self, cid: int, take: bool) -> dict:
         """Client ``cid``'s entry of every per-client mapping that has one (removed from here if ``take``)."""
@@ -50,8 +59,8 @@ class ClientMoves:
             for c, fields in bundle.items():
                 for name, value in fields.items():
                     if name == "totals":
-                        self.meter.totals[c] = Counters()
-                        self.meter.totals[c].add(**value)
+                        books[name].totals[c] = Counters()
+                        books[name].totals[c].add(**value)
                     else:
                         getattr(books[name], name)[c] = value
                 self.changed.add(int(c))
@@ -70,17 +79,18 @@ class ClientMoves:
         slot; under the event driver, active clients' slots (weights, optimizer) and their forwards awaiting a
         gradient are kept as what it takes to redo them (batch indices, the module's buffers before the
         forward)."""
-        if self.pending and set(self.pending) != set(self._replay):
+        pending, replay = self.steps.pending, self.steps.replay
+        if pending and set(pending) != set(replay):
             raise RuntimeError(f"worker {self.worker_index}: checkpoint with activations awaiting a gradient "
-                               f"({sorted(self.pending)[:5]}) outside the event driver")
+                               f"({sorted(pending)[:5]}) outside the event driver")
         slots = {c: (clone_state(sl.module), copy.deepcopy(sl.optimizer.state_dict()))
                  for c, sl in self.states.slots.items()}
         held = sorted(self.data.train_idx)
         which = held if clients is None else [int(c) for c in clients if int(c) in self.data]
         return {"global": self.states.global_state, "held": held,
                 "clients": {c: self._fields_of(c, take=False) for c in which},
-                "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(self._replay),
-                "dropped": dict(self.dropped), "own": self.rule.own_state()}
+                "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(replay),
+                "dropped": dict(self.slots.dropped), "own": self.rule.own_state()}
 
     def load_state_dict(self, st: dict) -> None:
         """Restore :meth:`state_dict`'s result (with every held client's state)."""
@@ -92,8 +102,8 @@ class ClientMoves:
             getattr(owner, name).clear()
         self.data.forget()
         self.import_clients(st["clients"])
-        self.dropped.clear()  # the same mapping the host's components hold
-        self.dropped.update(st.get("dropped", {}))
+        self.slots.dropped.clear()  # the same mapping the host's components hold
+        self.slots.dropped.update(st.get("dropped", {}))
         self.rule.load_own_state(st.get("own", {}))
         for c, (weights, opt) in st.get("slots", {}).items():
             self.states.restore_slot(c, weights, opt)
@@ -103,15 +113,10 @@ class ClientMoves:
             module.load_state_dict(buffers, strict=False)
             x, _ = self.data.batch(idx)
             with self.executor.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
-                self.pending[tag] = module(x)
+                self.steps.pending[tag] = module(x)
             if self.cut.defence is not None:  # the same release (its noise stream is seeded per step), not counted
-                self.pending[tag] = self.defend(tag, x, self.pending[tag], count=False)[0]
+                self.steps.pending[tag] = self.steps.defend(tag, x, self.steps.pending[tag], count=False)[0]
             module.load_state_dict(after, strict=False)
-            self._replay[tag] = (idx, buffers)
+            self.steps.replay[tag] = (idx, buffers)
         torch.set_rng_state(st["torch_rng"])
         self.changed.clear()
-
-    def client_totals(self) -> dict[int, dict]:
-        """Per hosted client: counters summed over the rounds, and ``t_last``, its clock at the end of the last
-        round it took part in (its participation time: every client starts at 0)."""
-        return self.meter.client_totals()

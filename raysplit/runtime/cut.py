@@ -23,7 +23,7 @@ class ClientCut:
 
     def __init__(self, privacy):
         self.privacy = privacy
-        self.defence = CutDefence(privacy) if privacy is not None and privacy.defence.kind != "none" else None
+        self.defence = CutDefence(privacy) if privacy is not None and privacy.defence.active else None
         self._leaks: dict[Tag, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dp_releases: dict[int, dict[float, int]] = {}  # noised releases per client: {sampling rate: count}
 
@@ -37,7 +37,7 @@ class ClientCut:
         bytes (None: the tensor's own). ``rate``: the release is counted at this sampling rate (None: not counted,
         e.g. when a checkpoint rebuilds a forward)."""
         sent, nbytes = self.defence.release(out)
-        if self.defence.params.kind == "nopeek" and out.requires_grad:
+        if self.defence.params.keeps_inputs and out.requires_grad:
             self._leaks[tag] = (x, out)
         if rate is not None and self.defence.spec.accounted:
             book = self.dp_releases.setdefault(tag.client, {})
@@ -61,8 +61,10 @@ class ClientCut:
         return self.defence.epsilon(self.dp_releases.get(cid, {}))
 
 
-def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
-    """``privacy.attack`` against the clients of ``cids`` that ``host`` (a client host) holds, scored on the first
+def reconstruction_attack(privacy, seed: int, data, states, cut: ClientCut, executor, rule, cids: list[int], rnd: int,
+                          global_state: StateMsg | None = None) -> dict[int, dict]:
+    """``privacy.attack`` against the clients of ``cids`` that a client host holds (its ``data``, ``states``,
+    ``cut``, ``executor`` and client ``rule``), scored on the first
     ``samples`` of the client's training inputs in a seeded order, encoded by the client's current model with its
     defence applied (what the server receives for them), by the attack's plug-in given what the server would have:
     for ``reconstruction`` the auxiliary set encoded and defended the same way, for ``inversion`` ``global_state``,
@@ -70,34 +72,34 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
     attacker inverts through the wrong model, as it would). Returns per client its scores, the distance correlation
     of those inputs and what the server receives for them (``dcor``, the leakage NoPeek minimises), and the first 8
     (input, reconstruction) pairs."""
-    priv, spec, states, defence = host.spec.privacy, host.spec, host.states, host.cut.defence
+    priv, defence, data_spec = privacy, cut.defence, data.spec
     attack = ATTACK_PLUGINS[priv.attack.kind](priv)
-    mine = [int(c) for c in cids if int(c) in host.data]
+    mine = [int(c) for c in cids if int(c) in data]
     held = lo = hi = None
     if attack.needs_held_model and mine:
-        held = host.rule.build_module()
+        held = rule.build_module()
         held.load_state_dict(global_state.tensors())
         held.eval()
-        lo, hi = to_tensor(priv.input_range, spec.data_spec).split(1)
-    aux = to_tensor(priv.aux_x, spec.data_spec) if mine and attack.needs_aux else None
+        lo, hi = to_tensor(priv.input_range, data_spec).split(1)
+    aux = to_tensor(priv.aux_x, data_spec) if mine and attack.needs_aux else None
     out = {}
     for c in mine:
-        module = host.rule.build_module()
+        module = rule.build_module()
         module.load_state_dict(states.state_of(c))
         module.eval()
-        encode = host.rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
+        encode = rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
 
         def sent(x):  # what the server receives for inputs x
             return encode(x) if defence is None else defence.release(encode(x))[0]
 
-        order = np.random.default_rng([spec.seed, 0xA77, c]).permutation(host.data.train_idx[c])
-        victim = to_tensor(host.data.x[np.sort(order[:priv.attack.samples])], spec.data_spec)
-        with torch.no_grad(), host.executor.seeded(c, 3, rnd):
+        order = np.random.default_rng([seed, 0xA77, c]).permutation(data.train_idx[c])
+        victim = to_tensor(data.x[np.sort(order[:priv.attack.samples])], data_spec)
+        with torch.no_grad(), executor.seeded(c, 3, rnd):
             z_aux = sent(aux) if aux is not None else None
             z_vic = sent(victim)
         rec = attack.reconstruct(AttackView(
-            z_vic, aux=aux, z_aux=z_aux, lo=lo, hi=hi, seed=spec.seed * 7919 + c,
-            held=host.rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(held, None)) if held is not None else None))
+            z_vic, aux=aux, z_aux=z_aux, lo=lo, hi=hi, seed=seed * 7919 + c,
+            held=rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(held, None)) if held is not None else None))
         rec = rec.reshape(victim.shape)
         out[c] = {**reconstruction_scores(victim, rec), "dcor": float(distance_correlation(victim, z_vic)),
                   "images": (victim[:8].numpy(), rec[:8].numpy())}
@@ -105,11 +107,3 @@ def reconstruction_attack(host, cids: list[int], rnd: int, global_state: StateMs
     if held is not None:
         states.give_back(held)
     return out
-
-
-class CutCalls:
-    """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: the privacy plug-ins' call on a client host."""
-
-    def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
-        """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
-        return reconstruction_attack(self, cids, rnd, global_state)

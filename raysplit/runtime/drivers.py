@@ -2,7 +2,7 @@
 
 - :class:`RoundDriver` (synchronous methods): per round, take the round's clients from the sampling stream,
   ``begin_round``, the algorithm's ``run_round``, ``end_round``.
-- :class:`~raysplit.runtime.async_server.EventDriver` (asynchronous methods) runs the event loop on the virtual clock
+- :class:`EventDriver` (asynchronous methods) runs the event loop on the virtual clock
   until the next global model exists (``runtime/async_server.py``, ``runtime/events.py``).
 
 A driver knows neither MLflow nor Ray: the experiment hands it a callback that reports (and checkpoints) each
@@ -18,13 +18,14 @@ import numpy as np
 
 from raysplit.errors import ActorFailure, ResourceError
 from raysplit.runtime.messages import StateMsg
+from raysplit.runtime.async_server import AsyncServer
 from raysplit.runtime.server_host import ServerHost
 
 
 class Driver:
     """What every driver shares: the runtime, the algorithm, the seed, the simulated time so far."""
 
-    asynchronous: ClassVar[bool] = False  # hosts run asynchronous jobs (HostSpec.asynchronous)
+    asynchronous: ClassVar[bool] = False  # hosts run asynchronous jobs (Method.asynchronous)
     server_host: ClassVar[type] = ServerHost  # the server host it drives (the method's server rule inside)
 
     def __init__(self, rt, algorithm, sample_stream: np.ndarray, seed: int):
@@ -187,3 +188,21 @@ class RoundDriver(Driver):
         stats = rt.end_round()
         self.t_sim = stats.t_end
         return stats
+
+
+class EventDriver(Driver):
+    """Runs an asynchronous algorithm: each global round is the event loop, where the server host lives
+    (:class:`~raysplit.runtime.async_server.AsyncServer`), up to the next global model."""
+
+    asynchronous = True
+    server_host = AsyncServer
+
+    def round(self, rnd: int):
+        stats = self.rt.run_events(rnd)
+        self.global_handle = self.rt.server.current_global()
+        self.t_sim = stats.t_end
+        return stats
+
+    def client_totals(self) -> dict[int, dict]:
+        return self.rt.get(self.rt.server.event_totals())
+

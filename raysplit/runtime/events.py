@@ -47,8 +47,10 @@ ARRIVAL, UPLOAD = "arrival", "upload"
 
 
 @dataclass(frozen=True)
-class EventSetup:
-    """What the event loop needs beyond the host spec (``Algorithm.host_setup`` of an asynchronous algorithm)."""
+class EventPlan:
+    """The event loop's plan of an asynchronous run (prepared on the driver from the config and the partition):
+    ``active`` (``train.participation``), ``local_steps`` (``train.local_steps``), the clients' sizes and clock
+    profiles, and whether a job's iterations are split steps (the method's ``split``)."""
 
     active: int  # M: clients training at a time
     local_steps: int  # iterations of a job before the client uploads its model
@@ -78,7 +80,7 @@ class ClientCosts:
     ``ClientHost.charge_*`` applies), on FLOPs counted once per input shape on a copy of the client part and on
     message sizes derived from the shapes."""
 
-    def __init__(self, client_part: torch.nn.Module, setup: EventSetup, batch_size: int, input_shape: tuple,
+    def __init__(self, client_part: torch.nn.Module, setup: EventPlan, batch_size: int, input_shape: tuple,
                  model_nbytes: int, charge_downloads: bool, act_bits: int | None = None, drop_last: bool = False):
         self.part = copy.deepcopy(client_part).train()
         self.act_bits = act_bits  # privacy.defence quantize: activations sent at this many bits (privacy.quantize)
@@ -150,7 +152,7 @@ class ClientCosts:
 class EventLoop:
     """The scheduling state of the asynchronous mode (see the module docstring); owned by an :class:`AsyncServer`."""
 
-    def __init__(self, setup: EventSetup, costs: ClientCosts, seed: int):
+    def __init__(self, setup: EventPlan, costs: ClientCosts, seed: int):
         self.setup = setup
         self.costs = costs
         self.rng = np.random.default_rng([seed, 0xA5C])
@@ -220,8 +222,8 @@ class EventLoop:
 
     def _start(self, server, port, cid: int, t: float) -> None:
         """Client ``cid`` takes a slot at ``t`` from the latest global model; its first computation is submitted."""
-        msg = server.global_model()
-        job = Job(cid, server.version, self.round, t)
+        msg = server.global_model.current()
+        job = Job(cid, server.global_model.version, self.round, t)
         self.jobs[cid] = job
         server.screen.dropped.pop(cid, None)  # a new job: a client dropped in its last one may contribute again
         server.rule.on_job_start(cid, job)
@@ -250,9 +252,10 @@ class EventLoop:
             raise RuntimeError(f"client {cid}: its activation {act.tag} reached the server at {act.t_sent!r}, the "
                                f"event loop predicted {t!r} (client host and ClientCosts disagree)")
         n = len(act.y)
-        grad = server.serve("on_arrival", act)  # the rule's, screened first (runtime.faults.on_bad_client)
+        grad = server.screened("on_arrival", server.rule.on_arrival, act, batches=True)  # screened first (on_bad_client)
         if server.rule.should_flush():
-            server.rule.flush()
+            with server.trainer.serving("flush"):
+                server.rule.flush()
         job = self.jobs[cid]
         job.done += 1
         self._count(cid, bytes_up=act.nbytes, bytes_down=grad.nbytes, steps=1, bytes_up_activations=act.nbytes,
@@ -296,7 +299,7 @@ class EventLoop:
             self._start(server, port, self._replacement(cid), t)
             return False
         self.ignored = 0
-        server.staleness.append(server.version - job.version)
+        server.staleness.append(server.global_model.version - job.version)
         done = server.rule.on_model_upload(cid, msg, job)
         self._start(server, port, self._replacement(cid), t)
         return done

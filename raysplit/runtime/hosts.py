@@ -37,11 +37,11 @@ by the same code (:meth:`ServerHost.settle_step`).
 from raysplit.runtime.client_data import advance_cursor
 from raysplit.runtime.client_host import ClientHost
 from raysplit.runtime.evaluation import EvalTally, predict_batches
-from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteInput, NonFiniteLossError,
-                                       build_parts, check_finite, invoke, limit_threads, owned)
+from raysplit.runtime.hostspec import (Checkpointed, ModelSlot, NonFiniteInput, NonFiniteLossError,
+                                       check_finite, invoke, limit_threads, owned)
 from raysplit.runtime.screening import activation_fault, gradient_fault, screens_nonfinite, where_of
 from raysplit.runtime.server_host import ServerHost
 
-__all__ = ["Checkpointed", "ClientHost", "EvalTally", "HostSpec", "ModelSlot", "NonFiniteInput", "NonFiniteLossError",
-           "ServerHost", "activation_fault", "advance_cursor", "build_parts", "check_finite", "gradient_fault",
+__all__ = ["Checkpointed", "ClientHost", "EvalTally", "ModelSlot", "NonFiniteInput", "NonFiniteLossError",
+           "ServerHost", "activation_fault", "advance_cursor", "check_finite", "gradient_fault",
            "invoke", "limit_threads", "owned", "predict_batches", "screens_nonfinite", "where_of"]

@@ -15,7 +15,6 @@ import threadpoolctl
 import torch
 
 from raysplit.errors import BadClientInput, ConfigError
-from raysplit.data import DataSpec
 
 
 
@@ -32,68 +31,12 @@ def _bad_input(where: str, why: str) -> BadClientInput:
     return (NonFiniteInput if "NaN or inf" in why else BadClientInput)(f"{where}: {why}")
 
 
-@dataclass(frozen=True)
-class HostSpec:
-    """Everything a host needs to build itself; prepared once on the driver (``experiment.prepare``, the one place
-    that makes it, from the validated config) and shipped to every actor. No field has a default: the config's
-    defaults are written once, in the config's models."""
-
-    model: str
-    num_classes: int
-    input_shape: tuple
-    model_options: dict
-    cut: int | None  # None: the client holds the whole model (FedAvg)
-    client_optimizer: dict
-    server_optimizer: dict
-    data_spec: DataSpec
-    batch_size: int
-    seed: int
-    drop_last: bool  # train.drop_last: a pass over a client's data skips its last short batch
-    eval_batch_size: int
-    torch_threads: int | str | None  # runtime.torch_threads; "auto" is resolved by the backend before any host
-    server_device: str  # runtime.server.device (auto, cpu, cuda)
-    client_device: str  # runtime.client.device
-    deterministic: bool | str  # runtime.deterministic (auto: on where a host computes on a GPU)
-    pack_clients: bool | str  # runtime.pack_clients (auto: on where client hosts compute on a GPU)
-    server_flops: float
-    persist_client_models: bool  # no global client model: every client keeps its own
-    stop_on_nonfinite: bool  # train.stop_on_nonfinite, on the client and the server path alike
-    rounds: int  # train.rounds (schedules that depend on the run's length, e.g. SGLR's comm_fraction)
-    params: Any  # the algorithm's validated Params (``algorithm:`` section)
-    host_setup: Any  # what the algorithm derived at setup for its hosts (``Algorithm.host_setup``)
-    clip_grad_norm: float | None  # train.clip_grad_norm: clip every step's gradients (clients and server)
-    asynchronous: bool  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
-    charge_server: bool  # server compute and downloads cost simulated time (False: GAS's code)
-    on_bad_client: str  # runtime.faults.on_bad_client: a rejected activation/gradient fails the run or drops
-    client_state_bytes: int | None  # runtime.placement.client_state_mb: per client host, the rest spills to disk
-    spill_dir: str | None  # runtime.placement.spill_dir: where (None: the system's temporary directory)
-    batched_copies: bool  # algorithm.batched_copies: per-client server copies step in one batched computation
-    privacy: Any  # privacy: a raysplit.privacy.PrivacySpec where a defence or an attack is on (None: off)
-    ushape: Any  # model.tail_cut: a raysplit.label_privacy.UShapeSpec (None: not U-shaped, labels go to the server)
-    client_rule: Any  # the method's raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
-    server_rule: Any  # its raysplit.runtime.rules.ServerRule subclass (None: ServerRule)
-
-
 @dataclass
 class ModelSlot:
     """A module with its optimizer: a client being trained this round, the server model, a copy or a head."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
-
-
-def build_parts(spec: HostSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Client part and server part of the configured model (random init; callers load states); U-shaped
-    (``ushape``), the client part is a :class:`~raysplit.models.UClient` (head and tail) and the server's the
-    middle."""
-    from raysplit.models import build_model
-
-    model = build_model(spec.model, spec.num_classes, tuple(spec.input_shape), **spec.model_options)
-    if spec.cut is None:
-        return model, torch.nn.Identity()
-    if spec.ushape is not None:  # the client: head and tail (a UClient); the server: the middle
-        return model.split_u(spec.cut, spec.ushape.tail_cut)
-    return model.split(spec.cut)
 
 
 def check_finite(loss: float, stop: bool, where: str) -> bool:
@@ -150,17 +93,20 @@ def owned(value: Any) -> Any:
 
 
 def invoke(host: Any, method: str, *args, **kwargs) -> Any:
-    """Every backend's way into a host method: ``host.method(*args, **kwargs)`` (a method the host does not have is
-    its client rule's: ``rt.workers.<name>`` of a method's own client calls), with the arguments of a restoring
-    method (:data:`RESTORES`, also when it is reached through :meth:`ServerHost.serve`) made :func:`owned` first."""
+    """Every backend's way into a host: ``serve`` (the server's entry, which screens what arrives) or a name in the
+    host's table of calls (``host.calls``: its own and its rule's; anything else is refused, naming the host), with
+    the arguments of a restoring call (:data:`RESTORES`, also when it is reached through ``serve``) made
+    :func:`owned` first."""
     if method in RESTORES or (method == "serve" and args and args[0] in RESTORES):
         args, kwargs = owned(args), owned(kwargs)
-    return method_of(host, method)(*args, **kwargs)
-
-
-def method_of(host: Any, name: str) -> Any:
-    """A host's method ``name``, or else its rule's (a method's own client and server calls, its server steps)."""
-    return getattr(host if hasattr(type(host), name) or not hasattr(host, "rule") else host.rule, name)
+    if method == "serve":
+        return host.serve(*args, **kwargs)
+    try:
+        fn = host.calls[method]
+    except KeyError:
+        raise AttributeError(f"{type(host).__name__} accepts no call {method!r} (its calls: "
+                             f"{', '.join(sorted(host.calls))})") from None
+    return fn(*args, **kwargs)
 
 
 def host_device(want: str, key: str) -> torch.device:

@@ -48,6 +48,12 @@ class Batch:
     def client(self) -> int:
         return self.tag.client
 
+    @classmethod
+    def of(cls, act: "Activation", device) -> "Batch":
+        """An arrived activation as a batch on ``device`` (an owned, writable copy of what came over the wire)."""
+        return cls(transport.unpack(act.x, device, writable=True), torch.as_tensor(np.array(act.y), device=device),
+                   act.tag, act.t_sent, act.weight)
+
 
 @dataclass
 class Gradient:
@@ -115,24 +121,37 @@ class StateMsg:
         return transport.state_nbytes(self.state)
 
 
-def batch_step(fn: Callable | None = None, *, stamp: bool = True) -> Callable:
-    """Marks a server method that works on typed batches: the activations it is called with (the runtime's wire
-    messages) arrive as :class:`Batch` es, tensors on the server's device, each an owned copy; arguments that are
-    already batches (one hook calling another) and other arguments pass as they are. ``stamp``: the server waits
-    for the last of them to arrive (its clock); off for a step that starts at an arrival of its own (``ready_at``).
-    The method answers each batch with :meth:`ServerHost.answer` (its gradient as a tensor)."""
+STARTS = ("on_arrival", "after_last_arrival")  # when a server step may start: batch_step(starts=...)
+
+
+def batch_step(fn: Callable | None = None, *, starts: str) -> Callable:
+    """Marks a server step that works on typed batches: the activations it is given (the runtime's wire messages)
+    reach it as :class:`Batch` es, tensors on the server's device, each an owned copy (the server host decodes them,
+    :meth:`~raysplit.runtime.server_host.ServerHost.serve`); batches given by another step pass as they are.
+    ``starts`` says when the step may start on the server's clock: ``"after_last_arrival"``, once the last of its
+    batches has arrived (the server waits for it first); ``"on_arrival"``, each batch's work from that batch's own
+    arrival on (the trainer charges it from ``Batch.t_sent``: a step over several clients' batches that serves them
+    one by one, or a step that times itself). The step answers each batch (``ctx.trainer.train``,
+    ``ctx.trainer.gradient`` or ``ctx.trainer.answer``)."""
+    if starts not in STARTS:
+        raise ValueError(f"batch_step(starts={starts!r}): give one of {', '.join(STARTS)}")
 
     def deco(f: Callable) -> Callable:
         @functools.wraps(f)
         def wrapper(self, *args, **kwargs):
-            host = getattr(self, "host", self)  # a server rule's step: its host decodes and waits
-            args = tuple(host.decode(a) if isinstance(a, Activation) else a for a in args)
-            if stamp:
+            if starts == "after_last_arrival":
                 arrived = [a.t_sent for a in args if isinstance(a, Batch)]
                 if arrived:
-                    host.wait_until(max(arrived))
+                    trainer = self.ctx.trainer if hasattr(self, "ctx") else self.trainer  # a rule's, or a host's
+                    trainer.wait_until(max(arrived))
             return f(self, *args, **kwargs)
 
+        wrapper.starts = starts
         return wrapper
 
     return deco(fn) if fn is not None else deco
+
+
+def step_timing(fn: Callable) -> str | None:
+    """When a server step marked with :func:`batch_step` may start (None: not a step over batches)."""
+    return getattr(fn, "starts", None)

@@ -30,12 +30,20 @@ from raysplit.runtime.messages import Activation, Gradient
 from raysplit.runtime.snapshots import SnapshotStore
 
 
+def fault_targets(host) -> list:
+    """What a fault counts entries into: the host, its rule and the host's components (the objects of the runtime
+    it holds: its trainer, its client steps, its meter, ...)."""
+    parts = [v for v in vars(host).values()
+             if type(v).__module__.startswith("raysplit.") and not isinstance(v, (dict, list, set, tuple))]
+    return [host, *[p for p in parts if p is not host]]
+
+
 def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
     """``runtime.faults.inject_fault`` in this actor: from round ``rnd`` on, the ``call``-th entry into a public method of
-    ``host`` (``method`` only, if given; from the driver, another actor, the server's own driven loop or the host
-    itself) kills this process with SIGKILL, as an out-of-memory kill or a crashed machine would, with no chance to
-    clean up. The round is the host's own (``begin_round``), or for a client host under the event loop the latest
-    round a client of it joined in."""
+    ``host``, its rule or one of its components (``method`` only, if given; from the driver, another actor, the
+    server's own driven loop or the host itself) kills this process with SIGKILL, as an out-of-memory kill or a
+    crashed machine would, with no chance to clean up. The round is the host's own (``begin_round``), or for a client
+    host under the event loop the latest round a client of it joined in."""
     entered = [0]
 
     def tick(name):
@@ -45,7 +53,7 @@ def arm_fault(host, rnd: int, call: int, method: str | None = None) -> None:
             if entered[0] >= call:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    targets = [host] + ([host.rule] if hasattr(host, "rule") else [])  # a client rule's methods are entries too
+    targets = fault_targets(host)
     for target in targets:
         for name in dir(type(target)):
             fn = getattr(type(target), name, None)
@@ -295,10 +303,10 @@ def channel_bytes(server_host) -> int:
     streams, plus a margin for the rest of the message. A larger message still goes through (the channel grows
     itself); such a channel only cannot be torn down cleanly in Ray 2.60, and raysplit ends its graphs with their
     actors."""
-    shape, dtype = server_host.activation_form()
+    shape, dtype = server_host.screen.form()
     per_sample = int(math.prod(shape)) * np.dtype(dtype).itemsize + 8
-    state = sum(v.nbytes for v in server_host.client_encoder().state_dict().values())
-    return int(max(2 * per_sample * server_host.spec.batch_size, 2 * state) + (1 << 20))
+    state = sum(v.nbytes for v in server_host.rule.client_encoder().state_dict().values())
+    return int(max(2 * per_sample * server_host.plan.sections.train.batch_size, 2 * state) + (1 << 20))
 
 
 class RayPort:

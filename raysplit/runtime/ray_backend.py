@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from raysplit.errors import ActorFailure, ResourceError
-from raysplit.runtime.api import RuntimeInputs, host_inputs, with_threads
+from raysplit.runtime.api import RuntimeInputs, host_inputs
 from raysplit.runtime.ray_actors import HostActor, RayKeeper, RdtHostActor
 from raysplit.runtime.ray_crew import Crew
 from raysplit.runtime.ray_resources import auto_threads, auto_transport, check_resources, init_ray, usable_cores
@@ -88,7 +88,7 @@ class RayBackend:
         self.connect()
         r = self.rcfg
         if r.torch_threads == "auto":  # the run's loop decides whether idle actors poll (compiled) or block
-            loop = "events" if inputs.spec.asynchronous else "steps"
+            loop = "events" if inputs.plan.method.asynchronous else "steps"
             self.threads, self.threads_reason = auto_threads(r, self.cores, polling=self.compiled_for(loop),
                                                              concurrent=loop == "events")
         if not self._refs:  # the dataset goes into the object store once, shared by every actor
@@ -99,15 +99,15 @@ class RayBackend:
         fault = {f.actor: (f.round, f.call, f.method)} if f is not None else {}
         client_init = self._refs["client_init"]
         self.crew.start(RdtHostActor if self.rdt else HostActor,
-                        (inputs.server_host, self._spec(inputs, "server"), inputs.server_init, client_init,
+                        (inputs.server_host, self._plan(inputs, "server"), inputs.server_init, client_init,
                          self._refs["test"], self._refs["labeled"]),
-                        [(inputs.client_host, self._spec(inputs, "client"), w, self._refs["train"], tr, te, pr,
+                        [(inputs.client_host, self._plan(inputs, "client"), w, self._refs["train"], tr, te, pr,
                           client_init) for w, (tr, te, pr) in enumerate(host_inputs(inputs, self.rcfg.num_workers))],
                         fault, self.get, ready_timeout)
 
-    def _spec(self, inputs: RuntimeInputs, role: str):
-        """The HostSpec an actor of ``role`` (server, client) gets: ``torch_threads: auto`` resolved for it."""
-        return with_threads(inputs.spec, self.threads[role]) if self.threads else inputs.spec
+    def _plan(self, inputs: RuntimeInputs, role: str):
+        """The HostPlan an actor of ``role`` (server, client) gets: ``runtime.torch_threads: auto`` resolved for it."""
+        return inputs.plan.with_threads(self.threads[role]) if self.threads else inputs.plan
 
     def restart(self, inputs: RuntimeInputs) -> None:
         """Replace every actor of the run (the dead one and the survivors) with fresh ones, wherever the cluster

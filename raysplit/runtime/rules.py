@@ -3,8 +3,10 @@
 A method whose clients do more than plain split learning (FedProx's proximal term, SCAFFOLD's correction,
 Semi-SFL's two views, SplitGP's local loss, PiPar's pipelined clock, Ampere's auxiliary net) gives its
 ``Algorithm.client_rule``, a subclass of :class:`ClientRule` that overrides the hooks it needs. The client host
-(:class:`~raysplit.runtime.client_host.ClientHost`) makes one rule when it is built and calls its hooks in this
-order, which the rule never has to reproduce (no ``super()`` chain):
+(:class:`~raysplit.runtime.client_host.ClientHost`) makes one rule when it is built, from a typed, read-only
+:class:`~raysplit.runtime.contexts.ClientContext` (``self.ctx``: the config's sections, the method, the client
+host's components), and calls its hooks in this order, which the rule never has to reproduce (no ``super()``
+chain):
 
 1. a client's first use in a round (or job): its slot is made (its model and optimizer loaded), then
    :meth:`~ClientRule.on_activate`;
@@ -16,37 +18,42 @@ order, which the rule never has to reproduce (no ``super()`` chain):
    :meth:`~ClientRule.after_backward` (the client's clock after the step);
 4. the round's (job's) end: the client's weights and optimizer state stored, then :meth:`~ClientRule.on_release`.
 
-``self.host`` is the client host: its components (``data``: samples and cursors; ``meter``: the clients' clocks
-and counters; ``states``: models, optimizer states and slots; ``executor``: runs computations and counts their
-FLOPs), ``spec``, ``params`` (the method's validated ``Params``), ``round`` and ``seeded(cid, *salt)``. Other
-public methods of a rule are what the method's ``run_round`` calls on the workers (``rt.workers.<name>(...)``,
-``rt.client(cid).<name>(...)``). ``client_fields`` names the rule's per-client mappings that move with a client
-to another host; ``checkpointed`` the state checkpoints carry (:class:`~raysplit.runtime.hostspec.Checkpointed`).
+A rule's other public methods are its **calls**: what the method's ``run_round`` calls on the workers
+(``rt.workers.<name>(...)``, ``rt.client(cid).<name>(...)``), added to the host's table of calls (a name the host
+already takes is refused when the host is built: nothing shadows anything). ``client_fields`` names the rule's
+per-client mappings that move with a client to another host; ``checkpointed`` the state checkpoints carry
+(:class:`~raysplit.runtime.hostspec.Checkpointed`).
 
 The server side is the same idea: a method's server state, its server steps and its server calls are its
-``Algorithm.server_rule`` (:class:`ServerRule`; :class:`AsyncRule` for asynchronous methods), whose hooks the server
-host calls at fixed points (their list: :class:`ServerRule`).
+``Algorithm.server_rule`` (:class:`ServerRule`; :class:`AsyncRule` for asynchronous methods), built from a
+:class:`~raysplit.runtime.contexts.ServerContext`, whose hooks the server host calls at fixed points (their list:
+:class:`ServerRule`).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import numpy as np
 import torch
 
 from raysplit.runtime.executor import Backward
-from raysplit.runtime.hostspec import Checkpointed, ModelSlot, build_parts
-from raysplit.runtime.messages import Activation, Gradient, StateMsg, Tag
+from raysplit.runtime.hostspec import Checkpointed, ModelSlot
+from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
 
-class ClientRule(Checkpointed):
+class Rule(Checkpointed):
+    """What both kinds of rule share: the context they are built from (``self.ctx``)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+
+class ClientRule(Rule):
     """Plain split learning's client: every hook's default (the module docstring gives their order)."""
 
     client_fields: tuple[str, ...] = ()
-
-    def __init__(self, host):
-        self.host = host
 
     @classmethod
     def packable(cls) -> bool:
@@ -56,18 +63,18 @@ class ClientRule(Checkpointed):
 
     def build_module(self) -> torch.nn.Module:
         """A fresh client model (its weights are loaded after): the client part."""
-        return build_parts(self.host.spec)[0]
+        return self.ctx.model.parts()[0]
 
     def on_activate(self, cid: int, slot: ModelSlot) -> None:
         """Client ``cid`` got its slot for the round (weights and optimizer loaded)."""
 
     def batch_indices(self, tag: Tag, batch_size: int | None) -> np.ndarray:
         """The samples of this forward: the client's next batch."""
-        return self.host.data.draw(tag.client, batch_size)
+        return self.ctx.data.draw(tag.client, batch_size)
 
     def inputs(self, tag: Tag, idx: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """Model input and the labels sent with the activation."""
-        x, y = self.host.data.batch(idx)
+        x, y = self.ctx.data.batch(idx)
         return x, y.cpu().numpy()
 
     def encoder(self, tag: Tag, slot: ModelSlot) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -79,7 +86,7 @@ class ClientRule(Checkpointed):
 
     def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
         """Back-propagate the server's gradient ``g`` of the activation ``out``; returns the FLOPs."""
-        return self.host.executor.backward([Backward(("bwd", tuple(out.shape)), out, g)])[0]
+        return self.ctx.executor.backward([Backward(("bwd", tuple(out.shape)), out, g)])[0]
 
     def before_step(self, cid: int, slot: ModelSlot) -> None:
         """The gradients are in ``slot.module``; the optimizer steps next (after clipping)."""
@@ -93,11 +100,11 @@ class ClientRule(Checkpointed):
         """Client ``cid``'s round (job) is over; its weights and optimizer state are stored."""
 
 
-class ServerRule(Checkpointed):
+class ServerRule(Rule):
     """What a method's server does beyond serving plain split steps, without subclassing the server host.
 
     A method gives its ``Algorithm.server_rule``, a subclass that keeps the method's own server state (made in
-    ``__init__``, after the host's) and overrides the hooks it needs; the server host
+    ``__init__`` from ``self.ctx``) and overrides the hooks it needs; the server host
     (:class:`~raysplit.runtime.server_host.ServerHost`) makes one rule when it is built and calls the hooks at
     fixed points, which the rule never has to reproduce (no ``super()`` chain):
 
@@ -113,16 +120,13 @@ class ServerRule(Checkpointed):
     The rule's other public methods are the method's server calls: its server steps, given to
     ``rt.split_steps`` / ``rt.pooled_steps`` by reference (``rt.pooled_steps(clients, steps, CycleServer.cycle_step)``;
     a step decorated with :func:`~raysplit.runtime.messages.batch_step` receives :class:`Batch` es), and what
-    ``run_round`` calls as ``rt.server.<name>(...)``. ``self.host`` is the server host: ``models`` (``"main"`` and
-    the copies), ``spec``, ``params``, ``device``, ``round``, ``clock``, the step helpers (``step_through``,
-    ``step_batch``, ``answer``, ``revise``, ``frozen``, ``wait_until``) and ``fork``/``merge``."""
-
-    def __init__(self, host):
-        self.host = host
+    ``run_round`` calls as ``rt.server.<name>(...)``. ``self.ctx`` is a
+    :class:`~raysplit.runtime.contexts.ServerContext`: ``models`` (``"main"`` and the copies), ``trainer`` (one
+    step, the frozen pass, the answer, the round's learning rate), ``evaluation``, the sections and the method."""
 
     def client_encoder(self) -> torch.nn.Module:
         """The module whose output a client sends (evaluation encodes the test set with it): the client part."""
-        return self.host.eval_client
+        return self.ctx.evaluation.client
 
     def on_begin_round(self, rnd: int) -> None:
         """Round ``rnd`` began on the server."""
@@ -162,16 +166,24 @@ class AsyncRule(ServerRule):
     - :meth:`on_arrival`: a client's activation arrived (split methods); returns the client's gradient;
     - :meth:`should_flush` and :meth:`flush`: after each arrival (a full activation buffer trains the server);
     - :meth:`on_model_upload`: a client's model arrived; True when a new global model exists
-      (``host.set_global``).
+      (``ctx.global_model.publish``).
 
-    The host (:class:`~raysplit.runtime.async_server.AsyncServer`) adds ``setup`` (the ``EventSetup``), ``events``,
-    ``version``, ``uploads``, ``global_model()``, ``set_global(msg)`` and ``average(msgs, weights)``."""
+    The context adds ``global_model`` (:class:`~raysplit.runtime.async_server.GlobalModel`: ``current()``,
+    ``publish(msg)``, ``version``, ``average(msgs, weights)``) and ``events`` (the event loop's plan: ``active``,
+    ``local_steps``, ``client_sizes``)."""
+
+    checkpointed = ("uploads",)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.uploads: list[StateMsg] = []
 
     def on_job_start(self, cid: int, job) -> None:
         """Client ``cid`` began ``job``."""
 
-    def on_arrival(self, act: Activation) -> Gradient:
-        return self.host.train_step(act)
+    def on_arrival(self, b: Batch) -> Gradient:
+        """A client's batch has arrived (decoded for it by the host; its step starts at the arrival)."""
+        return self.ctx.trainer.train(b, self.ctx.models.main)
 
     def should_flush(self) -> bool:
         return False
@@ -180,10 +192,64 @@ class AsyncRule(ServerRule):
         """The server's work once :meth:`should_flush` says so."""
 
     def on_model_upload(self, cid: int, msg: StateMsg, job) -> bool:
-        host = self.host
-        host.uploads.append(msg)
-        if len(host.uploads) < host.setup.active:
+        self.uploads.append(msg)
+        if len(self.uploads) < self.ctx.events.active:
             return False
-        host.set_global(host.average(host.uploads, [1.0] * len(host.uploads)))
-        host.uploads = []
+        model = self.ctx.global_model
+        model.publish(model.average(self.uploads, [1.0] * len(self.uploads)))
+        self.uploads = []
         return True
+
+
+# the hooks a host calls on its rule: never calls from other actors
+HOOKS = frozenset(n for cls in (ClientRule, ServerRule, AsyncRule) for n, v in vars(cls).items()
+                  if callable(v) and not n.startswith("_")) | frozenset(dir(Checkpointed))
+
+
+def rule_calls(rule_cls: type) -> list[str]:
+    """A rule class's calls: its public methods that are not hooks (the module docstring)."""
+    return sorted(n for n in dir(rule_cls) if not n.startswith("_") and n not in HOOKS
+                  and inspect.isfunction(getattr(rule_cls, n, None)))
+
+
+def host_calls(host_cls: type) -> list[str]:
+    """The names of a host class's own calls (``CALLS``: names, or a mapping of names to the component's calls)."""
+    return list(host_cls.CALLS)
+
+
+class CallTable:
+    """A host's table of the calls other actors may make, by name: ``table[name]`` is the callable (looked up at
+    each call, so what a component holds now is what runs); ``in``, ``iter`` and ``len`` as a mapping's."""
+
+    def __init__(self, paths: dict[str, tuple]):
+        self.paths = paths  # name -> (object, attribute path)
+
+    def __getitem__(self, name: str) -> Callable:
+        target, path = self.paths[name]
+        for part in path.split("."):
+            target = getattr(target, part)
+        return target
+
+    def __contains__(self, name) -> bool:
+        return name in self.paths
+
+    def __iter__(self):
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+def call_table(host, rule) -> CallTable:
+    """A host's table of the calls other actors may make: the host's own (``type(host).CALLS``: a name is the
+    host's method, ``"component.method"`` a component's) and its rule's (:func:`rule_calls`), by name. A rule's
+    call named like one of the host's is refused (TypeError naming both): it would be shadowed."""
+    calls = type(host).CALLS
+    own = {name: (host, path) for name, path in (calls if isinstance(calls, dict) else
+                                                 {n: n for n in calls}).items()}
+    mine = rule_calls(type(rule))
+    clash = sorted(set(own) & set(mine))
+    if clash:
+        raise TypeError(f"{type(rule).__name__} defines {clash}, which {type(host).__name__} already takes as its own "
+                        f"calls; rename the rule's method")
+    return CallTable({**own, **{name: (rule, name) for name in mine}})

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from raysplit.runtime import transport
-from raysplit.runtime.hostspec import HostSpec, _bad_input
+from raysplit.runtime.hostspec import _bad_input
 from raysplit.runtime.messages import Activation, Gradient, Tag
 
 
@@ -52,10 +52,11 @@ def gradient_fault(g: np.ndarray, out: torch.Tensor, finite: bool = True) -> str
     return finite and _nonfinite(g) and "gradient: " + _nonfinite(g)
 
 
-def screens_nonfinite(spec: HostSpec) -> bool:
+def screens_nonfinite(plan) -> bool:
     """NaN/inf inputs are screened unless the run lets them through (``train.stop_on_nonfinite: false`` with
-    ``on_bad_client: fail``: a diverging run goes on, as asked)."""
-    return spec.stop_on_nonfinite or spec.on_bad_client == "drop"
+    ``runtime.faults.on_bad_client: fail``: a diverging run goes on, as asked); ``plan``: the hosts'
+    :class:`~raysplit.runtime.plan.HostPlan`."""
+    return plan.sections.train.stop_on_nonfinite or plan.sections.runtime.faults.on_bad_client == "drop"
 
 
 def where_of(tag: Tag) -> str:
@@ -68,8 +69,9 @@ class Screen:
     activations are withheld (for the round; for their job, under events) and why, ``drops`` this round's drops as
     "client c, round r, step s: why" (logged)."""
 
-    def __init__(self, spec: HostSpec, encoder: Callable[[], torch.nn.Module], device):
-        self.spec, self.encoder, self.device = spec, encoder, device
+    def __init__(self, plan, encoder: Callable[[], torch.nn.Module], device):
+        self.plan, self.encoder, self.device = plan, encoder, device
+        self.on_bad_client = plan.sections.runtime.faults.on_bad_client
         self._form: tuple | None = None
         self._varargs: dict[str, bool] = {}
         self.dropped: dict[int, str] = {}
@@ -77,7 +79,7 @@ class Screen:
 
     def new_round(self) -> None:
         self.drops = {}
-        if not self.spec.asynchronous:  # under events a client stays dropped until its job ends
+        if not self.plan.method.asynchronous:  # under events a client stays dropped until its job ends
             self.dropped.clear()
 
     def form(self) -> tuple[tuple, np.dtype]:
@@ -87,8 +89,9 @@ class Screen:
             mode = enc.training
             enc.eval()
             with torch.no_grad():
-                kind = torch.long if self.spec.data_spec.kind == "tokens" else torch.float32  # token ids: integers
-                out = transport.pack(enc(torch.zeros((2, *self.spec.input_shape), dtype=kind, device=self.device)))
+                model = self.plan.model
+                kind = torch.long if model.inputs.kind == "tokens" else torch.float32  # token ids: integers
+                out = transport.pack(enc(torch.zeros((2, *model.input_shape), dtype=kind, device=self.device)))
             enc.train(mode)
             self._form = (tuple(out.shape[1:]), out.dtype)
         return self._form
@@ -101,10 +104,10 @@ class Screen:
         if c in self.dropped:
             return self.dropped[c]
         shape, dtype = self.form()
-        why = activation_fault(act, shape, dtype, self.spec.num_classes, rnd, screens_nonfinite(self.spec))
+        why = activation_fault(act, shape, dtype, self.plan.model.num_classes, rnd, screens_nonfinite(self.plan))
         if not why:
             return ""
-        if self.spec.on_bad_client == "fail":
+        if self.on_bad_client == "fail":
             raise _bad_input(where_of(act.tag), f"activation rejected by the server: {why}")
         self.dropped[c] = why
         self.drops[c] = f"{where_of(act.tag)}: {why}"

@@ -1,108 +1,161 @@
-"""The server host: the server model, FedAvg sums and evaluation (its training step in
-:mod:`raysplit.runtime.server_steps`, its per-client copies in :mod:`raysplit.runtime.server_copies`; see
-:mod:`raysplit.runtime.hosts`). A method's own server behaviour is its
-server rule (:class:`~raysplit.runtime.rules.ServerRule`), whose hooks the host calls."""
+"""The server host: an assembly of components (see :mod:`raysplit.runtime.hosts`), with a declared table of the
+calls it accepts from other actors (:attr:`ServerHost.CALLS`, plus its rule's own calls).
+
+- ``trainer`` (:class:`~raysplit.runtime.trainer.Trainer`): every server step's arithmetic, the server's clock and
+  the round's tally;
+- ``models`` (:class:`~raysplit.runtime.server_models.ServerModels`): the server model and its per-client copies;
+- ``evaluation`` (:class:`~raysplit.runtime.evaluation.ServerEvaluation`): the global test set;
+- ``middle`` (:class:`~raysplit.runtime.ushape.Middle`, U-shaped splits only): the middle's two halves of a step;
+- ``screen`` (:class:`~raysplit.runtime.screening.Screen`): what arrives from clients.
+
+A method's own server behaviour is its server rule (:class:`~raysplit.runtime.rules.ServerRule`), built from a
+:class:`~raysplit.runtime.contexts.ServerContext` over these components, whose hooks the host calls."""
 
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 import torch
 
-from raysplit.clock import FlopCache
 from raysplit.errors import BadClientInput
 from raysplit.runtime import transport
 from raysplit.runtime.aggregation import finish_average
-from raysplit.runtime.messages import StateMsg, Tag
-from raysplit.runtime.server_copies import ServerCopies
-from raysplit.runtime.server_steps import ServerSteps
-from raysplit.runtime.ushape import MiddleSteps
-from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
-
-from raysplit.runtime.hostspec import (Checkpointed, HostSpec, ModelSlot, NonFiniteLossError,
-                                       build_parts, host_device, limit_threads, method_of,
-                                       set_determinism)
-from raysplit.runtime.rules import ServerRule
+from raysplit.runtime.contexts import server_context
+from raysplit.runtime.evaluation import ServerEvaluation
+from raysplit.runtime.hostspec import ModelSlot, NonFiniteLossError, host_device, limit_threads, set_determinism
+from raysplit.runtime.messages import Activation, Batch, StateMsg, Tag, batch_step, step_timing
+from raysplit.runtime.optim import make_optimizer, set_lr
+from raysplit.runtime.plan import HostPlan, Progress
+from raysplit.runtime.rules import ServerRule, call_table
 from raysplit.runtime.screening import Screen
-from raysplit.models import end_to_end
-from raysplit.runtime.evaluation import EvalTally, predict_batches
+from raysplit.runtime.server_models import ServerModels
+from raysplit.runtime.trainer import Trainer
+from raysplit.runtime.ushape import Middle
 
 
-class ServerHost(ServerSteps, MiddleSteps, ServerCopies, Checkpointed):
-    """Owns the server-side model(s) and optimizer(s). ``models['main']`` is the server model; per-client copies
-    (PSL, SFLV1) are forked from it and merged back by weighted averaging. Methods do not subclass it: they give a
-    server rule (``spec.server_rule``), made here as ``self.rule`` once the host is built."""
+class ServerHost:
+    """Owns the server-side model(s) and optimizer(s) and the method's server rule (``self.rule``), built from a
+    :class:`~raysplit.runtime.plan.HostPlan`. Methods do not subclass it: they give a server rule."""
 
-    def __init__(self, spec: HostSpec, init_state: dict, client_init_state: dict, test: dict,
+    # what other actors may call (through serve): a name, or the component's call it is (a rule adds its own,
+    # shadowing none)
+    CALLS = {"begin_round": "begin_round", "end_round": "end_round", "aggregate": "aggregate",
+             "get_state": "get_state", "evaluate": "evaluate", "state_dict": "state_dict",
+             "load_state_dict": "load_state_dict", "train_step": "train_step", "train_copies": "train_copies",
+             "fork": "models.fork", "merge": "models.merge", "middle_forward": "middle.forward",
+             "middle_backward": "middle.backward", "activation_form": "screen.form",
+             "client_encoder": "rule.client_encoder"}
+
+    def __init__(self, plan: HostPlan, init_state: dict, client_init_state: dict, test: dict,
                  labeled: dict | None = None):
-        if spec.torch_threads:
-            limit_threads(spec.torch_threads)
-        torch.manual_seed(spec.seed * 1009 + 7919)
-        self.spec = spec
-        self.params = spec.params
-        self.device = host_device(spec.server_device, "runtime.server.device")
-        set_determinism(spec.deterministic, self.device)
-        client, server = build_parts(spec)
+        s, rt = plan.sections, plan.sections.runtime
+        if rt.torch_threads:
+            limit_threads(rt.torch_threads)
+        torch.manual_seed(s.seed * 1009 + 7919)
+        self.plan = plan
+        self.device = host_device(rt.server.device, "runtime.server.device")
+        set_determinism(rt.deterministic, self.device)
+        client, server = plan.parts()
         server.load_state_dict(transport.unpack_state(init_state))
         server.to(self.device).train()
-        self.models: dict = {"main": ModelSlot(server, make_optimizer(server.parameters(), spec.server_optimizer))}
-        self.eval_client = client.to(self.device)
+        self.progress = Progress()
+        optimizer = s.server_optimizer
+        self.trainer = Trainer(s.train, s.clock, optimizer, s.train.rounds, self.device,
+                               before_step=lambda *a: self.rule.before_step(*a))
+        self.models = ServerModels(ModelSlot(server, make_optimizer(server.parameters(), optimizer)), self.trainer,
+                                   optimizer, batch_copies=getattr(plan.method.params, "batched_copies", False),
+                                   on_fork=lambda keys: self.rule.on_fork(keys),
+                                   before_merge=lambda weights: self.rule.before_merge(weights))
+        self.evaluation = ServerEvaluation(test, plan.model.inputs, s.eval.batch_size, self.device,
+                                           client.to(self.device), encoder=lambda: self.rule.client_encoder())
         self.client_init = StateMsg(client_init_state)  # the client part as the run started (a message)
-        self.test_x, self.test_y = test["x"], test["y"]
         self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
-        self.flops = FlopCache()
-        self.middle: dict[Tag, tuple] = {}  # U-shaped steps: the middle's (input, output) awaiting the tail's gradient
-        self.clock = 0.0
-        self.round = -1
-        self.screen = Screen(spec, lambda: self.client_encoder(), self.device)  # what arrives (on_bad_client)
-        self._unbatched: str | None = None  # why vmap refused the server model (batched_copies falls back)
+        self.middle = Middle(self.trainer, self.models, self.device) if plan.ushape is not None else None
+        self.screen = Screen(plan, lambda: self.rule.client_encoder(), self.device)  # what arrives (on_bad_client)
         self.build()
-        self.rule: ServerRule = (spec.server_rule or ServerRule)(self)
+        ctx = server_context(sections=s, model=plan.model, method=plan.method, privacy=plan.privacy,
+                             progress=self.progress, models=self.models, trainer=self.trainer,
+                             evaluation=self.evaluation, labeled=self.labeled, device=self.device,
+                             initial_client=self.client_init, **self.context_items())
+        self.rule: ServerRule = (plan.method.server_rule or ServerRule)(ctx)
+        self.calls = call_table(self, self.rule)
         self.reset_round()
 
     def build(self) -> None:
-        """What a kind of server host adds before the rule is made (the asynchronous host: its event loop)."""
+        """What a kind of server host adds before its rule is made (the asynchronous host: its event loop)."""
+
+    def context_items(self) -> dict:
+        """What a kind of server host adds to its rule's context (the asynchronous host: ``global_model``,
+        ``events``)."""
+        return {}
+
+    @property
+    def round(self) -> int:
+        return self.progress.round
+
+    @property
+    def clock(self) -> float:
+        """The server's simulated clock."""
+        return self.trainer.clock.now
 
     def reset_round(self):
-        self.losses: list[float] = []
-        self.grad_norms: list[float] = []
-        self.round_flops = 0.0
-        self.nonfinite: Tag | None = None
-        self.busy_wall = 0.0
         self.screen.new_round()
         self.rule.on_reset_round()
 
     def begin_round(self, rnd: int, t0: float) -> None:
-        self.round = rnd
-        self.clock = max(self.clock, t0)
+        self.progress.round = rnd
+        self.trainer.begin_round(rnd, t0)
         self.reset_round()
         for slot in self.models.values():
-            set_lr(slot.optimizer, round_lr(self.spec.server_optimizer, rnd, self.spec.rounds))
+            set_lr(slot.optimizer, self.trainer.lr())
         self.rule.on_begin_round(rnd)
 
     # ---- what arrives from clients -------------------------------------------------------------------------------
     def serve(self, method: str, *args, **kwargs):
-        """Every runtime call of a server method enters here (``Runtime.server``, the step loops, the event loop):
-        ``method`` (the host's, or else its rule's) gets the arguments the screen lets through
-        (:meth:`Screen.call <raysplit.runtime.screening.Screen.call>`)."""
-        return self.screen.call(method_of(self, method), args, kwargs, self.expected_round, self.clock)
+        """Every call from another actor (``Runtime.server``, the step loops, the event loop) enters here:
+        ``method`` (a name in the host's call table: its own or its rule's) gets the arguments the screen lets
+        through (:meth:`Screen.call <raysplit.runtime.screening.Screen.call>`); a step that takes batches
+        (:func:`~raysplit.runtime.messages.batch_step`) gets them decoded to tensors on the server's device, the
+        server's clock at the last arrival first where the step starts after it."""
+        try:
+            fn = self.calls[method]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} accepts no call {method!r} (its calls: "
+                                 f"{', '.join(sorted(self.calls))})") from None
+        return self.screened(method, fn, *args, **kwargs)
+
+    def screened(self, name: str, fn, *args, batches: bool = False, **kwargs):
+        """``fn`` (the server call ``name``) on the arguments the screen lets through (the event loop's way to its
+        rule's hooks too); its activations decoded to batches where it is a step over batches (``batches``: a hook
+        that takes them, ``AsyncRule.on_arrival``)."""
+        if batches or step_timing(fn) is not None:
+            inner = fn
+
+            def fn(*a, **kw):
+                return inner(*(self.decode(x) if isinstance(x, Activation) else x for x in a), **kw)
+
+            fn.__name__ = inner.__name__
+            fn.__wrapped__ = inner
+        with self.trainer.serving(name):
+            return self.screen.call(fn, args, kwargs, self.expected_round, self.clock)
 
     def expected_round(self, tag: Tag) -> int | None:
         """The round an arriving activation must carry."""
         return self.round
 
-    def activation_form(self) -> tuple[tuple, np.dtype]:
-        """Per-sample shape and dtype of what the client part sends (probed once, :meth:`Screen.form`)."""
-        return self.screen.form()
+    def decode(self, act: Activation) -> Batch:
+        """An arrived activation as a :class:`Batch` on the server's device (an owned, writable copy)."""
+        return Batch.of(act, self.device)
 
-    def client_encoder(self) -> torch.nn.Module:
-        """The module whose output a client sends (the rule's; the client part)."""
-        return self.rule.client_encoder()
+    # ---- the plain split steps --------------------------------------------------------------------------------------
+    @batch_step(starts="on_arrival")
+    def train_step(self, b: Batch, key="main"):
+        """One step of ``models[key]`` on the batch from its arrival on; the client's gradient."""
+        return self.trainer.train(b, self.models[key])
 
-    def state_message(self, state: dict[str, torch.Tensor], **kw) -> StateMsg:
-        """``state`` as a message sent now (at the server's clock)."""
-        return StateMsg.packed(state, t_sent=self.clock, **kw)
+    @batch_step(starts="on_arrival")
+    def train_copies(self, *batches: Batch):
+        """One step of each batch's client's copy (:meth:`ServerModels.train_copies`)."""
+        return self.models.train_copies(*batches)
 
     # ---- client-model aggregation --------------------------------------------------------------------------
     def aggregate(self, *partials: StateMsg | None) -> StateMsg:
@@ -112,36 +165,24 @@ class ServerHost(ServerSteps, MiddleSteps, ServerCopies, Checkpointed):
             raise BadClientInput(f"round {self.round}: every client of the round was dropped "
                                  f"(runtime.faults.on_bad_client: drop), nothing to aggregate: {self.screen.drops}")
         total = sum(p.weight for p in parts)
-        state = finish_average([p.state for p in parts], total, self.eval_client.state_dict())
+        state = finish_average([p.state for p in parts], total, self.evaluation.client.state_dict())
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
 
     def get_state(self, key="main") -> StateMsg:
         return StateMsg(transport.pack_state(self.models[key].module.state_dict()), t_sent=self.clock)
 
     # ---- evaluation ------------------------------------------------------------------------------------------
-    def predict(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, np.ndarray, float]:
-        """The global test set through ``logits`` (the one evaluation loop, :func:`predict_batches`)."""
-        tally = predict_batches(self.test_x, self.test_y, self.spec.data_spec, self.spec.eval_batch_size, logits,
-                                EvalTally(), self.device)
-        y, pred, loss = tally.result()
-        return np.asarray(self.test_y), pred, loss
-
-    @torch.no_grad()
     def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
         """The given client model's encoder (:meth:`client_encoder`) and ``models[key]`` on the global test set."""
-        client, server, encoder = self.eval_client, self.models[key].module, self.client_encoder()
-        client.load_state_dict(client_state.tensors())
-        client.eval(), server.eval()
-        out = self.predict(end_to_end(client, server, encoder))  # U-shaped: through the client's tail too
-        server.train()
-        return out
+        return self.evaluation.evaluate(client_state.tensors(), self.models[key].module)
 
     def end_round(self) -> dict:
-        if self.nonfinite is not None and self.spec.stop_on_nonfinite:
-            t = self.nonfinite
+        tally = self.trainer.tally
+        if tally.nonfinite is not None and self.plan.sections.train.stop_on_nonfinite:
+            t = tally.nonfinite
             raise NonFiniteLossError(f"non-finite loss at round {t.round}, client {t.client} (step {t.step})")
-        return {"losses": self.losses, "grad_norms": self.grad_norms, "flops": self.round_flops,
-                "t_end": self.clock, "busy_wall": self.busy_wall, "metrics": self.round_metrics(),
+        return {"losses": tally.losses, "grad_norms": tally.grad_norms, "flops": tally.flops,
+                "t_end": self.clock, "busy_wall": tally.busy_wall, "metrics": self.round_metrics(),
                 "dropped": dict(self.screen.drops)}
 
     def round_metrics(self) -> dict:
@@ -150,20 +191,22 @@ class ServerHost(ServerSteps, MiddleSteps, ServerCopies, Checkpointed):
         return self.rule.round_metrics()
 
     # ---- checkpoint ---------------------------------------------------------------------------------------
+    def own_state(self) -> dict:
+        """What a kind of server host keeps across rounds beside its models (the asynchronous host's event loop)."""
+        return {}
+
+    def load_own_state(self, own: dict) -> None:
+        pass
+
     def state_dict(self) -> dict:
-        st = {"models": {k: (s.module.state_dict(), s.optimizer.state_dict()) for k, s in self.models.items()},
-              "clock": self.clock, "torch_rng": torch.get_rng_state(), "dropped": dict(self.screen.dropped),
-              "own": self.own_state()}
+        st = {"models": self.models.state_dict(), "clock": self.clock, "torch_rng": torch.get_rng_state(),
+              "dropped": dict(self.screen.dropped), "own": self.own_state()}
         self.rule.save(st)
         return st
 
     def load_state_dict(self, st: dict) -> None:
-        for k, (ms, os_) in st["models"].items():
-            if k not in self.models:
-                self.fork([k])
-            self.models[k].module.load_state_dict(ms)
-            self.models[k].optimizer.load_state_dict(os_)
-        self.clock = st["clock"]
+        self.models.load_state_dict(st["models"])
+        self.trainer.clock.now = st["clock"]
         self.screen.dropped = dict(st.get("dropped", {}))
         self.load_own_state(st.get("own", {}))
         self.rule.restore(st)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from raysplit.label_privacy import UShapeSpec, defend_gradient, leak_scores
 from raysplit.runtime import transport
 from raysplit.runtime.hostspec import check_finite
-from raysplit.runtime.messages import Activation, Gradient, MiddleOut, Tag, TailGradient
+from raysplit.runtime.messages import Activation, Batch, Gradient, MiddleOut, Tag, TailGradient
 from raysplit.runtime.stepping import USHAPED
 
 
@@ -52,14 +52,15 @@ class ClientTail:
     """A client host's side of a U-shaped step past its head: the labels it keeps, the tail step, and what a label
     attack would see of each client's released gradients this round."""
 
-    def __init__(self, host, spec: UShapeSpec):
-        self.host, self.spec = host, spec
+    def __init__(self, spec: UShapeSpec, executor, states, meter, stop_on_nonfinite: bool):
+        self.spec, self.executor, self.states, self.meter = spec, executor, states, meter
+        self.stop_on_nonfinite = stop_on_nonfinite
         self.labels: dict[Tag, torch.Tensor] = {}  # the labels of forwards whose middle output has not come yet
         self.released: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # per client: (rows, labels) this round
 
     def keep(self, tag: Tag, y: np.ndarray) -> np.ndarray:
         """The labels of the forward of ``tag`` stay here; what travels in their place (an empty array)."""
-        self.labels[tag] = torch.as_tensor(np.asarray(y), device=self.host.executor.device)
+        self.labels[tag] = torch.as_tensor(np.asarray(y), device=self.executor.device)
         return np.asarray(y)[:0]
 
     def step(self, msg: MiddleOut | Gradient) -> TailGradient | Gradient:
@@ -67,11 +68,11 @@ class ClientTail:
         gradient the server withheld (``runtime.faults.on_bad_client: drop``) passes through unchanged."""
         if not isinstance(msg, MiddleOut):
             return msg
-        host, tag, cid = self.host, msg.tag, msg.tag.client
+        tag, cid, meter, executor = msg.tag, msg.tag.client, self.meter, self.executor
         y = self.labels.pop(tag)
-        slot = host.states.slots[cid]
-        host.meter.charge_download(cid, msg.nbytes, msg.t_sent, "middle")
-        z = transport.unpack(msg.z, host.executor.device, writable=True).requires_grad_(True)
+        slot = self.states.slots[cid]
+        meter.charge_download(cid, msg.nbytes, msg.t_sent, "middle")
+        z = transport.unpack(msg.z, executor.device, writable=True).requires_grad_(True)
 
         def tail():
             slot.optimizer.zero_grad(set_to_none=True)  # the head's gradients follow in backward, then one step
@@ -79,17 +80,17 @@ class ClientTail:
             loss.backward()
             return loss
 
-        with host.executor.seeded(cid, 4, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
-            loss, fl = host.executor.run(("tail", tuple(z.shape)), tail)
+        with executor.seeded(cid, 4, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
+            loss, fl = executor.run(("tail", tuple(z.shape)), tail)
             g = defend_gradient(z.grad, self.spec.defence)
         lv = float(loss.item())
-        check_finite(lv, host.spec.stop_on_nonfinite, f"round {tag.round}, client {cid} (step {tag.step})")
-        host.meter.charge_compute(cid, fl)
-        host.meter.count(cid, loss_sum=lv, loss_n=1)
+        check_finite(lv, self.stop_on_nonfinite, f"round {tag.round}, client {cid} (step {tag.step})")
+        meter.charge_compute(cid, fl)
+        meter.count(cid, loss_sum=lv, loss_n=1)
         packed = transport.pack(g)
         if self.spec.scored:
             self.released.setdefault(cid, []).append((packed.reshape(len(packed), -1), y.cpu().numpy()))
-        return TailGradient(tag, packed, host.meter.charge_upload(cid, packed.nbytes, "tail_gradients"), lv)
+        return TailGradient(tag, packed, meter.charge_upload(cid, packed.nbytes, "tail_gradients"), lv)
 
     def end_round(self, rows: dict[int, dict]) -> None:
         """The round is over: each scored client's row (``rows[c]``) gets the label attack's scores of what it
@@ -102,39 +103,35 @@ class ClientTail:
         self.released.clear()
 
 
-class TailCalls:
-    """Mixed into :class:`~raysplit.runtime.client_host.ClientHost`: the U-shaped step's call on a client host."""
+class Middle:
+    """The server's two halves of a U-shaped step on ``models[key]`` (``"main"``, or a client's copy), the middle's
+    graph kept per tag in between (a component of the server host, with its ``trainer`` and ``models``)."""
 
-    def tail_step(self, msg: MiddleOut | Gradient) -> TailGradient | Gradient:
-        """The tail and the loss on the server's middle output (:meth:`ClientTail.step`)."""
-        return self.tail.step(msg)
+    def __init__(self, trainer, models, device):
+        self.trainer, self.models, self.device = trainer, models, device
+        self.kept: dict[Tag, tuple] = {}  # the middle's (input, output) awaiting the tail's gradient
 
-
-class MiddleSteps:
-    """Mixed into :class:`~raysplit.runtime.server_host.ServerHost`: the server's two halves of a U-shaped step on
-    ``models[key]`` (``"main"``, or a client's copy), the middle's graph kept per tag in between."""
-
-    def middle_forward(self, act: Activation, key="main") -> MiddleOut:
+    def forward(self, act: Activation, key="main") -> MiddleOut:
         """Run the middle on an arrived activation (from its arrival on, on the server's clock); its output goes to
         the client's tail."""
         t_wall = time.perf_counter()
-        b = self.decode(act)
+        b = Batch.of(act, self.device)
         x = b.x.requires_grad_(True)
         kind = "main" if key == "main" else "copy"
-        z, fl = self.flops.run(("middle_fwd", kind, tuple(x.shape)), lambda: self.models[key].module(x))
-        self.charge(fl, b.t_sent)
-        self.middle[b.tag] = (x, z)
-        self.busy_wall += time.perf_counter() - t_wall
-        return MiddleOut(b.tag, transport.pack(z.detach()), self.clock)
+        z, fl = self.trainer.flops.run(("middle_fwd", kind, tuple(x.shape)), lambda: self.models[key].module(x))
+        self.trainer.charge(fl, b.t_sent)
+        self.kept[b.tag] = (x, z)
+        self.trainer.tally.busy_wall += time.perf_counter() - t_wall
+        return MiddleOut(b.tag, transport.pack(z.detach()), self.trainer.clock.now)
 
-    def middle_backward(self, back: TailGradient | Gradient, key="main") -> Gradient:
+    def backward(self, back: TailGradient | Gradient, key="main") -> Gradient:
         """Back-propagate the client's gradient of its loss through the middle, step ``models[key]`` (clipping and
-        the rule's ``before_step`` first: :meth:`settle_step`) and answer the activation's gradient. A gradient
+        the rule's ``before_step`` first: :meth:`Trainer.settle`) and answer the activation's gradient. A gradient
         withheld for a rejected activation passes through."""
         if not isinstance(back, TailGradient):
             return back
         t_wall = time.perf_counter()
-        x, z = self.middle.pop(back.tag)
+        x, z = self.kept.pop(back.tag)
         slot = self.models[key]
         g = transport.unpack(back.g, self.device, writable=True)
         kind = "main" if key == "main" else "copy"
@@ -143,8 +140,8 @@ class MiddleSteps:
             slot.optimizer.zero_grad(set_to_none=True)
             z.backward(g)
 
-        _, fl = self.flops.run(("middle_bwd", kind, tuple(x.shape)), backward)
-        self.settle_step(back.loss, fl, slot.module, [slot.optimizer], tag=back.tag, ready_at=back.t_sent,
-                         record=False)
-        self.busy_wall += time.perf_counter() - t_wall
-        return self.answer(back.tag, x.grad, back.loss)
+        _, fl = self.trainer.flops.run(("middle_bwd", kind, tuple(x.shape)), backward)
+        self.trainer.settle(back.loss, fl, slot.module, [slot.optimizer], tag=back.tag, ready_at=back.t_sent,
+                            record=False)
+        self.trainer.tally.busy_wall += time.perf_counter() - t_wall
+        return self.trainer.answer(back.tag, x.grad, back.loss)

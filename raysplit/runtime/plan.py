@@ -1,0 +1,112 @@
+"""What every host is built from (issue 69): the run's typed config sections as the config validated them
+(:class:`Sections`), what the model is and where it is cut (:class:`ModelFacts`), the method (:class:`Method`) and
+the privacy plug-ins, together a :class:`HostPlan`, prepared once on the driver (``experiment.prepare``) and
+shipped to every actor. Nothing here restates a config default: a component reads the key it uses from its
+section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a rule may know of the model: its name and builder options, what goes in (``inputs``: the dataset's
+    :class:`~raysplit.data.DataSpec`), where it is cut (``cut``: the index of the first server block, None: the
+    whole model on the clients; ``tail_cut``: a U-shaped split's tail) and the per-sample shape of what crosses the
+    cut (``cut_shape``; None without a cut)."""
+
+    name: str
+    options: dict
+    inputs: Any  # raysplit.data.DataSpec
+    cut: int | None
+    tail_cut: int | None = None
+    cut_shape: tuple | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return self.inputs.num_classes
+
+    @property
+    def input_shape(self) -> tuple:
+        return tuple(self.inputs.input_shape)
+
+    def build(self):
+        """A fresh model of the zoo (random initial weights; callers load states): the whole
+        :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net)."""
+        from raysplit.models import build_model
+
+        return build_model(self.name, self.num_classes, self.input_shape, **self.options)
+
+    def parts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """Fresh client and server parts at the configured cut (U-shaped: the client holds head and tail, a
+        :class:`~raysplit.models.UClient`, the server the middle); with no cut the whole model and an identity."""
+        model = self.build()
+        if self.cut is None:
+            return model, torch.nn.Identity()
+        if self.tail_cut is not None:
+            return model.split_u(self.cut, self.tail_cut)
+        return model.split(self.cut)
+
+
+@dataclass(frozen=True)
+class Sections:
+    """The run's typed config sections as every host gets them (frozen pydantic models, shipped to each actor)."""
+
+    train: Any  # raysplit.config.TrainConfig
+    eval: Any  # EvalConfig
+    clock: Any  # ClockConfig
+    runtime: Any  # RuntimeConfig (runtime.torch_threads resolved by the backend)
+    seed: int
+
+    @property
+    def server_optimizer(self):
+        """The server's optimizer section: ``train.server_optimizer``, or the clients' where it is not given."""
+        return self.train.server_optimizer or self.train.optimizer
+
+
+@dataclass
+class Progress:
+    """The host's place in the run, which its context reads (``round``): set by the host, read by the rules."""
+
+    round: int = -1
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method as its hosts get it: its validated ``Params``, what it derived at setup for them, and its rules."""
+
+    params: Any
+    setup: Any = None
+    client_rule: Any = None  # raysplit.runtime.rules.ClientRule subclass (None: ClientRule)
+    server_rule: Any = None  # ServerRule subclass (None: ServerRule)
+    persist_client_models: bool = False  # no global client model: every client keeps its own
+    asynchronous: bool = False  # run by the event driver: per-client RNG, forwards replayable from a checkpoint
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What a host is built from: the sections, the model, the method, the privacy plug-ins at the cut
+    (``privacy``: a :class:`~raysplit.privacy.PrivacySpec`, None: off) and a U-shaped split (``ushape``: a
+    :class:`~raysplit.label_privacy.UShapeSpec`, None: labels go to the server)."""
+
+    sections: Sections
+    model: ModelFacts
+    method: Method
+    privacy: Any = None
+    ushape: Any = None
+    events: Any = None  # the event loop's plan (raysplit.runtime.events.EventPlan) of an asynchronous method
+
+    def parts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """Fresh client and server parts (random init; callers load states): :meth:`ModelFacts.parts`."""
+        return self.model.parts()
+
+    def with_threads(self, threads: int) -> "HostPlan":
+        """The plan with ``runtime.torch_threads: auto`` resolved to ``threads`` (a number or null stays)."""
+        rt = self.sections.runtime
+        if rt.torch_threads != "auto":
+            return self
+        return replace(self, sections=replace(self.sections, runtime=rt.model_copy(update={"torch_threads": threads})))
