@@ -50,7 +50,6 @@ from raysplit.config import load_config
 from raysplit.data import to_tensor
 from raysplit.experiment import prepare
 from raysplit.runtime import runtime_for, transport
-from raysplit.runtime.hostspec import build_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("server-gpu", "clients-gpu", "local", "plain", "packed")
@@ -135,11 +134,11 @@ def plain_arm(alg: str, a) -> dict:
     cfg = load_config(None, overrides(alg, "plain", a))
     p = prepare(cfg)
     dev = torch.device(a.device)
-    spec, inp = p.inputs.spec, p.inputs
-    client, server = (m.to(dev) for m in build_parts(spec))
+    plan, inp = p.inputs.plan, p.inputs
+    client, server = (m.to(dev) for m in plan.parts())
     client.load_state_dict(transport.unpack_state(inp.client_init))
     server.load_state_dict(transport.unpack_state(inp.server_init))
-    x_all = to_tensor(inp.train_data["x"], spec.data_spec).to(dev)
+    x_all = to_tensor(inp.train_data["x"], plan.model.inputs).to(dev)
     y_all = torch.as_tensor(inp.train_data["y"]).to(dev)
     opt = dict(lr=0.01, momentum=0.9)
 

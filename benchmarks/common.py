@@ -51,7 +51,7 @@ def machine() -> dict:
 def resolved_at_start():
     """Yield a dict that fills with what a run's Ray backend resolved (``RayBackend.resolved()``: transport, torch
     threads and their reasons) once its ``start()`` has resolved them; the in-process backend leaves it empty."""
-    from raysplit.runtime import ray_backend
+    from raysplit.runtime.ray import backend as ray_backend
 
     real, out = ray_backend.RayBackend.start, {}
 

@@ -63,7 +63,7 @@ def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[in
     from raysplit.config import load_config
     from raysplit.data import to_tensor
     from raysplit.experiment import prepare
-    from raysplit.runtime.api import machine_cores
+    from raysplit.runtime.driver.api import machine_cores
 
     torch.set_num_threads(threads or machine_cores())
     cfg = load_config(CONFIG, {"train.rounds": rounds, "tracking.enabled": False, "tracking.progress": False})

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from raysplit import metrics as M  # noqa: E402
 from raysplit.config import load_config  # noqa: E402
 from raysplit.experiment import prepare  # noqa: E402
-from raysplit.runtime import Runtime, make_backend, transport  # noqa: E402
+from raysplit.runtime import Runtime, make_backend, transport
 
 
 def run(device: str):

@@ -26,7 +26,8 @@ import numpy as np
 
 from common import fmt, load, log_mlflow, mmm, save
 
-from raysplit.runtime import stepping, transport
+from raysplit.runtime.server import stepping
+from raysplit.runtime import transport
 from raysplit.runtime.messages import Activation, Gradient, Tag
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -98,7 +99,7 @@ def main():
     a = ap.parse_args()
     import ray
 
-    from raysplit.runtime.ray_actors import HostActor
+    from raysplit.runtime.ray.actors import HostActor
 
     sysc = {"max_direct_call_object_size": a.inline_bytes} if a.inline_bytes else None
     ray.init(num_cpus=4, object_store_memory=1024**3, include_dashboard=False, log_to_driver=True, _system_config=sysc)
@@ -109,7 +110,7 @@ def main():
     # killed both actors after its 60 s RDT timeout), so the two are never mixed
     from ray.experimental.collective import create_collective_group
 
-    from raysplit.runtime.ray_actors import RdtHostActor
+    from raysplit.runtime.ray.actors import RdtHostActor
 
     client_rdt = RdtHostActor.options(num_cpus=0).remote(EchoClient, 1024)
     server_rdt = RdtHostActor.options(num_cpus=1).remote(EchoServer)

@@ -47,7 +47,7 @@ def run_case(name: str, rounds: int) -> dict:
     from raysplit.config import load_config
     from raysplit.experiment import prepare
     from raysplit.runtime import runtime_for
-    from raysplit.runtime.drivers import RoundGuard
+    from raysplit.runtime.driver.drivers import RoundGuard
 
     cfg = load_config(None, {"seed": 0, "data.dataset": "synthetic", "data.partition.name": "iid",
                              "data.test_fraction": 0.0, "train.rounds": rounds, "train.local_steps": 1,

@@ -4,7 +4,7 @@ From Python (a notebook, a script): ``raysplit.run(config, **overrides)``, ``ray
 ``raysplit.compare(experiment)`` (:mod:`raysplit.pyapi`), loaded on first use so that ``import raysplit`` stays
 light."""
 
-__version__ = "0.1.0"
+from raysplit.version import __version__
 
 _API = ("run", "sweep", "compare", "RunResult", "Comparison")
 __all__ = ["__version__", *_API]

@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from raysplit.errors import ConfigError
 from raysplit.metrics import grouped_name, short_name
 from raysplit.tracking import resolve_uri
-from raysplit.tuning import ARM_TAG, SWEEP_TAG
+from raysplit import tags
 
 COLUMNS = [("algorithm", "params.algorithm.name"), ("model", "params.model.name"), ("cut", "params.resolved.cut_name"),
            ("dataset", "params.data.dataset"), ("seed", "params.seed")]
@@ -37,7 +37,7 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accu
         logged_as = _metric(m, metric)
         hist = client.get_metric_history(run.info.run_id, logged_as) if logged_as in m else []
         # a study's run goes by its arm (a sweep's arms:), another by its run name
-        row = {"run_id": run.info.run_id[:8], "name": run.data.tags.get(ARM_TAG) or run.info.run_name,
+        row = {"run_id": run.info.run_id[:8], "name": run.data.tags.get(tags.ARM) or run.info.run_name,
                "status": run.info.status}
         for col, key in COLUMNS:
             row[col] = p.get(key.split(".", 1)[1], "")
@@ -151,9 +151,9 @@ def arm_results(experiment: str, uri: str | None = None, keys: tuple[str, ...] =
     if exp is None:
         return {}
     out: dict[str, dict] = {}
-    where = f"tags.`{ARM_TAG}` != ''" + (f" and tags.`{SWEEP_TAG}` = '{sweep}'" if sweep else "")
+    where = f"tags.`{tags.ARM}` != ''" + (f" and tags.`{tags.SWEEP}` = '{sweep}'" if sweep else "")
     for run in client.search_runs([exp.experiment_id], where, order_by=["attributes.start_time DESC"]):
-        arm, error = run.data.tags.get(ARM_TAG), run.data.tags.get("raysplit.error", "")
+        arm, error = run.data.tags.get(tags.ARM), run.data.tags.get(tags.ERROR, "")
         diverged = run.info.status == "FAILED" and error.startswith("NonFiniteLossError")
         if arm in out or (only is not None and arm not in only) or not (run.info.status == "FINISHED" or diverged):
             continue

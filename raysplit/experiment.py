@@ -1,7 +1,7 @@
 """Run an experiment: prepare everything on the driver (config, data, partition, model and cut — all errors
 surface here, before any actor starts), start the runtime, hand the algorithm to its driver (rounds or events),
 checkpoint, and finish. What is recorded and logged lives in ``reporting.py``; the loops in
-``runtime/drivers.py`` and ``runtime/events.py``."""
+``runtime/driver/drivers.py`` and ``runtime/server/events.py``."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from raysplit.clock import draw_profiles
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
-from raysplit.runtime.events import EventPlan
-from raysplit.runtime.drivers import RoundGuard
+from raysplit.runtime.server.events import EventPlan
+from raysplit.runtime.driver.drivers import RoundGuard
+from raysplit import tags
 
 
 @dataclass
@@ -144,7 +145,7 @@ def _load_checkpoint(run_id: str, uri: str | None) -> dict:
     from raysplit.tracking import get_run
 
     run = get_run(run_id, uri)
-    path = run.data.tags.get("raysplit.checkpoint")
+    path = run.data.tags.get(tags.CHECKPOINT)
     if not path or not Path(path).is_file():
         raise ConfigError(f"run {run_id} has no checkpoint to resume from (tag raysplit.checkpoint={path!r})")
     return load_checkpoint_file(Path(path))
@@ -157,6 +158,15 @@ _NUMPY_GLOBALS = {"numpy._core.multiarray._reconstruct", "numpy.core.multiarray.
                   "numpy.random._pickle.__generator_ctor", "numpy.random.bit_generator.SeedSequence",
                   "numpy.random.bit_generator.__pyx_unpickle_SeedSequence",
                   "builtins.bytes"}  # pickle protocol 2 writes b"" (an empty array's data) as bytes()
+
+
+# classes a checkpoint written before the runtime's rooms (issue 69, 2026-12) names by their old place: the old name
+# -> where the class lives now (dotted; its pickled state is the same)
+MOVED_CLASSES = {"raysplit.runtime.events.ClientCosts": "raysplit.runtime.server.events.ClientCosts",
+                 "raysplit.runtime.events.EventLoop": "raysplit.runtime.server.events.EventLoop",
+                 "raysplit.runtime.events.EventSetup": "raysplit.runtime.server.events.EventPlan",
+                 "raysplit.runtime.events.Job": "raysplit.runtime.server.events.Job",
+                 "raysplit.runtime.events.Ready": "raysplit.runtime.server.events.Ready"}
 
 
 def load_checkpoint_file(path: Path) -> dict:
@@ -172,7 +182,7 @@ def load_checkpoint_file(path: Path) -> dict:
                           "or not a raysplit checkpoint") from None
     allowed = [c for c in vars(np.dtypes).values() if isinstance(c, type)]  # numpy arrays' dtype classes
     for name in names:
-        module, _, attr = name.rpartition(".")
+        module, _, attr = MOVED_CLASSES.get(name, name).rpartition(".")
         obj = None
         if name in _NUMPY_GLOBALS or module.startswith(("raysplit.", "torch.nn.modules.")):
             try:
@@ -184,7 +194,7 @@ def load_checkpoint_file(path: Path) -> dict:
         if obj is None:
             raise ConfigError(f"checkpoint {path} names {name}, which a raysplit checkpoint never holds; refusing to "
                               "load it (tampered with, or not a raysplit checkpoint)")
-        allowed.append(obj)
+        allowed.append((obj, name) if name in MOVED_CLASSES else obj)
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True)
@@ -231,7 +241,7 @@ def run_experiment(cfg: "ExperimentConfig | str | Path", resume_run_id: str | No
         reporter = Reporter(prepared, tracker, out_dir, ckpt["history"] if ckpt else None, on_round)
         if ckpt is None:
             reporter.start()
-        tracker.set_tags({"raysplit.algorithm": cfg.algorithm_name, "raysplit.checkpoint": ckpt_path,
+        tracker.set_tags({tags.ALGORITHM: cfg.algorithm_name, tags.CHECKPOINT: ckpt_path,
                           **code_version(), **tcfg.tags})
         if ckpt is None and tracker.enabled:  # the files' digest only where it is logged (it reads every file)
             from raysplit.data import files_digest
@@ -268,7 +278,7 @@ def run_experiment(cfg: "ExperimentConfig | str | Path", resume_run_id: str | No
                 def restarted(count: int, why: str) -> None:
                     print(f"raysplit: {why}; every actor replaced and the round redone (restart {count} of at most "
                           f"{cfg.runtime.faults.max_retries})", file=sys.stderr)
-                    tracker.set_tags({"raysplit.actor_restarts": count, f"raysplit.restart_{count}": why[:4000]})
+                    tracker.set_tags({tags.ACTOR_RESTARTS: count, tags.restart(count): why[:4000]})
 
                 guard = RoundGuard(rt, driver, cfg.runtime.faults.max_retries, extra=reporter, on_restart=restarted,
                                    start=start)

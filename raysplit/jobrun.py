@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from raysplit.errors import ConfigError
+from raysplit import tags
 
 JOB_CHECKPOINT_EVERY = 5
 
@@ -58,7 +59,7 @@ def _resumable(uri: str, experiment: str, run_name: str) -> tuple[str, str] | No
                               order_by=["attributes.start_time DESC"], max_results=1)
     if not runs or runs[0].info.status not in ("RUNNING", "FAILED", "KILLED"):
         return None
-    ckpt = runs[0].data.tags.get("raysplit.checkpoint")
+    ckpt = runs[0].data.tags.get(tags.CHECKPOINT)
     if not ckpt or not Path(ckpt).is_file():
         return None
     return runs[0].info.run_id, runs[0].info.status

@@ -20,7 +20,7 @@ class against the rest for every class that has samples of both kinds, averaged)
 the most similar reference's class; norm, binary tasks only: positive above the batch's mean norm, the threshold
 an attacker without labels can set). The scores need the true labels to be *scored*, which only the client has:
 the runtime computes them on the client host, on exactly the rows it released (after the defence), never sending a
-label anywhere (raysplit/runtime/ushape.py).
+label anywhere (raysplit/runtime/client/tail.py, raysplit/runtime/server/middle.py).
 
 Defences on the released gradient (``privacy.label_defence``):
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from raysplit import metrics as M
 from raysplit.config import dump, flatten
+from raysplit import tags
 
 CLIENT_KEYS = ("bytes_up", "bytes_down", "flops", "steps", "t_end")
 BYTE_KINDS = ("bytes_up_activations", "bytes_up_model", "bytes_up_labels", "bytes_down_gradients", "bytes_down_model")
@@ -171,7 +172,7 @@ class Reporter:
         if todo:
             self.tracker.log_metrics(todo, step=rnd)
             if dropped and "train/dropped_clients" in todo:
-                self.tracker.set_tags({f"raysplit.dropped.round_{rnd}": "; ".join(dropped.values())[:4000]})
+                self.tracker.set_tags({tags.dropped(rnd): "; ".join(dropped.values())[:4000]})
             self.logged.update(dict.fromkeys(todo, rnd))
         self.final = m
         if self.on_round is not None and rnd > self.delivered:

@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import uuid
+from raysplit import tags
 from pathlib import Path
 
 # errors a later retry cannot fix: the call itself is wrong
@@ -122,9 +123,9 @@ def code_version() -> dict[str, str]:
     working_dir)."""
     import subprocess
 
-    import raysplit
+    from raysplit.version import __version__
 
-    root = Path(raysplit.__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parent.parent  # the checkout this package runs from
     commit = "unknown"
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -134,7 +135,7 @@ def code_version() -> dict[str, str]:
             commit = head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"raysplit.version": raysplit.__version__, "raysplit.commit": commit}
+    return {tags.VERSION: __version__, tags.COMMIT: commit}
 
 
 def _client(uri: str):
@@ -271,10 +272,10 @@ class Tracker:
         if exc_type is None:
             status = "FINISHED"
         elif issubclass(exc_type, (SystemExit, KeyboardInterrupt)):  # stopped from outside (Tune's scheduler, ^C)
-            self.set_tags({"raysplit.stopped": f"{exc_type.__name__}: stopped before the last round"})
+            self.set_tags({tags.STOPPED: f"{exc_type.__name__}: stopped before the last round"})
             status = "KILLED"
         else:
-            self.set_tags({"raysplit.error": f"{exc_type.__name__}: {exc}"[:5000]})
+            self.set_tags({tags.ERROR: f"{exc_type.__name__}: {exc}"[:5000]})
             status = "FAILED"
         self._call({"op": "terminate", "run_id": self.run_id, "status": status,
                     "end_time": int(time.time() * 1000)}, force_retry=True)

@@ -63,11 +63,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from raysplit.config import ConfigError, apply_overrides, load_config
+from raysplit import tags
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform")
 ARM = "arm"  # the trial parameter that names its arm (not a config key: its overrides are applied instead)
-ARM_TAG = "raysplit.arm"  # the MLflow tag that names a trial's arm
-SWEEP_TAG = "raysplit.sweep"  # the MLflow tag that names a trial's sweep
 
 
 def _cut_points(cfg) -> list:
@@ -177,8 +176,9 @@ def trial_overrides(params: dict, arms: dict[str, dict] | None = None, sweep: st
     MLflow run tagged with its arm (``raysplit.arm``) and its sweep's name (``raysplit.sweep``)."""
     params = dict(params)
     arm = params.pop(ARM, None)
-    tags = {**({ARM_TAG: arm} if arm is not None else {}), **({SWEEP_TAG: sweep} if sweep else {})}
-    return {**((arms or {})[arm] if arm is not None else {}), **params, **({"tracking.tags": tags} if tags else {})}
+    run_tags = {**({tags.ARM: arm} if arm is not None else {}), **({tags.SWEEP: sweep} if sweep else {})}
+    return {**((arms or {})[arm] if arm is not None else {}), **params,
+            **({"tracking.tags": run_tags} if run_tags else {})}
 
 
 def validate_trials(base_raw: dict, space: dict[str, dict], arms: dict[str, dict] | None = None) -> int:
@@ -383,7 +383,7 @@ def closing_callback(uri: str, experiment: str):
             name = str(trial).replace("'", "")
             for run in client.search_runs([exp.experiment_id], f"tags.`mlflow.runName` = '{name}'"):
                 if run.info.status == "RUNNING":
-                    client.set_tag(run.info.run_id, "raysplit.stopped", f"trial ended by Tune ({status})")
+                    client.set_tag(run.info.run_id, tags.STOPPED, f"trial ended by Tune ({status})")
                     client.set_terminated(run.info.run_id, status)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
@@ -436,7 +436,7 @@ def run_sweep(path: str, extra_overrides: list[str] | None = None, trial: type[T
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial)),
                      include_dashboard=False)
-    from raysplit.runtime.ray_pool import release_idle_actors
+    from raysplit.runtime.ray.pool import release_idle_actors
 
     release_idle_actors()  # actors a finished run of this driver kept (runtime.keep_actors_s) hold CPUs trials need
     max_conc = spec.max_concurrent_trials or max(

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{speed():.2f}")
         return 0
     if args.command == "cpu":
-        from raysplit.runtime.hostspec import cpu_kind
+        from raysplit.runtime.devices import cpu_kind
 
         print(cpu_kind())
         return 0

@@ -47,9 +47,9 @@ def _attr_chain(node: ast.AST) -> list[str]:
     return out[::-1]
 
 
-def _aliases(cls: ast.ClassDef) -> dict[str, list[str]]:
+def _aliases(cls: ast.ClassDef, bound: set | None = None) -> dict[str, list[str]]:
     """Local names bound to something of the context (``ctx = self.ctx``, ``trainer = ctx.trainer``, also in a
-    tuple assignment): name -> its chain from ``ctx``."""
+    tuple assignment): name -> its chain from ``ctx``; ``bound`` collects the ids of the nodes bound so."""
     out: dict[str, list[str]] = {"ctx": ["ctx"]}
     for node in ast.walk(cls):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
@@ -63,6 +63,8 @@ def _aliases(cls: ast.ClassDef) -> dict[str, list[str]]:
                 chain = chain[1:]
             if isinstance(t, ast.Name) and chain[:1] == ["ctx"]:
                 out[t.id] = chain
+                if bound is not None:
+                    bound.add(id(v))
     return out
 
 
@@ -78,15 +80,17 @@ def count(source: str) -> dict:
         names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and f.name in HOOKS
                   and f.name != "__init__"}
         inner = {id(n.value) for n in ast.walk(cls) if isinstance(n, ast.Attribute)}  # the a.b of a.b.c
-        alias = _aliases(cls)
+        bound: set[int] = set()
+        alias = _aliases(cls, bound)
         for node in ast.walk(cls):
             chain = _attr_chain(node) if isinstance(node, ast.Attribute) and id(node) not in inner else []
             if chain and chain[0] in alias:  # trainer = ctx.trainer; trainer.step(...)
                 chain = alias[chain[0]] + chain[1:]
             if chain[:2] == ["self", "ctx"]:
                 chain = chain[1:]
-            if not chain or chain[0] != "ctx" or len(chain) < 2 or (chain[1] in COMPONENTS and len(chain) == 2):
-                continue  # a component named on its own is only bound to a name: its uses are counted
+            if not chain or chain[0] != "ctx" or len(chain) < 2 or (chain[1] in COMPONENTS and len(chain) == 2
+                                                                     and id(node) in bound):
+                continue  # a component bound to a local name: its uses through the name are counted
             names.add(".".join(chain[1:3]) if chain[1] in COMPONENTS and len(chain) > 2 else chain[1])
     concepts = []
     classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]

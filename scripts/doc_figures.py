@@ -107,8 +107,8 @@ def figures(seed: int, evals: list[tuple[int, dict]], final: dict, clock: str, t
 
 def machine() -> str:
     """The CPU model and torch's CPU kernel set: what decides how float sums round, so what a figure's last digit
-    depends on (:func:`raysplit.runtime.hostspec.cpu_kind`)."""
-    from raysplit.runtime.hostspec import cpu_kind
+    depends on (:func:`raysplit.runtime.devices.cpu_kind`)."""
+    from raysplit.runtime.devices import cpu_kind
 
     return cpu_kind()
 
@@ -215,12 +215,12 @@ def produce(config: Path = CONFIG, rounds: int | None = None, speed: dict | None
 
 def pinned_env(documented_machine: str | None) -> dict | None:
     """The environment variables that run this check with the page's kernel set, where the page was made with a
-    narrower one than this CPU's (an AVX2 page on an AVX-512 machine: :data:`~raysplit.runtime.hostspec.KERNEL_ENV`),
+    narrower one than this CPU's (an AVX2 page on an AVX-512 machine: :data:`~raysplit.runtime.devices.KERNEL_ENV`),
     so the comparison's tolerances hold the learned figures to what the kernel set, not the tolerance, leaves over;
     None where nothing is to pin (the same kernel set, a wider one, or already pinned)."""
     import torch
 
-    from raysplit.runtime.hostspec import KERNEL_ENV
+    from raysplit.runtime.devices import KERNEL_ENV
 
     m = re.search(r", (DEFAULT|AVX2|AVX512)\b", documented_machine or "")
     if m is None or m.group(1) not in KERNEL_ENV or "ATEN_CPU_CAPABILITY" in os.environ:

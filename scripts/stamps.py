@@ -2,7 +2,7 @@
 
 A stamp is two lines at the end of a page (or of one ``## `` section of it): a visible line and a machine-readable
 comment holding the commit the numbers were made at, the date, the machine's CPU and torch's CPU kernel set (the
-kind of machine on which the numbers repeat digit for digit: ``raysplit.runtime.hostspec.cpu_kind``; stamps before
+kind of machine on which the numbers repeat digit for digit: ``raysplit.runtime.devices.cpu_kind``; stamps before
 2026-11-29 lack it), the golden fingerprint of every method the page
 reports (the SHA-256 of ``tests/golden/<method>.json``, first 12 hex digits; tests/test_golden.py holds each method
 to it), the seeds and the rounds, and the command that made them::
@@ -118,7 +118,7 @@ def stamp(page: Path, section: str | None, methods: list[str], seeds: str, round
     body = re.sub(r"\n{3,}", "\n\n", body).rstrip("\n")
     commit = commit[:7] if commit else subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT,
                                                       capture_output=True, text=True).stdout.strip() or "unknown"
-    from raysplit.runtime.hostspec import cpu_kind
+    from raysplit.runtime.devices import cpu_kind
 
     data = {"commit": commit, "date": datetime.date.today().isoformat(), "section": title, "machine": cpu_kind(),
             "methods": {m: (None if stale else fingerprint(m)) for m in methods}, "seeds": seeds, "rounds": rounds,

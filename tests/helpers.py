@@ -450,7 +450,7 @@ def runtime_private_names(runtime_dir) -> set[str]:
     names = set()
     from pathlib import Path
 
-    for path in Path(runtime_dir).glob("*.py"):
+    for path in Path(runtime_dir).rglob("*.py"):
         for n in ast.walk(ast.parse(path.read_text())):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 name = n.name

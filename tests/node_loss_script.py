@@ -36,7 +36,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import raysplit.experiment as experiment  # noqa: E402
 from raysplit.config import load_config  # noqa: E402
-from raysplit.runtime import drivers  # noqa: E402
+from raysplit.runtime.driver import drivers
 
 KEYS = ("eval/accuracy", "eval/loss", "eval/f1_macro", "train/loss", "time/sim", "comm/bytes_up", "comm/bytes_down")
 CLIENT_NODE = {"num_cpus": 1, "resources": {"client": 4}}

@@ -13,7 +13,7 @@ import torch
 import raysplit.experiment as experiment
 from helpers import make_config
 from raysplit.metrics import WALL_CLOCK
-from raysplit.runtime import ray_pool
+from raysplit.runtime.ray import pool as ray_pool
 
 
 def _cpu_free(ray) -> float:

@@ -311,8 +311,8 @@ def test_scaffold_lowers_the_client_drift(tmp_path, mlflow_uri, monkeypatch):
     """SCAFFOLD's purpose: on clients with disjoint labels, the device blocks the clients bring to aggregation
     drift apart far less than SplitFed's (mean squared distance to their mean, rounds 3-5, from the same start and
     batches). Measured: SplitFed 0.16-0.19, SCAFFOLD 0.02-0.03 on 3 seeds; round 1 (no control yet) is equal."""
-    from raysplit.runtime.client_host import ClientHost
-    from raysplit.runtime.client_transfers import ModelTransfers
+    from raysplit.runtime.client.host import ClientHost
+    from raysplit.runtime.client.transfers import ModelTransfers
 
     brought: dict[int, dict] = {}  # round -> client -> the device block it brings to aggregation
     partial_sum, begin_round, now = ModelTransfers.partial_sum, ClientHost.begin_round, [-1]

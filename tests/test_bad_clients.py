@@ -17,7 +17,7 @@ import raysplit.experiment as experiment
 from helpers import make_config
 from raysplit.errors import BadClientInput
 from raysplit.runtime import Runtime, make_backend
-from raysplit.runtime.hosts import activation_fault, gradient_fault
+from raysplit.runtime.screening import activation_fault, gradient_fault
 from raysplit.runtime.messages import Activation, Gradient, Tag, batch_step
 
 CORRUPTIONS = {

@@ -12,12 +12,12 @@ from raysplit.clock import ClientProfile, FlopCache
 from raysplit.config import OptimizerConfig
 from raysplit.data import DataSpec
 from raysplit.privacy import NoiseDefence, NopeekDefence, PrivacySpec
-from raysplit.runtime.client_data import ClientData, advance_cursor
-from raysplit.runtime.client_states import ClientStates
-from raysplit.runtime.cut import ClientCut
-from raysplit.runtime.executor import Backward, Executor, Forward
+from raysplit.runtime.client.data import ClientData, advance_cursor
+from raysplit.runtime.client.states import ClientStates
+from raysplit.runtime.client.cut import ClientCut
+from raysplit.runtime.client.executor import Backward, Executor, Forward
 from raysplit.runtime.messages import Tag
-from raysplit.runtime.meter import CostMeter
+from raysplit.runtime.client.meter import CostMeter
 
 SPEC = DataSpec("toy", "float", (3,), 2)
 

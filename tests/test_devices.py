@@ -21,9 +21,9 @@ import golden  # noqa: E402
 from raysplit.config import load_config  # noqa: E402
 from raysplit.data import DataSpec, to_tensor  # noqa: E402
 from raysplit.errors import ConfigError  # noqa: E402
-from raysplit.runtime import make_backend  # noqa: E402
-from raysplit.runtime.client_data import ClientData  # noqa: E402
-from raysplit.runtime.hostspec import host_device, set_determinism  # noqa: E402
+from raysplit.runtime import make_backend
+from raysplit.runtime.client.data import ClientData
+from raysplit.runtime.devices import host_device, set_determinism
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA = not torch.cuda.is_available()
@@ -242,7 +242,7 @@ def test_packed_runs_on_one_or_two_client_hosts_agree_within_float_rounding(name
 def test_a_model_vmap_refuses_trains_one_client_after_another():
     """Dropout draws per client from its own stream one at a time; batched, vmap refuses it (randomness='error'):
     the executor says so once and the caller trains the clients alone."""
-    from raysplit.runtime.executor import Executor
+    from raysplit.runtime.client.executor import Executor
 
     ex = Executor(seed=0, pack=True)
     torch.manual_seed(0)
@@ -266,7 +266,7 @@ def test_packed_forwards_take_their_gradients_back_as_one_at_a_time():
     rounding; the FLOPs are those the unpacked path counts. A model vmap refuses (dropout) is refused once."""
     import copy
 
-    from raysplit.runtime.executor import Backward, Executor, Forward
+    from raysplit.runtime.client.executor import Backward, Executor, Forward
 
     torch.manual_seed(0)
 
@@ -304,7 +304,7 @@ def test_ragged_batches_pack_padded_where_no_layer_mixes_samples():
     own batch. A part with BatchNorm in training mode is not ragged_ok (the padding would enter its statistics)."""
     import copy
 
-    from raysplit.runtime.executor import Backward, Executor, Forward, ragged_ok
+    from raysplit.runtime.client.executor import Backward, Executor, Forward, ragged_ok
 
     torch.manual_seed(1)
     mods = [torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten()) for _ in range(3)]
@@ -335,7 +335,7 @@ def test_a_rejected_gradient_in_a_packed_step_drops_that_client_as_unpacked(monk
     import numpy as np
 
     from raysplit.runtime.messages import Gradient
-    from raysplit.runtime.server_host import ServerHost
+    from raysplit.runtime.server.host import ServerHost
 
     serve = ServerHost.serve
 

@@ -235,7 +235,7 @@ def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_s
     from ray.experimental.collective import create_collective_group, destroy_collective_group
 
     from raysplit.runtime.messages import Activation, Tag
-    from raysplit.runtime.ray_actors import RdtHostActor
+    from raysplit.runtime.ray.actors import RdtHostActor
 
     class Host:  # defined here, so that Ray ships it by value to the actors
         def forward(self, n):
@@ -265,8 +265,8 @@ def test_auto_transport_keeps_polling_actors_off_the_event_loop_where_cores_are_
     of its own (idle compiled-graph actors poll their channels); with fewer cores, compiled graphs only for the
     step loops (the actors compute in turn) and actor calls for the event loop (they compute at once)."""
     from raysplit.config import load_config
-    from raysplit.runtime.ray_backend import RayBackend
-    from raysplit.runtime.ray_resources import auto_transport
+    from raysplit.runtime.ray.backend import RayBackend
+    from raysplit.runtime.ray.resources import auto_transport
 
     got, why = auto_transport(cores, workers)
     assert got == kind and f"{cores:g} CPU cores" in why and str(workers) in why
@@ -287,7 +287,7 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
     from raysplit.config import TransportConfig
     from raysplit.experiment import run_experiment
     from raysplit.runtime import make_backend
-    from raysplit.runtime import ray_backend
+    from raysplit.runtime.ray import backend as ray_backend
 
     assert TransportConfig().kind == "auto"
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.transport.kind": "auto", "train.rounds": 1})
@@ -308,7 +308,7 @@ def test_auto_transport_is_resolved_at_connect_and_logged(ray_session, tmp_path,
     assert "2 CPU cores for 4 processes" in params["resolved.transport_reason"]
     # where the hosts computed, as each actor resolved runtime.<role>.device (issue 53): no GPU here
     assert params["resolved.server_device"] == "cpu" and params["resolved.client_device"] == "cpu"
-    from raysplit.runtime.hostspec import cpu_kind  # the CPU kind on which the metrics repeat digit for digit
+    from raysplit.runtime.devices import cpu_kind
 
     assert params["resolved.cpu"] == cpu_kind() and torch.backends.cpu.get_cpu_capability() in cpu_kind()
     local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1}))
@@ -324,8 +324,8 @@ def test_auto_threads_follow_the_machine_or_the_actors_cpu_share():
     joining a cluster, its CPU share rounded up. The default is one thread in every host (the same metrics on any
     backend, transport and number of actors); a number is used as given, null leaves torch's own default."""
     from raysplit.config import load_config
-    from raysplit.runtime.ray_backend import RayBackend
-    from raysplit.runtime.ray_resources import auto_threads
+    from raysplit.runtime.ray.backend import RayBackend
+    from raysplit.runtime.ray.resources import auto_threads
 
     assert load_config(None, {}).runtime.torch_threads == 1
     rcfg = load_config(None, {"runtime.num_workers": 2, "runtime.torch_threads": "auto"}).runtime
@@ -355,7 +355,7 @@ def test_limit_threads_gives_torch_its_threads_and_blas_one():
     process-wide."""
     import subprocess
 
-    code = ("import torch, threadpoolctl\nfrom raysplit.runtime.hostspec import limit_threads\n"
+    code = ("import torch, threadpoolctl\nfrom raysplit.runtime.devices import limit_threads\n"
             "torch.get_num_threads()\nlimit_threads(2)\n"
             "pools = {i['user_api']: i['num_threads'] for i in threadpoolctl.threadpool_info()}\n"
             "print(torch.get_num_threads(), pools.get('openmp'), pools.get('blas'))")
@@ -372,7 +372,8 @@ def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlfl
     from mlflow.tracking import MlflowClient
 
     from raysplit.experiment import run_experiment
-    from raysplit.runtime import api, ray_backend
+    from raysplit.runtime.driver import api
+    from raysplit.runtime.ray import backend as ray_backend
 
     def params(**over):
         final = run_experiment(make_config(tmp_path, mlflow_uri, **{"train.rounds": 1, "runtime.torch_threads": "auto",

@@ -156,12 +156,12 @@ def test_the_page_names_the_machine_kind_it_was_made_on():
 
 
 def test_a_page_made_with_a_narrower_kernel_set_is_checked_with_it_pinned(monkeypatch):
-    """An AVX2 page checked on an AVX-512 CPU runs pinned to AVX2 (torch, oneDNN and MKL: hostspec.KERNEL_ENV), the
+    """An AVX2 page checked on an AVX-512 CPU runs pinned to AVX2 (torch, oneDNN and MKL: devices.KERNEL_ENV), the
     kernel set being what moved the quickstart's first-rounds loss by .034, past its tolerance (docs/reliability.md);
     nothing is pinned for the same or a wider kernel set, nor where the environment already pins one."""
     import torch
 
-    from raysplit.runtime.hostspec import KERNEL_ENV
+    from raysplit.runtime.devices import KERNEL_ENV
 
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
@@ -181,12 +181,12 @@ def test_a_pinned_kernel_set_is_named_as_lowered_in_the_cpu_kind():
     import subprocess
     import sys
 
-    from raysplit.runtime.hostspec import native_capability
+    from raysplit.runtime.devices import native_capability
 
     native = native_capability()
     if native in (None, "DEFAULT"):
         pytest.skip("this CPU has no kernel set wider than the default")
-    code = "from raysplit.runtime.hostspec import cpu_kind; print(cpu_kind())"
+    code = "from raysplit.runtime.devices import cpu_kind; print(cpu_kind())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
                          capture_output=True, text=True, timeout=120).stdout.strip()
     assert out.endswith(f", DEFAULT (lowered from {native})"), out

@@ -93,7 +93,7 @@ def test_nonfinite_loss_stops_naming_round_and_client_and_marks_failed(ray_sessi
 
 
 def test_config_and_data_errors_fail_before_any_actor(tmp_path, mlflow_uri, monkeypatch):
-    import raysplit.runtime.api as api
+    import raysplit.runtime.driver.api as api
 
     def no_actors(*a, **k):
         raise AssertionError("runtime started despite a bad config")
@@ -112,7 +112,7 @@ def test_config_and_data_errors_fail_before_any_actor(tmp_path, mlflow_uri, monk
 
 
 def test_missing_resources_fail_at_once_naming_them(ray_session, tmp_path, mlflow_uri):
-    from raysplit.runtime.ray_backend import ResourceError
+    from raysplit.runtime.ray.backend import ResourceError
 
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.server.num_gpus": 1, "runtime.server.resources":
                                                {"server": 1}, "tracking.experiment": "res"})

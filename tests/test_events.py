@@ -94,7 +94,7 @@ def test_event_order_equals_hand_computation(tmp_path, mlflow_uri):
     plan = dataclasses.replace(p.inputs.plan, events=events)
     p.inputs = dataclasses.replace(p.inputs, plan=plan, profiles=list(profs))
     from raysplit.runtime import Runtime, make_backend
-    from raysplit.runtime.drivers import EventDriver
+    from raysplit.runtime.driver.drivers import EventDriver
 
     rt = Runtime(make_backend(cfg.runtime), p.inputs)
     try:

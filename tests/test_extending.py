@@ -1,7 +1,7 @@
-"""docs/extending.md runs: its code blocks, executed in order, define the page's two methods (SplitFed V1 with
-FedProx's proximal term and its client rule; SplitFed V2 with label smoothing in a server rule's step), and they
-compute what raysplit's own ``sflv1_prox`` and, without smoothing, ``sflv2`` compute, bit for bit, so a page that
-drifts from the code (a missing hook, a missing ``__init__``, a renamed name) fails here."""
+"""docs/extending.md runs: its code blocks, executed in order, define the page's two methods (SplitFed V2 with a
+decaying label smoothing in a server rule's own step; SplitFed V1 with FedProx's proximal term and its client rule),
+and they compute what raysplit's own ``sflv2`` (without smoothing) and ``sflv1_prox`` compute, bit for bit, so a page
+that drifts from the code (a missing hook, a missing ``__init__``, a renamed name) fails here."""
 
 from __future__ import annotations
 
@@ -52,5 +52,6 @@ def test_the_pages_server_rule_method_is_sflv2_without_smoothing_and_differs_wit
     plain = run(tmp_path, "sflv2", {"name": "sflv2"})
     assert run(tmp_path, "eps0", {"name": "sflv2_smooth", "smoothing": 0.0}) == plain  # its step, the plain loss
     smoothed = run(tmp_path, "eps", {"name": "sflv2_smooth", "smoothing": 0.2})
+    assert smoothed["method/smoothing"] == pytest.approx(0.2 * (1 - 1 / 2))  # round 1 of 2: decayed, logged
     assert smoothed["train/loss"] > plain["train/loss"]  # a smoothed target's cross-entropy cannot reach 0
     assert smoothed["eval/accuracy"] != plain["eval/accuracy"] or smoothed["eval/loss"] != plain["eval/loss"]

@@ -30,7 +30,7 @@ def _closed_channel(g):
     """What a compiled port raises in the server actor when client actor ``g``'s channel closes."""
     from ray.exceptions import RayChannelError
 
-    from raysplit.runtime.ray_actors import _channel_closed
+    from raysplit.runtime.ray.actors import _channel_closed
     raise _channel_closed(g, RayChannelError("Channel closed."))
 
 
@@ -272,9 +272,9 @@ def test_a_host_error_caused_by_a_dead_peer_is_an_actor_failure(ray_session):
     actor 1 killed, client actor 0's end of round raised RuntimeError first, and the run failed instead of
     restarting) is reported as the death of that peer, which the guard survives; with every actor alive the host's
     error is raised as it is."""
-    from raysplit.runtime.ray_backend import RayBackend
+    from raysplit.runtime.ray.backend import RayBackend
 
-    from raysplit.runtime.ray_crew import Crew
+    from raysplit.runtime.ray.crew import Crew
 
     b = RayBackend.__new__(RayBackend)
     b.get_timeout = 60.0
@@ -296,7 +296,7 @@ def test_an_actors_death_is_said_in_one_clause_and_its_pending_calls_make_no_noi
     message, and some 85 "Unhandled error ... ActorDiedError" blocks of the dead actor's pending calls."""
     import logging
 
-    from raysplit.runtime.ray_crew import GONE, why_died
+    from raysplit.runtime.ray.crew import GONE, why_died
 
     oom = ("The actor died unexpectedly before finishing this task.\n\tclass_name: HostActor\n\tactor_id: 3f8e01\n"
            "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "

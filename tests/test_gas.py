@@ -115,7 +115,7 @@ def test_gradient_dissimilarity_is_zero_on_the_test_batches_themselves(tmp_path,
         "algorithm": {"name": "gas", "dissimilarity_batches": 3, "buffer_size": 1, "model_buffer_size": 1},
         "eval.batch_size": 100_000})
     from raysplit.data import to_tensor
-    from raysplit.runtime.events import Job
+    from raysplit.runtime.server.events import Job
 
     server.begin_round(0, 0.0)
     server.rule.on_job_start(0, Job(0, 0, 0, 0.0))
@@ -187,7 +187,7 @@ def _state(server, value):
 def test_fedbuff_moves_by_server_lr_times_the_mean_update(tmp_path, mlflow_uri):
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "fedbuff", "buffer_size": 2, "server_lr": 0.5})
     server.global_model.publish(StateMsg(_state(server, 1.0)))
-    from raysplit.runtime.events import Job
+    from raysplit.runtime.server.events import Job
 
     for c in (0, 1):
         server.rule.on_job_start(c, Job(c, server.global_model.version, 0, 0.0))
@@ -199,7 +199,7 @@ def test_fedbuff_moves_by_server_lr_times_the_mean_update(tmp_path, mlflow_uri):
 
 
 def test_ca2fl_calibrates_with_every_clients_cached_update(tmp_path, mlflow_uri):
-    from raysplit.runtime.events import Job
+    from raysplit.runtime.server.events import Job
 
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "ca2fl", "buffer_size": 1})
     n = len(server.plan.events.client_sizes)
@@ -218,7 +218,7 @@ def test_ca2fl_calibrates_with_every_clients_cached_update(tmp_path, mlflow_uri)
 
 
 def test_fedasync_mixes_by_staleness(tmp_path, mlflow_uri):
-    from raysplit.runtime.events import Job
+    from raysplit.runtime.server.events import Job
 
     rt, server = _fl_server(tmp_path, mlflow_uri, {"name": "fedasync", "alpha": 0.5, "staleness_power": 1.0})
     server.global_model.publish(StateMsg(_state(server, 0.0)))  # version 1
@@ -249,7 +249,7 @@ def test_s2fl_groups_balance_labels():
     ({"name": "fedbuff", "buffer_size": 20}, "algorithm.buffer_size=20 exceeds"),
 ])
 def test_bad_gas_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, monkeypatch, algorithm, match):
-    import raysplit.runtime.api as api
+    import raysplit.runtime.driver.api as api
 
     def no_actors(*a, **k):
         raise AssertionError("runtime started despite a bad config")

@@ -100,7 +100,7 @@ def test_pg_bw_and_per_position_on_a_hand_made_history():
 def test_most_confident_model_decides_each_sample():
     x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=np.float32)
     y = np.array([0, 1, 1])
-    from raysplit.runtime.evaluation import ServerEvaluation
+    from raysplit.runtime.server.evaluation import ServerEvaluation
 
     evaluation = ServerEvaluation({"x": x, "y": y}, DataSpec("toy", "float", (2,), 2), 2, torch.device("cpu"),
                                   torch.nn.Identity())
@@ -209,7 +209,7 @@ def test_local_epochs_run_one_full_pass_per_client(tmp_path, mlflow_uri):
 def test_drop_last_skips_each_passes_short_batch():
     """train.drop_last (Hydra's code: DataLoader drop_last=True): a pass over 10 samples at batch 4 is [0, 4),
     [4, 8), then the next pass; 3 samples still give one short batch a pass."""
-    from raysplit.runtime.client_data import advance_cursor
+    from raysplit.runtime.client.data import advance_cursor
 
     def batches(n, drop_last, k=4):
         cur, out = (0, 0), []

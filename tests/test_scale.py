@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers import assert_identical_runs, make_config, run_rounds
-from raysplit.runtime import placement, stepping
+from raysplit.runtime.driver import placement
+from raysplit.runtime.server import stepping
 from raysplit.runtime.spill import SpillStore, nbytes
 
 
@@ -165,7 +166,7 @@ def test_spilled_client_state_changes_nothing_but_memory(tmp_path, mlflow_uri):
             "train.participation": {"fraction": 0.6}, "train.optimizer.momentum": 0.9, "runtime.backend": "local"}
     ref = run_rounds(make_config(tmp_path, mlflow_uri, **over))
     stores = []
-    from raysplit.runtime import client_states as hosts  # where the client host makes its stores
+    from raysplit.runtime.client import states as hosts
 
     orig = hosts.SpillStore
 

@@ -120,7 +120,7 @@ def test_virtual_clock_matches_hand_computation(tmp_path, mlflow_uri):
 
 
 def test_gradient_pairs_by_tag_not_arrival(tmp_path, mlflow_uri):
-    from raysplit.runtime.hosts import ClientHost
+    from raysplit.runtime.client.host import ClientHost
     from raysplit.runtime.messages import Gradient, Tag
 
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.num_workers": 1})
@@ -178,7 +178,7 @@ def test_learning_rate_decays_per_round_on_clients_and_server(tmp_path, mlflow_u
 def test_frozen_gives_only_the_input_gradient_and_restores_each_flag():
     """ServerHost.frozen: inside, a pass yields dL/dx and no parameter gradient; afterwards every parameter's
     requires_grad is what it was (one frozen before stays frozen), also when the block raises."""
-    from raysplit.runtime.trainer import frozen
+    from raysplit.runtime.server.trainer import frozen
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

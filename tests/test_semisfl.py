@@ -194,7 +194,7 @@ def test_client_labels_never_influence_training(tmp_path, mlflow_uri, fmnist_roo
 ])
 def test_bad_semisfl_input_names_the_key_before_any_actor(tmp_path, mlflow_uri, fmnist_root, monkeypatch, over,
                                                          match):
-    import raysplit.runtime.api as api
+    import raysplit.runtime.driver.api as api
 
     def no_actors(*a, **k):
         raise AssertionError("runtime started despite a bad config")

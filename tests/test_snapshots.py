@@ -12,8 +12,8 @@ from raysplit.errors import ActorFailure
 from raysplit.experiment import prepare
 from raysplit.metrics import WALL_CLOCK
 from raysplit.runtime import runtime_for
-from raysplit.runtime.drivers import RoundGuard
-from raysplit.runtime.snapshots import SnapshotStore
+from raysplit.runtime.driver.drivers import RoundGuard
+from raysplit.runtime.driver.snapshots import SnapshotStore
 
 
 def _worker(held, clients, tag):
@@ -87,7 +87,7 @@ def test_a_round_redone_after_it_was_reported_is_reported_once(ray_session, tmp_
     makes the guard redo that round; the caller's ``on_round`` (Tune's report in a sweep) sees every round once,
     with the first report's metrics (found by `make chaos`, run 16: Ampere's last round reported twice)."""
     from raysplit.experiment import run_experiment
-    from raysplit.runtime.drivers import Driver
+    from raysplit.runtime.driver.drivers import Driver
 
     failed = []
     orig = Driver.client_totals

@@ -219,7 +219,7 @@ def test_rounds_are_named_one_way_the_bar_counts_rounds_done(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "sflv2, rounds done" in err and "2/2" in err, err[-1500:]
     from raysplit.errors import ActorFailure
-    from raysplit.runtime.drivers import RoundGuard
+    from raysplit.runtime.driver.drivers import RoundGuard
 
     guard = RoundGuard.__new__(RoundGuard)
     guard.keeper, guard.restarts, guard.max_retries = None, 0, 0

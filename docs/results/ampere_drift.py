@@ -52,7 +52,7 @@ def spied_run(name: str, seed: int, rounds: int):
     from raysplit.config import load_config
     from raysplit.experiment import prepare
     from raysplit.runtime import runtime_for
-    from raysplit.runtime.client_host import ClientHost
+    from raysplit.runtime.client.host import ClientHost
 
     brought: dict[int, dict] = {}
     partial_sum = ClientHost.partial_sum
@@ -89,7 +89,7 @@ def correction_effect(seed: int, at: list[int]) -> list[dict]:
     without the correction from the same state: the global update's relative difference and cosine, and the
     drift of each (module docstring)."""
     from raysplit.runtime import transport
-    from raysplit.runtime.hosts import owned  # copies: in process a state_dict is the hosts' own tensors
+    from raysplit.runtime.state import owned
 
     out, done = [], 0
     with spied_run("sflv1_scaffold", seed, max(at) + 1) as (rt, driver, brought):

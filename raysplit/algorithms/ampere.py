@@ -45,8 +45,7 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from ..data.store import ActivationStore, ShuffledLoader, check_space
 from ..errors import ConfigError
 from ..models.auxiliary import UnsupportedLayer, auxiliary_net
-from ..runtime import ClientRule, ServerRule
-from ..runtime.hosts import EvalTally, predict_batches
+from ..runtime import ClientRule, EvalTally, ServerRule, predict_batches
 from ..runtime.messages import StateMsg, Tag
 
 

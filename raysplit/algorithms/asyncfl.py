@@ -1,7 +1,7 @@
 """Asynchronous federated learning on the event driver: FedBuff, CA2FL and FedAsync, GAS's FL baselines.
 
 Clients hold the whole model; a job is ``train.local_steps`` local SGD batches from the latest global model, then
-the model goes up (runtime/events.py; the same clock, network model and client sampling as GAS). The server keeps
+the model goes up (runtime/server/events.py; the same clock, network model and client sampling as GAS). The server keeps
 the global model each active job started from, so an upload is an update ``delta = x_client - x_start``.
 
 - **FedBuff** (Nguyen et al., AISTATS 2022, "Federated learning with buffered asynchronous aggregation"): the
@@ -26,8 +26,7 @@ import torch
 from pydantic import Field
 
 from .base import AlgorithmParams, AsyncAlgorithm, register
-from ..runtime import AsyncRule
-from ..runtime.events import Job
+from ..runtime import AsyncRule, Job
 from ..runtime.messages import StateMsg
 
 

@@ -8,7 +8,7 @@ An algorithm steers the experiment through a few overridable hooks with defaults
   client's own model persists between rounds (PSL, SGLR, CyclePSL, SplitFedV3);
 - :meth:`Algorithm.eval_modes` and :meth:`Algorithm.evaluate`: how the algorithm is evaluated;
 - :meth:`Algorithm.setup`, :meth:`Algorithm.resolved`, :meth:`Algorithm.host_setup`, :meth:`Algorithm.positions`;
-- :meth:`Algorithm.run_round`: one synchronous round (the :class:`~raysplit.runtime.drivers.RoundDriver` calls
+- :meth:`Algorithm.run_round`: one synchronous round (the :class:`~raysplit.runtime.driver.drivers.RoundDriver` calls
   it); asynchronous algorithms subclass :class:`AsyncAlgorithm` instead (the event driver).
 """
 
@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
 from ..errors import ConfigError
-from ..runtime import AsyncRule, Checkpointed, ClientRule, ServerRule
-from ..runtime.drivers import EventDriver, RoundDriver
+from ..runtime import AsyncRule, Checkpointed, ClientRule, EventDriver, RoundDriver, ServerRule
 
 
 class AlgorithmParams(BaseModel):
@@ -196,7 +195,7 @@ class Algorithm(Checkpointed):
 
 
 class AsyncAlgorithm(Algorithm):
-    """An asynchronous method, run by the :class:`~raysplit.runtime.async_server.EventDriver`: ``M`` =
+    """An asynchronous method, run by the :class:`~raysplit.runtime.server.async_host.EventDriver`: ``M`` =
     ``train.participation`` clients active at a time, each running ``train.local_steps`` iterations from the latest
     global model before it uploads and a newly sampled client takes its slot; a global round (the MLflow step) ends
     when a new global model exists.

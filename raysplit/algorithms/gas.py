@@ -2,7 +2,7 @@
 ../shared/papers/gas.txt; what the authors' code does: ../shared/notes/seed-code.md §1).
 
 M clients train at a time; each runs ``train.local_steps`` split iterations from the latest global client model,
-then uploads its model and a newly sampled client takes its slot (the event driver, runtime/events.py). On the
+then uploads its model and a newly sampled client takes its slot (the event driver, runtime/server/events.py). On the
 server, in simulated-time order (the paper's Algorithm 1):
 
 - **on activation arrival**: the activation joins the activation buffer with its client's recency weight; the

@@ -51,8 +51,7 @@ from pydantic import Field
 from .base import Algorithm, AlgorithmParams, SetupInfo, clients_per_round, register
 from ..clock import FlopCache
 from ..errors import ConfigError
-from ..runtime import ServerRule
-from ..runtime import Batch, batch_step
+from ..runtime import Batch, ServerRule, batch_step
 from ..runtime.messages import Gradient
 
 LABEL_BYTES = 8  # an int64 label travels with every sample

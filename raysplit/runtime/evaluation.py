@@ -12,7 +12,6 @@ from raysplit.data import DataSpec, to_tensor
 from raysplit.models import end_to_end
 
 
-
 class EvalTally:
     """Labels, predictions and summed loss of an evaluation, accumulated batch by batch."""
 
@@ -41,12 +40,11 @@ def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_siz
     return tally
 
 
-
 @torch.no_grad()
 def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of: Callable[[int], dict],
                  cids: list[int], server_state: dict, batch_size: int,
                  device="cpu") -> tuple[np.ndarray, np.ndarray, float]:
-    """Each of ``cids`` that ``data`` (a :class:`~raysplit.runtime.client_data.ClientData`) holds test samples of:
+    """Each of ``cids`` that ``data`` (a :class:`~raysplit.runtime.client.data.ClientData`) holds test samples of:
     its own test split through its own client model (``state_of(cid)``) and the server model ``server_state``;
     ``parts``: fresh (client, server) modules to load them into, run on ``device``."""
     client, server = (m.to(device) for m in parts)
@@ -62,52 +60,3 @@ def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of:
     return tally.result()
 
 
-class ServerEvaluation:
-    """The server's evaluation (a component of the server host; a server rule's ``ctx.evaluation``): the global
-    test set (``test``: ``{"x", "y"}`` as stored), the module a client's model is loaded into to encode it
-    (``client``, a fresh client part; a rule whose clients hold more than the client part installs its own with
-    :meth:`replace_client`) and the one evaluation loop over it (:meth:`predict`). ``encoder()``: the module whose
-    output a client sends (the server rule's ``client_encoder``)."""
-
-    def __init__(self, test: dict, data_spec: DataSpec, batch_size: int, device, client: torch.nn.Module,
-                 encoder: Callable[[], torch.nn.Module] | None = None):
-        self.x, self.y = test["x"], test["y"]
-        self.data_spec, self.batch_size, self.device = data_spec, batch_size, device
-        self.client = client
-        self.encoder = encoder or (lambda: self.client)
-
-    def replace_client(self, module: torch.nn.Module) -> None:
-        """Clients' models are ``module``'s kind (Ampere's device block with its auxiliary net): evaluation and
-        aggregation load them into it."""
-        self.client = module
-
-    def predict(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, np.ndarray, float]:
-        """The global test set through ``logits``: labels, predictions and the summed cross-entropy."""
-        tally = predict_batches(self.x, self.y, self.data_spec, self.batch_size, logits, EvalTally(), self.device)
-        return np.asarray(self.y), tally.result()[1], tally.loss
-
-    @torch.no_grad()
-    def evaluate(self, client_state: dict, server: torch.nn.Module) -> tuple[np.ndarray, np.ndarray, float]:
-        """The client model ``client_state`` (tensors), encoded by :attr:`encoder`, with ``server`` on the global
-        test set (a U-shaped client's tail after the server's middle)."""
-        client, encoder = self.client, self.encoder()
-        client.load_state_dict(client_state)
-        client.eval(), server.eval()
-        out = self.predict(end_to_end(client, server, encoder))
-        server.train()
-        return out
-
-    def encoded(self, client_state, rng: np.random.Generator, batches: int):
-        """``batches`` random test batches (``eval.batch_size`` samples each, fewer where the test set is smaller,
-        drawn by ``rng`` without replacement, in index order) encoded by the client model ``client_state`` (a
-        message) in evaluation mode: ``(features, labels)`` on the server's device, without a graph."""
-        client = self.client
-        client.load_state_dict(client_state.tensors())
-        client.eval()
-        n = len(self.y)
-        for _ in range(batches):
-            idx = np.sort(rng.choice(n, size=min(self.batch_size, n), replace=False))
-            x = to_tensor(np.asarray(self.x[idx]), self.data_spec).to(self.device)
-            with torch.no_grad():
-                feats = client(x)
-            yield feats, torch.as_tensor(np.asarray(self.y)[idx], dtype=torch.long, device=self.device)

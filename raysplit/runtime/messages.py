@@ -127,7 +127,7 @@ STARTS = ("on_arrival", "after_last_arrival")  # when a server step may start: b
 def batch_step(fn: Callable | None = None, *, starts: str) -> Callable:
     """Marks a server step that works on typed batches: the activations it is given (the runtime's wire messages)
     reach it as :class:`Batch` es, tensors on the server's device, each an owned copy (the server host decodes them,
-    :meth:`~raysplit.runtime.server_host.ServerHost.serve`); batches given by another step pass as they are.
+    :meth:`~raysplit.runtime.server.host.ServerHost.serve`); batches given by another step pass as they are.
     ``starts`` says when the step may start on the server's clock: ``"after_last_arrival"``, once the last of its
     batches has arrived (the server waits for it first); ``"on_arrival"``, each batch's work from that batch's own
     arrival on (the trainer charges it from ``Batch.t_sent``: a step over several clients' batches that serves them

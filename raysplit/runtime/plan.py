@@ -98,7 +98,7 @@ class HostPlan:
     method: Method
     privacy: Any = None
     ushape: Any = None
-    events: Any = None  # the event loop's plan (raysplit.runtime.events.EventPlan) of an asynchronous method
+    events: Any = None  # the event loop's plan (raysplit.runtime.server.events.EventPlan) of an asynchronous method
 
     def parts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         """Fresh client and server parts (random init; callers load states): :meth:`ModelFacts.parts`."""

@@ -3,7 +3,7 @@
 A method whose clients do more than plain split learning (FedProx's proximal term, SCAFFOLD's correction,
 Semi-SFL's two views, SplitGP's local loss, PiPar's pipelined clock, Ampere's auxiliary net) gives its
 ``Algorithm.client_rule``, a subclass of :class:`ClientRule` that overrides the hooks it needs. The client host
-(:class:`~raysplit.runtime.client_host.ClientHost`) makes one rule when it is built, from a typed, read-only
+(:class:`~raysplit.runtime.client.host.ClientHost`) makes one rule when it is built, from a typed, read-only
 :class:`~raysplit.runtime.contexts.ClientContext` (``self.ctx``: the config's sections, the method, the client
 host's components), and calls its hooks in this order, which the rule never has to reproduce (no ``super()``
 chain):
@@ -22,7 +22,7 @@ A rule's other public methods are its **calls**: what the method's ``run_round``
 (``rt.workers.<name>(...)``, ``rt.client(cid).<name>(...)``), added to the host's table of calls (a name the host
 already takes is refused when the host is built: nothing shadows anything). ``client_fields`` names the rule's
 per-client mappings that move with a client to another host; ``checkpointed`` the state checkpoints carry
-(:class:`~raysplit.runtime.hostspec.Checkpointed`).
+(:class:`~raysplit.runtime.state.Checkpointed`).
 
 The server side is the same idea: a method's server state, its server steps and its server calls are its
 ``Algorithm.server_rule`` (:class:`ServerRule`; :class:`AsyncRule` for asynchronous methods), built from a
@@ -38,8 +38,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from raysplit.runtime.executor import Backward
-from raysplit.runtime.hostspec import Checkpointed, ModelSlot
+from raysplit.runtime.client.executor import Backward
+from raysplit.runtime.state import Checkpointed, ModelSlot
 from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
 
@@ -105,7 +105,7 @@ class ServerRule(Rule):
 
     A method gives its ``Algorithm.server_rule``, a subclass that keeps the method's own server state (made in
     ``__init__`` from ``self.ctx``) and overrides the hooks it needs; the server host
-    (:class:`~raysplit.runtime.server_host.ServerHost`) makes one rule when it is built and calls the hooks at
+    (:class:`~raysplit.runtime.server.host.ServerHost`) makes one rule when it is built and calls the hooks at
     fixed points, which the rule never has to reproduce (no ``super()`` chain):
 
     - :meth:`on_reset_round` when the host resets its per-round counters, :meth:`on_begin_round` once it has begun
@@ -159,7 +159,7 @@ class ServerRule(Rule):
 
 class AsyncRule(ServerRule):
     """The server rule of an asynchronous method: the hooks the event loop calls in simulated-time order
-    (:mod:`raysplit.runtime.events`), defaulting to plain asynchronous split learning: the server steps on every
+    (:mod:`raysplit.runtime.server.events`), defaulting to plain asynchronous split learning: the server steps on every
     arrival, and the global model is the uniform average of every ``active`` uploads (a full model buffer).
 
     - :meth:`on_job_start`: a client took a slot;
@@ -168,7 +168,7 @@ class AsyncRule(ServerRule):
     - :meth:`on_model_upload`: a client's model arrived; True when a new global model exists
       (``ctx.global_model.publish``).
 
-    The context adds ``global_model`` (:class:`~raysplit.runtime.async_server.GlobalModel`: ``current()``,
+    The context adds ``global_model`` (:class:`~raysplit.runtime.server.async_host.GlobalModel`: ``current()``,
     ``publish(msg)``, ``version``, ``average(msgs, weights)``) and ``events`` (the event loop's plan: ``active``,
     ``local_steps``, ``client_sizes``)."""
 

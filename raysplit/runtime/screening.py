@@ -1,17 +1,41 @@
-"""Input screening: what makes an activation or a gradient unusable (``runtime.faults.on_bad_client``), and the
-server's :class:`Screen` of what arrives."""
+"""What makes input unusable: a non-finite loss (the one rule, :func:`check_finite`), an activation or a gradient
+that does not fit (``runtime.faults.on_bad_client``); the server's screen of what arrives is
+:class:`~raysplit.runtime.server.screen.Screen`."""
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable
 
 import numpy as np
 import torch
 
 from raysplit.runtime import transport
-from raysplit.runtime.hostspec import _bad_input
+from raysplit.errors import BadClientInput
 from raysplit.runtime.messages import Activation, Gradient, Tag
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss became NaN or inf; the message names the round and client."""
+
+
+class NonFiniteInput(NonFiniteLossError, BadClientInput):
+    """A NaN or inf activation or gradient under ``on_bad_client: fail``: a client's fault and, like a non-finite
+    loss, what a diverged run shows (a sweep reports it as diverged, not as a failure to retry)."""
+
+
+def bad_input(where: str, why: str) -> BadClientInput:
+    return (NonFiniteInput if "NaN or inf" in why else BadClientInput)(f"{where}: {why}")
+
+
+def check_finite(loss: float, stop: bool, where: str) -> bool:
+    """True if ``loss`` is finite; otherwise raise (``stop``, i.e. ``train.stop_on_nonfinite``) or return False."""
+    if math.isfinite(loss):
+        return True
+    if stop:
+        raise NonFiniteLossError(f"non-finite loss {loss} at {where}")
+    return False
 
 
 def _nonfinite(a: np.ndarray) -> str:
@@ -64,74 +88,3 @@ def where_of(tag: Tag) -> str:
     return f"client {tag.client}, round {tag.round}, step {tag.step}{stream}"
 
 
-class Screen:
-    """The server's screening of what arrives (``runtime.faults.on_bad_client``): ``dropped`` holds the clients whose
-    activations are withheld (for the round; for their job, under events) and why, ``drops`` this round's drops as
-    "client c, round r, step s: why" (logged)."""
-
-    def __init__(self, plan, encoder: Callable[[], torch.nn.Module], device):
-        self.plan, self.encoder, self.device = plan, encoder, device
-        self.on_bad_client = plan.sections.runtime.faults.on_bad_client
-        self._form: tuple | None = None
-        self._varargs: dict[str, bool] = {}
-        self.dropped: dict[int, str] = {}
-        self.drops: dict[int, str] = {}
-
-    def new_round(self) -> None:
-        self.drops = {}
-        if not self.plan.method.asynchronous:  # under events a client stays dropped until its job ends
-            self.dropped.clear()
-
-    def form(self) -> tuple[tuple, np.dtype]:
-        """Per-sample shape and dtype of what the client part (``encoder()``) sends, probed once on zeros."""
-        if self._form is None:
-            enc = self.encoder()
-            mode = enc.training
-            enc.eval()
-            with torch.no_grad():
-                model = self.plan.model
-                kind = torch.long if model.inputs.kind == "tokens" else torch.float32  # token ids: integers
-                out = transport.pack(enc(torch.zeros((2, *model.input_shape), dtype=kind, device=self.device)))
-            enc.train(mode)
-            self._form = (tuple(out.shape[1:]), out.dtype)
-        return self._form
-
-    def check(self, act: Activation, rnd: int | None) -> str:
-        """'' if ``act`` may be used; otherwise why not (:func:`activation_fault`; ``rnd``: the round it must
-        carry). Under ``on_bad_client: fail`` a fault raises :class:`BadClientInput` naming client, round and step;
-        under ``drop`` the client is dropped and its later activations are withheld too."""
-        c = act.tag.client
-        if c in self.dropped:
-            return self.dropped[c]
-        shape, dtype = self.form()
-        why = activation_fault(act, shape, dtype, self.plan.model.num_classes, rnd, screens_nonfinite(self.plan))
-        if not why:
-            return ""
-        if self.on_bad_client == "fail":
-            raise _bad_input(where_of(act.tag), f"activation rejected by the server: {why}")
-        self.dropped[c] = why
-        self.drops[c] = f"{where_of(act.tag)}: {why}"
-        return why
-
-    def call(self, fn: Callable, args: tuple, kwargs: dict, expected_round: Callable[[Tag], int | None],
-             clock: float):
-        """``fn(*args, **kwargs)`` with the activations among ``args`` checked first. With ``on_bad_client: drop``
-        a rejected activation is answered with an empty gradient marked ``rejected`` (sent at ``clock``) and
-        ``fn`` gets the others; every activation of a rejected client is withheld (its streams are paired). ``fn``
-        returns one gradient per activation: a list when it takes ``*acts``."""
-        pos = [i for i, a in enumerate(args) if isinstance(a, Activation)]
-        bad = {}
-        for i in pos:
-            why = self.check(args[i], expected_round(args[i].tag))
-            if why:
-                bad[args[i].tag.client] = why
-        if not bad:
-            return fn(*args, **kwargs)
-        keep = [a for a in args if not (isinstance(a, Activation) and a.tag.client in bad)]
-        served = iter(fn(*keep, **kwargs) if len(keep) > len(args) - len(pos) else [])
-        grads = [Gradient(args[i].tag, None, clock, rejected=bad[args[i].tag.client])
-                 if args[i].tag.client in bad else next(served) for i in pos]
-        name = fn.__name__
-        if name not in self._varargs:
-            self._varargs[name] = any(q.kind == q.VAR_POSITIONAL for q in inspect.signature(fn).parameters.values())
-        return grads if self._varargs[name] else grads[0]

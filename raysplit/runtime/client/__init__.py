@@ -1,0 +1,1 @@
+"""What runs in a client actor: the client host and its components (raysplit/runtime/__init__.py)."""

@@ -1,0 +1,151 @@
+"""The client host: many virtual clients on one worker (:mod:`raysplit.runtime` says how the rooms fit), an assembly of
+components with a declared table of the calls it accepts from other actors (:attr:`ClientHost.CALLS`, plus its
+rule's own calls):
+
+- ``data`` (:class:`ClientData`): the hosted clients' samples and data cursors;
+- ``meter`` (:class:`CostMeter`): their simulated clocks and counters;
+- ``states`` (:class:`ClientStates`): their models and optimizer states;
+- ``cut`` (:class:`ClientCut`): the privacy plug-ins at the cut; ``tail`` (:class:`ClientTail`): a U-shaped
+  split's tail;
+- ``executor`` (:class:`Executor`): runs the clients' computations on the host's device;
+- ``slots`` (:class:`ClientSlots`): the round's clients, their update, the dropped ones;
+- ``steps`` (:class:`SplitSteps`): the split-learning step; ``pooled`` (:class:`PooledSteps`): several clients' in
+  one call, packed where they may be; ``jobs`` (:class:`LocalJobs`): training on their own;
+  ``transfers`` (:class:`ModelTransfers`): models in and out; ``moves`` (:class:`Moves`): clients moving and
+  checkpoints.
+
+What a method changes around its clients' steps is its client rule (:class:`~raysplit.runtime.rules.ClientRule`),
+built from a :class:`~raysplit.runtime.contexts.ClientContext` over these components, whose hooks the components
+call in the order given there."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raysplit.clock import ClientProfile
+from raysplit.runtime import transport
+from raysplit.runtime.client.data import ClientData
+from raysplit.runtime.client.jobs import LocalJobs
+from raysplit.runtime.client.moves import Moves
+from raysplit.runtime.client.pooled import PooledSteps
+from raysplit.runtime.client.slots import ClientSlots
+from raysplit.runtime.client.states import ClientStates
+from raysplit.runtime.client.steps import SplitSteps
+from raysplit.runtime.client.transfers import ModelTransfers
+from raysplit.runtime.contexts import client_context
+from raysplit.runtime.client.cut import ClientCut, reconstruction_attack
+from raysplit.runtime.evaluation import evaluate_own
+from raysplit.runtime.client.executor import Executor
+from raysplit.runtime.devices import host_device, limit_threads, set_determinism
+from raysplit.runtime.messages import StateMsg
+from raysplit.runtime.client.meter import CostMeter
+from raysplit.runtime.plan import HostPlan, Progress
+from raysplit.runtime.rules import ClientRule, call_table
+from raysplit.runtime.client.tail import ClientTail
+
+
+class ClientHost:
+    """Hosts a set of virtual clients on one worker (``data.train_idx``'s keys: those it holds now), computing on
+    ``runtime.client.device``, built from a :class:`~raysplit.runtime.plan.HostPlan`. Methods give a client rule
+    (``plan.method.client_rule``), made here as ``self.rule``."""
+
+    # what other actors may call: a name, or the component's call it is (a rule adds its own, shadowing none)
+    CALLS = {"begin_round": "begin_round", "end_round": "end_round", "evaluate_clients": "evaluate_clients",
+             "reconstruction": "reconstruction", "forward": "steps.forward", "forward_many": "steps.forward_many",
+             "forward_clients": "pooled.forward_clients", "backward": "steps.backward",
+             "backward_clients": "pooled.backward_clients", "tail_step": "tail.step",
+             "local_train": "jobs.local_train", "local_train_many": "jobs.local_train_many", "join": "jobs.join",
+             "local_job": "jobs.local_job", "leave": "jobs.leave", "partial_sum": "transfers.partial_sum",
+             "set_global": "transfers.install", "get_state": "transfers.send", "load_state": "transfers.receive",
+             "export_clients": "moves.export_clients", "import_clients": "moves.import_clients",
+             "changed_clients": "moves.changed_clients", "state_dict": "moves.state_dict",
+             "load_state_dict": "moves.load_state_dict", "client_totals": "meter.client_totals"}
+
+    def __init__(self, plan: HostPlan, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
+                 test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
+        s, rt = plan.sections, plan.sections.runtime
+        if rt.torch_threads:
+            limit_threads(rt.torch_threads)
+        device = host_device(rt.client.device, "runtime.client.device")
+        set_determinism(rt.deterministic, device)
+        torch.manual_seed(s.seed * 1009 + worker_index)
+        self.plan = plan
+        self.worker_index = worker_index
+        self.progress = Progress()
+        self.changed: set[int] = {int(c) for c in train_idx}  # clients changed since the last changed_clients()
+        self.data = ClientData(data, train_idx, test_idx, plan.model.inputs, batch_size=s.train.batch_size,
+                               seed=s.seed, drop_last=s.train.drop_last, changed=self.changed, device=device)
+        self.meter = CostMeter(profiles, self.data.train_idx, charge_server=s.clock.charge_server,
+                               changed=self.changed)
+        spill = rt.placement
+        self.states = ClientStates(lambda: self.rule.build_module().to(device), transport.unpack_state(init_state),
+                                   s.train.optimizer, persist=plan.method.persist_client_models, device=device,
+                                   state_bytes=int(spill.client_state_mb * 2**20) if spill.client_state_mb else None,
+                                   spill_dir=spill.spill_dir, changed=self.changed)
+        self.cut = ClientCut(plan.privacy)
+        self.executor = Executor(s.seed, device, rt.pack_clients)
+        self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
+                     if plan.ushape is not None else None)  # U-shaped: the labels stay here
+        rule = lambda: self.rule  # noqa: E731 - the components call the rule made last
+        self.slots = ClientSlots(self.data, self.states, self.meter, s.train, self.progress, rule, worker_index)
+        self.transfers = ModelTransfers(self.data, self.states, self.meter, self.slots.dropped)
+        self.steps = SplitSteps(plan, rule, self.slots, self.data, self.meter, self.states, self.executor,
+                                self.cut, self.tail, worker_index)
+        self.pooled = PooledSteps(self.steps)
+        self.jobs = LocalJobs(plan, self.slots, self.data, self.meter, self.states, self.executor, self.cut,
+                              self.transfers, worker_index)
+        self.moves = Moves(lambda: (self.data, self.meter, self.states, self.cut, self.jobs), self.steps, self.slots,
+                           self.data, self.states, self.executor, self.cut, rule, self.changed, worker_index)
+        ctx = client_context(sections=s, model=plan.model, method=plan.method, privacy=plan.privacy,
+                             progress=self.progress, data=self.data, meter=self.meter, states=self.states,
+                             executor=self.executor, cut=self.cut, activate=self.slots.activate,
+                             update=self.slots.update, defend=self.steps.defend)
+        self.rule: ClientRule = (plan.method.client_rule or ClientRule)(ctx)
+        self.calls = call_table(self, self.rule)
+
+    @property
+    def round(self) -> int:
+        return self.progress.round
+
+    @property
+    def job_round(self) -> dict[int, int]:
+        return self.jobs.job_round
+
+    # ---- a round ----------------------------------------------------------------------------------------------
+    def begin_round(self, rnd: int, cids: list[int], t0: float) -> None:
+        self.progress.round = rnd
+        self.slots.dropped.clear()
+        self.meter.start_round(cids, t0)
+
+    def end_round(self) -> dict[int, dict]:
+        steps, dropped = self.steps, self.slots.dropped
+        for tag in [t for t in steps.pending if t.client in dropped]:  # never answered: its tag was forged
+            del steps.pending[tag]
+            self.cut.take_leak(tag)
+        steps.packed.clear()
+        if steps.pending:
+            raise RuntimeError(f"worker {self.worker_index}: round {self.round} ended with activations that never "
+                               f"got a gradient: {sorted(steps.pending)[:5]}")
+        for c in list(self.states.slots):
+            self.slots.release(c)
+        out = self.meter.close_round()
+        for c, row in out.items():
+            row.update(self.cut.round_row(c))
+            if c in dropped:
+                row["drop_reason"] = dropped[c]
+        if self.tail is not None:
+            self.tail.end_round(out)  # the label attack's scores into the clients' rows
+        return out
+
+    # ---- evaluation and the privacy attack -------------------------------------------------------------------
+    def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
+        """Each client's own test split through its own client model and the given server model."""
+        return evaluate_own(self.plan.parts(), self.data, self.states.state_of, cids,
+                            transport.unpack_state(server_state.state), self.plan.sections.eval.batch_size,
+                            self.executor.device)
+
+    def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
+        """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
+        return reconstruction_attack(self.plan.privacy, self.plan.sections.seed, self.data, self.states, self.cut,
+                                     self.executor, self.rule, cids, rnd, global_state)
