@@ -15,9 +15,11 @@ Profiles (``clock.profile``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, Union
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -56,24 +58,60 @@ def gas_cell_rate(distance_km: np.ndarray, bandwidth_hz=1e7, power_w=0.2, n0_w_p
     return bandwidth_hz * np.log2(1.0 + power_w * h / (bandwidth_hz * n0_w_per_hz))
 
 
-def draw_profiles(clock_cfg, num_clients: int, rng: np.random.Generator) -> list[ClientProfile]:
-    """Per-client profiles drawn deterministically from ``rng`` (a ClockConfig-like object)."""
-    n = num_clients
-    if clock_cfg.profile == "homogeneous":
-        f = np.full(n, clock_cfg.client_flops)
-        up = np.full(n, clock_cfg.up_bandwidth)
-        down = np.full(n, clock_cfg.down_bandwidth)
-    elif clock_cfg.profile == "uniform":
-        f = rng.uniform(*clock_cfg.client_flops_range, size=n)
-        up = rng.uniform(*clock_cfg.up_range, size=n)
-        down = rng.uniform(*clock_cfg.down_range, size=n)
-    elif clock_cfg.profile == "gas_cell":
+class ClockProfile(BaseModel):
+    """The ``clock`` section: the server's speed and whether its work costs time (every profile's), and how the
+    clients' speeds are drawn, one model per profile picked by ``profile`` (a key another profile takes is an error
+    naming it). Owned here, with the arithmetic: :meth:`draw` gives every client its :class:`ClientProfile`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    KIND: ClassVar[str] = "clock profile"  # what an error calls the member that ``profile`` picked
+    server_flops: float = Field(default=1e12, gt=0, description="the server's FLOP/s")
+    charge_server: bool = Field(default=True, description="server compute and gradient/model downloads cost "
+                                "simulated time (false: only client compute and uploads, as GAS's code)")
+
+    def draw(self, num_clients: int, rng: np.random.Generator) -> list[ClientProfile]:
+        """Per-client profiles drawn deterministically from ``rng``."""
+        f, up, down = self._draw(num_clients, rng)
+        return [ClientProfile(float(a), float(b), float(c)) for a, b, c in zip(f, up, down)]
+
+    def _draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+
+class HomogeneousClock(ClockProfile):
+    profile: Literal["homogeneous"] = Field(default="homogeneous", description="homogeneous: every client has "
+                                            "client_flops and up/down_bandwidth")
+    client_flops: float = Field(default=1e10, gt=0, description="FLOP/s")
+    up_bandwidth: float = Field(default=1e7, gt=0, description="upload bytes/s")
+    down_bandwidth: float = Field(default=1e7, gt=0, description="download bytes/s")
+
+    def _draw(self, n, rng):
+        return np.full(n, self.client_flops), np.full(n, self.up_bandwidth), np.full(n, self.down_bandwidth)
+
+
+class UniformClock(ClockProfile):
+    profile: Literal["uniform"] = Field(description="uniform: FLOP/s and bandwidths drawn uniformly from ranges")
+    client_flops_range: tuple[float, float] = Field(default=(1e9, 1e10), description="FLOP/s range")
+    up_range: tuple[float, float] = Field(default=(1e6, 1e7), description="upload bytes/s range")
+    down_range: tuple[float, float] = Field(default=(1e6, 1e7), description="download bytes/s range")
+
+    def _draw(self, n, rng):
+        return (rng.uniform(*self.client_flops_range, size=n), rng.uniform(*self.up_range, size=n),
+                rng.uniform(*self.down_range, size=n))
+
+
+class GasCellClock(ClockProfile):
+    profile: Literal["gas_cell"] = Field(description="gas_cell: GAS's cell model (FLOP/s ~ U(1e9, 1e10); the rate "
+                                         "from a distance ~ U(0.1, 1) km, both ways)")
+
+    def _draw(self, n, rng):
         f = rng.uniform(1e9, 1e10, size=n)
         rate_bytes = gas_cell_rate(rng.uniform(0.1, 1.0, size=n)) / 8.0
-        up = down = rate_bytes
-    else:  # pragma: no cover - the config schema forbids it
-        raise ValueError(f"unknown clock.profile {clock_cfg.profile!r}")
-    return [ClientProfile(float(a), float(b), float(c)) for a, b, c in zip(f, up, down)]
+        return f, rate_bytes, rate_bytes
+
+
+CLOCK_PROFILES: tuple[type[ClockProfile], ...] = (HomogeneousClock, UniformClock, GasCellClock)
+ClockConfig = Annotated[Union[CLOCK_PROFILES], Field(discriminator="profile")]  # noqa: UP007
 
 
 class FlopCache:

@@ -22,6 +22,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
 
 from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.algorithms.base import config_error
+from raysplit.clock import ClockConfig, HomogeneousClock
 from raysplit.data.partition import DirichletPartition, PartitionConfig
 from raysplit.errors import ConfigError
 from raysplit.label_privacy import LabelAttackConfig, LabelDefenceConfig, NoLabelAttack, NoLabelDefence
@@ -414,20 +415,6 @@ class RuntimeConfig(_Strict):
         return self
 
 
-class ClockConfig(_Strict):
-    profile: Literal["homogeneous", "uniform", "gas_cell"] = Field(default="homogeneous", description="how client "
-                                                                   "speeds are drawn (raysplit/clock.py)")
-    client_flops: float = Field(default=1e10, gt=0, description="FLOP/s (homogeneous)")
-    client_flops_range: tuple[float, float] = Field(default=(1e9, 1e10), description="FLOP/s range (uniform)")
-    up_bandwidth: float = Field(default=1e7, gt=0, description="bytes/s (homogeneous)")
-    down_bandwidth: float = Field(default=1e7, gt=0, description="bytes/s (homogeneous)")
-    up_range: tuple[float, float] = Field(default=(1e6, 1e7), description="upload bytes/s range (uniform)")
-    down_range: tuple[float, float] = Field(default=(1e6, 1e7), description="download bytes/s range (uniform)")
-    server_flops: float = Field(default=1e12, gt=0, description="the server's FLOP/s")
-    charge_server: bool = Field(default=True, description="server compute and gradient/model downloads cost "
-                                "simulated time (false: only client compute and uploads, as GAS's code)")
-
-
 class PrivacyConfig(_Strict):
     defence: DefenceConfig = Field(default=NoDefence(), description="client-side defence at the cut: kind picks the "
                                    "defence (raysplit list: the defences), the other keys are its own")
@@ -477,8 +464,9 @@ class ExperimentConfig(_Strict):
     train: TrainConfig = Field(default=TrainConfig(), description="rounds, batches, optimizers, sampling")
     eval: EvalConfig = Field(default=EvalConfig(), description="when and how the model is evaluated")
     runtime: RuntimeConfig = Field(default=RuntimeConfig(), description="Ray, actors, transport, faults")
-    clock: ClockConfig = Field(default=ClockConfig(), description="the simulated clock's client and server "
-                                   "speeds")
+    clock: ClockConfig = Field(default=HomogeneousClock(), description="the simulated clock: the server's speed and "
+                               "how the clients' speeds are drawn, one model per profile (raysplit/clock.py): "
+                               "profile picks it, the other keys are its own")
     tracking: TrackingConfig = Field(default=TrackingConfig(), description="MLflow, checkpoints, progress")
     privacy: PrivacyConfig = Field(default=PrivacyConfig(), description="attacks and defences at the cut "
                                    "(raysplit/privacy.py); off by default")
@@ -511,6 +499,13 @@ class ExperimentConfig(_Strict):
             _config_warning(f"runtime.batched_copies is ignored: {name} has no per-client server copies to batch "
                             "(it is algorithm.batched_copies now, for psl, sflv1 and their variants, sglr)")
         return data
+
+    @field_validator("clock", mode="before")
+    @classmethod
+    def _default_profile(cls, v):
+        """A clock section without ``profile`` is the default profile's (homogeneous), as before the section was a
+        union: ``clock.client_flops=...`` alone still works."""
+        return {"profile": "homogeneous", **v} if isinstance(v, dict) and "profile" not in v else v
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -573,14 +568,14 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
 
 
 def tag_key(model: type[BaseModel]) -> str:
-    """The key that picks ``model`` in its discriminated union: ``name`` (partitioners) or ``kind`` (the privacy
-    plug-ins)."""
-    return "name" if "name" in model.model_fields else "kind"
+    """The key that picks ``model`` in its discriminated union: ``name`` (partitioners), ``profile`` (the clock) or
+    ``kind`` (the privacy plug-ins)."""
+    return next((k for k in ("name", "profile") if k in model.model_fields), "kind")
 
 
 def tagged_members(ann: Any) -> dict[str, type[BaseModel]]:
-    """``{tag: model}`` of a discriminated union on ``name`` or ``kind`` (PartitionConfig, DefenceConfig,
-    AttackConfig); empty for anything else."""
+    """``{tag: model}`` of a discriminated union on ``name``, ``profile`` or ``kind`` (PartitionConfig, ClockConfig,
+    DefenceConfig, AttackConfig); empty for anything else."""
     args = typing.get_args(ann)
     if args and typing.get_origin(ann) is Annotated:
         args = typing.get_args(args[0])

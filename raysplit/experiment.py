@@ -17,7 +17,6 @@ import torch
 
 from raysplit.algorithms import SetupInfo, get_algorithm
 from raysplit.algorithms.base import clients_per_round
-from raysplit.clock import draw_profiles
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
@@ -91,7 +90,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
 
     m = clients_per_round(cfg, num_clients)
-    profiles = draw_profiles(cfg.clock, num_clients, np.random.default_rng([cfg.seed, 2]))
+    profiles = cfg.clock.draw(num_clients, np.random.default_rng([cfg.seed, 2]))
     alg.setup(SetupInfo(model=model, cut=cut, counts=counts, num_classes=spec_d.num_classes, seed=cfg.seed,
                         clients_per_round=m, profiles=tuple(profiles)))
     modes = alg.eval_modes()

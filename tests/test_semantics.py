@@ -140,17 +140,17 @@ def test_gradient_pairs_by_tag_not_arrival(tmp_path, mlflow_uri):
 
 
 def test_gas_cell_profile_matches_the_formula():
-    from raysplit.clock import draw_profiles, gas_cell_rate
+    from raysplit.clock import GasCellClock, gas_cell_rate
     from raysplit.config import ClockConfig
 
     # at d = 1 km: PL = 128.1 dB; rate = 1e7 * log2(1 + 0.2 * 10^-12.81 / (1e7 * 3.981e-21))
     expected = 1e7 * np.log2(1 + 0.2 * 10 ** (-12.81) / (1e7 * 3.981e-21))
     assert gas_cell_rate(np.array([1.0]))[0] == pytest.approx(expected)
-    profs = draw_profiles(ClockConfig(profile="gas_cell"), 50, np.random.default_rng(0))
+    profs = GasCellClock(profile="gas_cell").draw(50, np.random.default_rng(0))
     assert all(1e9 <= p.flops <= 1e10 for p in profs)
     lo, hi = gas_cell_rate(np.array([1.0]))[0] / 8, gas_cell_rate(np.array([0.1]))[0] / 8
     assert all(lo <= p.up <= hi for p in profs)
-    again = draw_profiles(ClockConfig(profile="gas_cell"), 50, np.random.default_rng(0))
+    again = GasCellClock(profile="gas_cell").draw(50, np.random.default_rng(0))
     assert profs == again
 
 
