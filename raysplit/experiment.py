@@ -196,7 +196,7 @@ def load_checkpoint_file(path: Path) -> dict:
         allowed.append((obj, name) if name in MOVED_CLASSES else obj)
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, weights_only=True)
+            return torch.load(path, weights_only=True, map_location="cpu")  # each host moves its own to its device
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]})") from None
 

@@ -42,3 +42,13 @@ def copies_backward(modules: list[torch.nn.Module], x: torch.Tensor, y: torch.Te
             for name, buf in m.named_buffers():
                 buf.copy_(buffers[name][i])
     return losses.detach(), x.grad
+
+
+def vmap_refused(e: RuntimeError) -> bool:
+    """Whether ``e`` is vmap refusing a model (a random operation under ``randomness="error"``, data-dependent
+    control flow, an in-place update it cannot batch): the caller then computes one at a time. Any other error (CUDA
+    out of memory, a driver, cuDNN or cuBLAS failure) is not a refusal and must surface, not turn packing off."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    text = str(e)
+    return "vmap" in text or "Batching rule" in text or "functorch" in text

@@ -85,6 +85,45 @@ def set_determinism(want: bool | str, device: torch.device) -> bool:
     return on
 
 
+def determinism_state() -> dict:
+    """This process's kernel settings that :func:`set_determinism` changes, to put back with
+    :func:`restore_determinism` once a run is over (a later run in the process must not inherit them)."""
+    return {"algorithms": torch.are_deterministic_algorithms_enabled(),
+            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic, "cudnn_benchmark": torch.backends.cudnn.benchmark}
+
+
+def restore_determinism(state: dict) -> None:
+    """The settings :func:`determinism_state` read, back in force."""
+    torch.use_deterministic_algorithms(state["algorithms"], warn_only=state["warn_only"])
+    torch.backends.cudnn.deterministic = state["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = state["cudnn_benchmark"]
+
+
+def device_rng_state(device: torch.device):
+    """The random state of ``device``'s generator (a GPU's: what its dropout draws from), None on the CPU (torch's
+    CPU state is saved on its own); a checkpoint carries it so that a restored run draws what the run would have."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_device_rng_state(device: torch.device, state) -> None:
+    if state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+
+
+def counting_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` on the CPU for counting FLOPs and shapes (which its weights do not change): its weights
+    copied, or left uninitialised where it lives on the ``meta`` device (only shapes there). What a cost model runs,
+    so that it never mixes the host's accelerator with tensors it makes itself."""
+    import copy
+    import itertools
+
+    m = copy.deepcopy(module)
+    if any(t.is_meta for t in itertools.chain(m.parameters(), m.buffers())):
+        return m.to_empty(device="cpu")
+    return m.cpu()
+
+
 def machine_cores() -> int:
     """The CPU cores this process may run on (its affinity; all of the machine's where that is not known)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

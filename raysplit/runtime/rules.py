@@ -39,15 +39,19 @@ import numpy as np
 import torch
 
 from raysplit.runtime.client.executor import Backward
-from raysplit.runtime.state import Checkpointed, ModelSlot
+from raysplit.runtime.state import Checkpointed, ModelSlot, to_device
 from raysplit.runtime.messages import Activation, Batch, Gradient, StateMsg, Tag, batch_step
 
 
 class Rule(Checkpointed):
-    """What both kinds of rule share: the context they are built from (``self.ctx``)."""
+    """What both kinds of rule share: the context they are built from (``self.ctx``); restored state's tensors come
+    back to the host's device (a checkpoint holds them on the CPU)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
+
+    def load_own_state(self, saved: dict) -> None:
+        super().load_own_state(to_device(saved, self.ctx.device))
 
 
 class ClientRule(Rule):

@@ -54,6 +54,33 @@ class Checkpointed:
 RESTORES = frozenset({"load_state_dict", "import_clients"})
 
 
+def to_host(value: Any) -> Any:
+    """``value`` with every tensor in its containers (dicts, lists, tuples) on the CPU: what leaves a host for
+    another process (a snapshot for the keeper, which holds no GPU; a checkpoint; clients moving to another actor).
+    Objects with their own pickling (messages) stage their tensors themselves."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value
+        # a meta tensor has no data to copy: its shape and dtype on the CPU
+        return torch.empty_like(value, device="cpu") if value.is_meta else value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_host(v) for v in value)
+    return value
+
+
+def to_device(value: Any, device) -> Any:
+    """:func:`to_host` undone: every tensor in ``value``'s containers on ``device`` (a restored rule's state)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
 def owned(value: Any) -> Any:
     """``value`` as state a host owns: containers rebuilt, every numpy array a writable copy, every tensor a clone.
     State that reaches a host through Ray's object store is deserialized zero-copy, so its numpy arrays are read-only

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, stack_module_state
 
 from raysplit.clock import FlopCache
-from raysplit.runtime.batched import copies_backward
+from raysplit.runtime.batched import copies_backward, vmap_refused
 
 
 @dataclass
@@ -122,6 +122,8 @@ class Executor:
         try:
             losses, _ = copies_backward(modules, torch.stack(xs), torch.stack(ys))
         except RuntimeError as e:
+            if not vmap_refused(e):
+                raise
             self.unpackable = f"{type(e).__name__}: {e}"
             return None
 
@@ -160,6 +162,8 @@ class Executor:
         try:
             out = torch.vmap(one, randomness="error")(params, buffers, torch.stack(xs_in))
         except RuntimeError as e:
+            if not vmap_refused(e):
+                raise
             self.unpackable = f"{type(e).__name__}: {e}"
             return None
         with torch.no_grad():

@@ -9,7 +9,9 @@ import torch
 
 from raysplit.runtime.client.states import clone_state
 from raysplit.runtime.client.meter import Counters
+from raysplit.runtime.devices import device_rng_state, set_device_rng_state
 from raysplit.runtime.spill import StoreView
+from raysplit.runtime.state import to_host
 
 
 class Moves:
@@ -50,7 +52,7 @@ class Moves:
         busy = [int(c) for c in cids if int(c) in self.states.slots]
         if busy:
             raise RuntimeError(f"worker {self.worker_index}: clients {busy[:5]} are being trained; they cannot move")
-        return {int(c): self._fields_of(int(c), take=True) for c in cids if int(c) in self.data}
+        return to_host({int(c): self._fields_of(int(c), take=True) for c in cids if int(c) in self.data})
 
     def import_clients(self, *bundles: dict[int, dict]) -> None:
         """Take clients over from other hosts (``export_clients``' results)."""
@@ -87,10 +89,11 @@ class Moves:
                  for c, sl in self.states.slots.items()}
         held = sorted(self.data.train_idx)
         which = held if clients is None else [int(c) for c in clients if int(c) in self.data]
-        return {"global": self.states.global_state, "held": held,
-                "clients": {c: self._fields_of(c, take=False) for c in which},
-                "torch_rng": torch.get_rng_state(), "slots": slots, "replay": dict(replay),
-                "dropped": dict(self.slots.dropped), "own": self.rule.own_state()}
+        return to_host({"global": self.states.global_state, "held": held,
+                        "clients": {c: self._fields_of(c, take=False) for c in which},
+                        "torch_rng": torch.get_rng_state(), "device_rng": device_rng_state(self.executor.device),
+                        "slots": slots, "replay": dict(replay), "dropped": dict(self.slots.dropped),
+                        "own": self.rule.own_state()})
 
     def load_state_dict(self, st: dict) -> None:
         """Restore :meth:`state_dict`'s result (with every held client's state)."""
@@ -119,4 +122,5 @@ class Moves:
             module.load_state_dict(after, strict=False)
             self.steps.replay[tag] = (idx, buffers)
         torch.set_rng_state(st["torch_rng"])
+        set_device_rng_state(self.executor.device, st.get("device_rng"))
         self.changed.clear()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raysplit.runtime.devices import cpu_kind, host_device_of, machine_cores
+from raysplit.runtime.devices import cpu_kind, determinism_state, host_device_of, machine_cores, restore_determinism
 from raysplit.runtime.driver.api import RuntimeInputs, host_inputs
 from raysplit.runtime.driver.ports import LocalPort
 from raysplit.runtime.server import stepping
@@ -20,6 +20,7 @@ class LocalBackend:
         self.workers: list = []
         self.server = None
         self.threads: int | str | None = None  # the hosts' torch threads, resolved in start()
+        self._kernels: dict | None = None  # this process's kernel settings before the run (the hosts may change them)
 
     def connect(self) -> None:
         pass
@@ -30,6 +31,8 @@ class LocalBackend:
         return {"transport": "in-process", "torch_threads": self.threads, "cpu": cpu_kind(), **devices}
 
     def start(self, inputs: RuntimeInputs) -> None:
+        if self._kernels is None:
+            self._kernels = determinism_state()
         plan = inputs.plan.with_threads(machine_cores())
         self.threads = plan.sections.runtime.torch_threads
         self.server = inputs.server_host(plan, inputs.server_init, inputs.client_init, inputs.test_data,
@@ -73,4 +76,9 @@ class LocalBackend:
         return LocalKeeper()
 
     def shutdown(self) -> None:
+        """The hosts are dropped and the process's kernel settings are put back as they were before the run
+        (``runtime.deterministic`` is set per run: a later run in this process must not inherit it)."""
         self.workers, self.server = [], None
+        if self._kernels is not None:
+            restore_determinism(self._kernels)
+            self._kernels = None

@@ -26,7 +26,7 @@ from raysplit.errors import ActorFailure
 from raysplit.runtime.driver import placement
 from raysplit.runtime.server import stepping
 from raysplit.runtime.state import invoke
-from raysplit.runtime.devices import cpu_kind, host_device_of
+from raysplit.runtime.devices import cpu_kind, determinism_state, host_device_of, restore_determinism
 from raysplit.runtime.messages import Activation, Gradient
 from raysplit.runtime.driver.snapshots import SnapshotStore
 
@@ -146,6 +146,7 @@ class HostActor:
         self._threads = torch.get_num_threads()
         self._blas = {i["prefix"]: i["num_threads"] for i in threadpoolctl.threadpool_info()
                       if i["user_api"] == "blas"}
+        self._kernels = determinism_state()  # set back with the threads for the next run's host
         self._build(host_cls, args, fault)
 
     def _build(self, host_cls, args: tuple, fault: tuple | None) -> None:
@@ -162,6 +163,7 @@ class HostActor:
         self._graphs, self._graph_ids = [], None
         gc.collect()
         torch.set_num_threads(self._threads)
+        restore_determinism(self._kernels)
         if self._blas:
             threadpoolctl.threadpool_limits(self._blas)
         self._build(host_cls, args, fault)

@@ -27,7 +27,6 @@ results; the loop's state pickles with the server host. No Ray here.
 
 from __future__ import annotations
 
-import copy
 import heapq
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from raysplit.clock import ClientProfile
 from raysplit.errors import BadClientInput
 from raysplit.privacy import quantized_nbytes
 from raysplit.runtime.client.data import advance_cursor
+from raysplit.runtime.devices import counting_copy
 from raysplit.runtime.messages import Activation, StateMsg, Tag
 
 ARRIVAL, UPLOAD = "arrival", "upload"
@@ -82,7 +82,7 @@ class ClientCosts:
 
     def __init__(self, client_part: torch.nn.Module, setup: EventPlan, batch_size: int, input_shape: tuple,
                  model_nbytes: int, charge_downloads: bool, act_bits: int | None = None, drop_last: bool = False):
-        self.part = copy.deepcopy(client_part).train()
+        self.part = counting_copy(client_part).train()  # on the CPU, whatever device the server computes on
         self.act_bits = act_bits  # privacy.defence quantize: activations sent at this many bits (privacy.quantize)
         self.setup = setup
         self.batch_size, self.drop_last = batch_size, drop_last

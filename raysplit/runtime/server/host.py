@@ -21,9 +21,10 @@ from raysplit.runtime import transport
 from raysplit.runtime.aggregation import finish_average
 from raysplit.runtime.contexts import server_context
 from raysplit.runtime.server.evaluation import ServerEvaluation
-from raysplit.runtime.state import ModelSlot
+from raysplit.runtime.state import ModelSlot, to_host
 from raysplit.runtime.screening import NonFiniteLossError
-from raysplit.runtime.devices import host_device, limit_threads, set_determinism
+from raysplit.runtime.devices import (device_rng_state, host_device, limit_threads, set_determinism,
+                                      set_device_rng_state)
 from raysplit.runtime.messages import Activation, Batch, StateMsg, Tag, batch_step, step_timing
 from raysplit.runtime.optim import make_optimizer, set_lr
 from raysplit.runtime.plan import HostPlan, Progress
@@ -201,10 +202,12 @@ class ServerHost:
         pass
 
     def state_dict(self) -> dict:
+        """Everything that persists across rounds, on the CPU (a snapshot's keeper holds no GPU; a checkpoint loads
+        anywhere), with the random state of the host's device."""
         st = {"models": self.models.state_dict(), "clock": self.clock, "torch_rng": torch.get_rng_state(),
-              "dropped": dict(self.screen.dropped), "own": self.own_state()}
+              "device_rng": device_rng_state(self.device), "dropped": dict(self.screen.dropped), "own": self.own_state()}
         self.rule.save(st)
-        return st
+        return to_host(st)
 
     def load_state_dict(self, st: dict) -> None:
         self.models.load_state_dict(st["models"])
@@ -213,3 +216,4 @@ class ServerHost:
         self.load_own_state(st.get("own", {}))
         self.rule.restore(st)
         torch.set_rng_state(st["torch_rng"])
+        set_device_rng_state(self.device, st.get("device_rng"))

@@ -137,6 +137,8 @@ class ServerModels:
         try:
             losses, gx = batched.copies_backward(modules, x, y)
         except RuntimeError as e:
+            if not batched.vmap_refused(e):
+                raise
             self.unbatched = f"{type(e).__name__}: {e}"
             warnings.warn(f"algorithm.batched_copies: the server model cannot be batched ({self.unbatched}); its "
                           f"copies step one after another")
