@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 IMPORTS = """
 import time
 t = time.perf_counter(); import torch, ray; t1 = time.perf_counter()
-import raysplit.runtime.ray_actors, raysplit.algorithms; t2 = time.perf_counter()
+import raysplit.runtime.ray.actors, raysplit.algorithms; t2 = time.perf_counter()
 import sys
 before = "torch._dynamo" in sys.modules
 m = torch.nn.Linear(4, 2); m(torch.ones(1, 4)).sum().backward()

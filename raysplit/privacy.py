@@ -143,9 +143,11 @@ def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     dcov2_xy = (a * b).mean()
     dcov2_xx, dcov2_yy = (a * a).mean(), (b * b).mean()
     denom = (dcov2_xx * dcov2_yy).sqrt()
-    if denom <= 0:
-        return torch.zeros((), dtype=torch.float64)
-    return (dcov2_xy.clamp_min(0) / denom).sqrt()
+    # 0 where either is constant, chosen on the device (no read of denom); the other branch kept finite there so
+    # that its gradient, multiplied by zero, stays zero
+    ok = denom > 0
+    value = (dcov2_xy.clamp_min(0) / torch.where(ok, denom, torch.ones_like(denom)) + (~ok).double()).sqrt()
+    return torch.where(ok, value, torch.zeros_like(value))
 
 
 def nopeek_loss(x: torch.Tensor, z: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -219,7 +221,7 @@ def quantize(z: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
         raise ValueError(f"quantize: bits must be in 1..16, got {bits}")
     lo, hi = z.min(), z.max()
     levels = 2 ** bits - 1
-    step = (hi - lo) / levels if hi > lo else torch.ones((), dtype=z.dtype)
+    step = torch.where(hi > lo, (hi - lo) / levels, torch.ones((), dtype=z.dtype, device=z.device))  # no read
     q = torch.round((z - lo) / step).clamp(0, levels)
     return lo + q * step, quantized_nbytes(z.numel(), bits)
 

@@ -8,6 +8,7 @@
 - ``MlflowServer``: a real ``mlflow server`` (optionally MLflow's basic-auth app) on a free port.
 - ``write_fake_fashion_mnist`` / ``write_fake_cifar10``: small datasets in the real file formats; ``Touch``: a
   malicious pickle payload.
+- ``counting_syncs``: counts the calls that make a host wait for a tensor's device, made within the training steps.
 """
 
 from __future__ import annotations
@@ -493,3 +494,117 @@ def contract_violations(source: str, private: set[str]) -> list[str]:
         elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in private:
             out.append(f"line {n.lineno}: overrides private runtime name {n.name}")
     return out
+
+
+# ---- host synchronisation in the step path (issue 70) ----------------------------------------------------------------
+# the calls on a tensor that wait for its device where it is an accelerator: a read of its values into host memory
+SYNCING = ("item", "cpu", "numpy", "tolist", "__float__", "__int__", "__bool__", "__array__")
+# where a tensor's reads are of tensors made in host memory by design, never on a device: the augmentation draws its
+# random crops and cutouts with torch's CPU generator on uint8 images cut from the host's copy of the dataset
+HOST_MEMORY_FILES = ("raysplit/data/augment.py",)
+
+
+class SyncCount:
+    """What :func:`counting_syncs` saw: ``steps`` (client steps taken: the cost meters' ``steps``) and ``syncs``
+    (per ``"call file:line in function"``: the innermost raysplit frame that made it)."""
+
+    def __init__(self):
+        import collections
+
+        self.steps = 0
+        self.syncs = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.syncs.values())
+
+    def per_step(self) -> float:
+        return self.total / max(self.steps, 1)
+
+    def where(self, n: int = 8) -> str:
+        return "; ".join(f"{c} x {k}" for k, c in self.syncs.most_common(n))
+
+
+def counting_syncs():
+    """A context manager counting the synchronising tensor calls (:data:`SYNCING`) made inside a training step:
+    within the server's step loops (``stepping.LOOPS``: the split and pooled steps, every call they make to the
+    hosts), an event loop's arrival (the server's step on it, a flush, the answer) and a client's local step.
+    What a round does around them (its end: deferred checks, tallies; aggregation, evaluation) is not a step, nor
+    is a job's start and end (a client's model arriving and leaving, once a job, within an arrival in process).
+    Calls made from :data:`HOST_MEMORY_FILES` are not counted."""
+    import contextlib
+    import functools
+    import traceback
+
+    import torch
+
+    from raysplit.runtime.client import jobs, meter
+    from raysplit.runtime.server import events, stepping
+
+    @contextlib.contextmanager
+    def run():
+        got, depth = SyncCount(), [0]
+        saved = {n: getattr(torch.Tensor, n) for n in SYNCING}
+        loops = dict(stepping.LOOPS)
+        scoped = {(events.EventLoop, "_arrival"), (jobs.LocalJobs, "_local_step")}
+        unscoped = {(jobs.LocalJobs, "join"), (jobs.LocalJobs, "leave")}
+        saved_methods = {(cls, name): getattr(cls, name) for cls, name in scoped | unscoped}
+        count = meter.CostMeter.count
+
+        def counted(name):
+            real = saved[name]
+
+            @functools.wraps(real)
+            def call(self, *a, **kw):
+                if depth[0]:
+                    frames = [f for f in traceback.extract_stack()[:-1] if "/raysplit/" in f.filename]
+                    if frames:
+                        f = frames[-1]
+                        path = "raysplit/" + f.filename.split("/raysplit/")[-1]
+                        if path not in HOST_MEMORY_FILES:
+                            got.syncs[f"{name} {path}:{f.lineno} in {f.name}"] += 1
+                return real(self, *a, **kw)
+            return call
+
+        def step_scope(fn):
+            @functools.wraps(fn)
+            def inner(*a, **kw):
+                depth[0] += 1
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    depth[0] -= 1
+            return inner
+
+        def job_scope(fn):
+            @functools.wraps(fn)
+            def inner(*a, **kw):
+                outer, depth[0] = depth[0], 0
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    depth[0] = outer
+            return inner
+
+        def count_steps(self, cid, **kw):
+            got.steps += int(kw.get("steps", 0))
+            return count(self, cid, **kw)
+
+        for n in SYNCING:
+            setattr(torch.Tensor, n, counted(n))
+        for k in ("steps", "pooled"):
+            stepping.LOOPS[k] = step_scope(loops[k])
+        for (cls, name), fn in saved_methods.items():
+            setattr(cls, name, (step_scope if (cls, name) in scoped else job_scope)(fn))
+        meter.CostMeter.count = count_steps
+        try:
+            yield got
+        finally:
+            for n, fn in saved.items():
+                setattr(torch.Tensor, n, fn)
+            stepping.LOOPS.update(loops)
+            for (cls, name), fn in saved_methods.items():
+                setattr(cls, name, fn)
+            meter.CostMeter.count = count
+
+    return run()

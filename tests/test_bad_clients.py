@@ -20,11 +20,18 @@ from raysplit.runtime import Runtime, make_backend
 from raysplit.runtime.screening import activation_fault, gradient_fault
 from raysplit.runtime.messages import Activation, Gradient, Tag, batch_step
 
+def _nan_every_7th(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    x.view(-1)[::7] = float("nan")
+    return x
+
+
+# each on the activation as it leaves the client host: in process a tensor (the client's own, handed over: the
+# server's screen reads its values at the round's end under ``fail``, at once under ``drop``), through Ray an array
 CORRUPTIONS = {
-    "nan": lambda m: dataclasses.replace(m, x=np.where(np.arange(m.x.size).reshape(m.x.shape) % 7 == 0, np.nan,
-                                                       m.x).astype(m.x.dtype)),
-    "shape": lambda m: dataclasses.replace(m, x=np.ascontiguousarray(m.x[..., :-1])),
-    "dtype": lambda m: dataclasses.replace(m, x=m.x.astype(np.float64)),
+    "nan": lambda m: dataclasses.replace(m, x=_nan_every_7th(m.x)),
+    "shape": lambda m: dataclasses.replace(m, x=m.x[..., :-1].contiguous()),
+    "dtype": lambda m: dataclasses.replace(m, x=m.x.double()),
     "round": lambda m: dataclasses.replace(m, tag=dataclasses.replace(m.tag, round=m.tag.round - 1)),
     "labels": lambda m: dataclasses.replace(m, y=np.full_like(m.y, 99)),
 }
@@ -97,6 +104,41 @@ def test_each_activation_and_gradient_fault_is_named():
     assert "dtype float64" in gradient_fault(np.zeros((4, 8, 3, 3)), out)
     assert "1 of 288 values" in gradient_fault(np.where(np.eye(1, 288, 7).reshape(4, 8, 3, 3) > 0, np.nan,
                                                         0).astype(np.float32), out)
+    # tensors (handed over in process) are judged alike, by numpy's names for their dtypes
+    t = torch.zeros(4, 8, 3, 3)
+    assert activation_fault(_act(x=t), *form) == "" and gradient_fault(t, out) == ""
+    t[0, 0, 0, 0] = float("inf")
+    assert "1 of 288 values are NaN or inf" in activation_fault(_act(x=t), *form)
+    assert "1 of 288 values" in gradient_fault(t, out)
+    assert "activation dtype float64, expected float32" in activation_fault(_act(x=t.double()), *form)
+    assert "dtype float64, expected (4, 8, 3, 3) and float32" in gradient_fault(t.double(), out)
+
+
+def test_deferred_checks_are_judged_in_order_with_one_read():
+    """The round's checks of device values: judged when settled, in the order made (floats in their place), the
+    first that fails raising; nothing is read before (the values may still change the verdict's inputs)."""
+    from raysplit.runtime.screening import Deferred, check_loss, NonFiniteLossError
+
+    d, seen = Deferred(), []
+    loss = torch.tensor(1.0)
+    check_loss(d, loss, True, "a")
+    d.add(2.5, seen.append)
+    check_loss(d, torch.tensor(float("nan")), True, "round 1, client 2 (step 3)")
+    check_loss(d, torch.tensor(float("inf")), True, "later")
+    loss.fill_(float("nan"))  # read at settle, not when the check was made: this one fails first now
+    with pytest.raises(NonFiniteLossError, match="non-finite loss nan at a"):
+        d.settle()
+    assert d.checks == [] and seen == []
+    check_loss(d, torch.tensor(1.0), True, "a")
+    d.add(torch.tensor(2.5), seen.append)
+    check_loss(d, torch.tensor(float("nan")), True, "round 1, client 2 (step 3)")
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan at round 1, client 2 \(step 3\)"):
+        d.settle()
+    assert seen == [2.5]
+    flagged = []
+    check_loss(d, torch.tensor(float("nan")), False, "x", on_nonfinite=lambda: flagged.append(1))
+    d.settle()  # stop_on_nonfinite off: flagged, no raise
+    assert flagged == [1]
 
 
 @pytest.mark.parametrize("kind,says", [("nan", "values are NaN or inf"),
@@ -169,25 +211,33 @@ def test_a_dropped_client_is_left_out_of_the_aggregate_and_keeps_its_model(tmp_p
 class NaNGradientServer:
     """Mixin: the server's gradient for client 1 at round 0, step 1 is NaN (a corrupt transfer)."""
 
+    as_array = False  # the gradient as it arrives through Ray (an array) instead of the server's tensor
+
     @batch_step(starts="on_arrival")
     def train_step(self, b, key="main"):
         g = super().train_step(b, key)
         if b.tag.client == 1 and b.tag.step == 1 and b.tag.round == 0:
-            return Gradient(g.tag, np.full_like(g.g, np.nan), g.t_sent, g.loss)
+            nan = torch.full_like(g.g, float("nan"))
+            return Gradient(g.tag, nan.numpy() if self.as_array else nan, g.t_sent, g.loss)
         return g
 
 
+@pytest.mark.parametrize("form", ["tensor", "array"])
 @pytest.mark.parametrize("policy", ["fail", "drop"])
-def test_a_corrupt_gradient_is_rejected_by_the_client(tmp_path, mlflow_uri, policy):
+def test_a_corrupt_gradient_is_rejected_by_the_client(tmp_path, mlflow_uri, policy, form):
+    """Under ``fail`` a tensor handed over in process is screened on its device and the run fails at the round's
+    end (its one read), an array that travelled at once; under ``drop`` both at once (the client must decide)."""
     cfg = make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "runtime.faults.on_bad_client": policy})
     p = experiment.prepare(cfg)
-    server = type("Srv", (NaNGradientServer, p.inputs.server_host), {})
+    server = type("Srv", (NaNGradientServer, p.inputs.server_host), {"as_array": form == "array"})
     rt = Runtime(make_backend(cfg.runtime), dataclasses.replace(p.inputs, server_host=server))
     try:
         rt.begin_round(0, [0, 1], 0.0)
         if policy == "fail":
             with pytest.raises(BadClientInput, match=r"client 1, round 0, step 1: rejected by the client: gradient:"):
                 rt.split_steps([0, 1, 0, 1, 1])
+                assert form == "tensor", "an array's values are screened as it arrives"
+                rt.end_round()
             return
         rt.split_steps([0, 1, 0, 1, 1])
         parts = [x for x in rt.workers.partial_sum({0: 1.0, 1: 1.0}) if x is not None]

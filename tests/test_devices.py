@@ -114,7 +114,7 @@ GPU_SHARES = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from helpers import make_config
     from raysplit.experiment import run_experiment
-    from raysplit.runtime.ray_backend import ResourceError
+    from raysplit.errors import ResourceError
     ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     over = {"runtime.address": "auto", "runtime.num_workers": 2, "runtime.client.num_gpus": 0.5,
             "runtime.client.num_cpus": 0.25, "runtime.server.num_cpus": 0.25, "runtime.keep_actors_s": 0,

@@ -42,10 +42,12 @@ def test_interleaved_variants_compute_the_same_bits_on_every_path(ray_session, t
 class RefusingClient(ClientHost):
     """Raises the host's own exception at client 1's second forward, inside a server-driven sequence."""
 
+    CALLS = {**ClientHost.CALLS, "forward": "forward"}  # its own forward, not the steps component's
+
     def forward(self, tag, batch_size=None):
         if tag.client == 1 and tag.step == 1:
             raise LookupError(f"client {tag.client} refuses step {tag.step}")
-        return super().forward(tag, batch_size)
+        return self.steps.forward(tag, batch_size)
 
 
 @pytest.mark.parametrize("transport", ["compiled", "calls"])
@@ -229,8 +231,9 @@ def test_rdt_transport_computes_the_same_bits(ray_session, name):
 
 def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_session):
     """What ``RdtHostActor.call_rdt`` returns is an RDT object, not an object-store copy (a plain ``ray.get`` of a
-    two-sided gloo object is refused), and the actor that takes it as an argument gets the wire format back:
-    numpy arrays with the sent values."""
+    two-sided gloo object is refused), and the actor that takes it as an argument gets the message back holding the
+    received tensor (its own: handed over as in process, never copied to an array) and the labels as an array, with
+    the sent values."""
     import ray
     from ray.experimental.collective import create_collective_group, destroy_collective_group
 
@@ -238,6 +241,10 @@ def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_s
     from raysplit.runtime.ray.actors import RdtHostActor
 
     class Host:  # defined here, so that Ray ships it by value to the actors
+        @property
+        def calls(self):
+            return {"forward": self.forward, "total": self.total}
+
         def forward(self, n):
             return Activation(Tag(3, 0, 0), np.arange(n, dtype=np.float32), np.arange(n) % 10, 1.5)
 
@@ -250,7 +257,7 @@ def test_rdt_hop_is_a_direct_transport_object_the_receiver_reads_as_arrays(ray_s
         ref = a.call_rdt.remote("forward", 1000)
         with pytest.raises(ValueError, match="two-sided"):
             ray.get(ref, timeout=60)
-        assert ray.get(b.call.remote("total", ref), timeout=60) == ("ndarray", "ndarray", 499500.0, 4500,
+        assert ray.get(b.call.remote("total", ref), timeout=60) == ("Tensor", "ndarray", 499500.0, 4500,
                                                                     Tag(3, 0, 0))
     finally:
         destroy_collective_group(group)
@@ -372,7 +379,7 @@ def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlfl
     from mlflow.tracking import MlflowClient
 
     from raysplit.experiment import run_experiment
-    from raysplit.runtime.driver import api
+    from raysplit.runtime.driver import api, local
     from raysplit.runtime.ray import backend as ray_backend
 
     def params(**over):
@@ -387,7 +394,8 @@ def test_auto_threads_reach_the_hosts_and_are_logged(ray_session, tmp_path, mlfl
     got = params(**{"runtime.num_workers": 2, "runtime.transport.kind": "calls"})
     assert got["resolved.torch_threads"] == "6" and "block" in got["resolved.torch_threads_reason"]
     before = torch.get_num_threads()
-    monkeypatch.setattr(api, "machine_cores", lambda: 1)
+    for module in (api, local):  # the logged count and the local hosts' own
+        monkeypatch.setattr(module, "machine_cores", lambda: 1)
     try:
         local = run_experiment(make_config(tmp_path, mlflow_uri, **{"runtime.backend": "local", "train.rounds": 1,
                                                                     "runtime.torch_threads": "auto"}))

@@ -307,6 +307,6 @@ def test_shipped_gas_configs_run_a_round(tmp_path, mlflow_uri, name):
     over.update({"data.dataset": "synthetic", "data.options": {"num_samples": 400, "shape": [1, 28, 28]}})
     cfg = load_config(Path(__file__).parent.parent / f"configs/gas/{name}.yaml", over)
     p = prepare(cfg)
-    assert p.cut_name == "conv2" and p.inputs.spec.clip_grad_norm == 10.0
+    assert p.cut_name == "conv2" and p.inputs.plan.sections.train.clip_grad_norm == 10.0
     final = run_experiment(cfg)
     assert final["method/server_updates"] >= 1 and final["time/sim"] > 0

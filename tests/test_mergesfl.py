@@ -101,7 +101,7 @@ def test_merged_step_dispatches_slices_of_one_concatenated_forward(tmp_path, mlf
         d = len(a.y)
         assert g.tag == a.tag and g.g.shape == a.x.shape
         # the client's slice of the merged gradient times D / d: the gradient of its own batch's mean loss
-        torch.testing.assert_close(torch.from_numpy(g.g), grads[0][lo:lo + d] * (48 / d), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.as_tensor(g.g), grads[0][lo:lo + d] * (48 / d), rtol=1e-5, atol=1e-7)
         lo += d
     lr = cfg.train.optimizer.lr
     for new, old, gr in zip(model.parameters(), before, grads[1:]):  # one SGD step on the merged batch

@@ -39,7 +39,7 @@ WRITE = {"cifar10": lambda r: write_fake_cifar10(r, per_batch=200, test=50),
 # what a config's one round must show beyond accuracy and bytes (these were the checks of test_gas's and
 # test_semisfl's own one-round runs of the same configs, folded in here so that CI runs each config once)
 CHECKS = {
-    "gas/cifar10.yaml": lambda p, out: (p.cut_name == "conv2" and p.inputs.spec.clip_grad_norm == 10.0
+    "gas/cifar10.yaml": lambda p, out: (p.cut_name == "conv2" and p.inputs.plan.sections.train.clip_grad_norm == 10.0
                                         and out["method/server_updates"] >= 1 and out["time/sim"] > 0),
     "semisfl/cifar10.yaml": lambda p, out: out["method/ks"] == 2,
     "semisfl/svhn.yaml": lambda p, out: out["method/ks"] == 2,

@@ -47,6 +47,11 @@ def sglr_shared_gradient(grads: list[np.ndarray], weights: list[float]) -> np.nd
     return (num / den).astype(grads[0].dtype)
 
 
+def host_array(g) -> np.ndarray:
+    """A gradient as a numpy array in host memory (a tensor read from its device)."""
+    return g.detach().cpu().numpy() if isinstance(g, torch.Tensor) else np.asarray(g)
+
+
 def positionwise_mean(grads: list[np.ndarray]) -> np.ndarray:
     """Original SGLR: g_bar[j] = mean over clients of their j-th gradient row (clients with shorter batches only
     count for the rows they have)."""
@@ -88,7 +93,8 @@ class CycleServer(ServerRule):
         """CycleSL's SGLR rule on already computed gradients: the first ``active`` get the shared one."""
         if active < 1:
             return grads
-        shared = sglr_shared_gradient([g.g for g in grads[:active]], weights[:active])
+        # shared in host memory, in float64 as the authors' code does (a read of each active client's gradient)
+        shared = sglr_shared_gradient([host_array(g.g) for g in grads[:active]], weights[:active])
         return self.ctx.trainer.revise(grads, [np.broadcast_to(shared, g.g.shape).copy() for g in grads[:active]])
 
     @batch_step(starts="after_last_arrival")

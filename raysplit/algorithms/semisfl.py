@@ -61,7 +61,7 @@ from ..data.augment import Augmenter
 from ..errors import ConfigError
 from ..losses import FeatureQueue, queue_contrastive_loss
 from ..models.core import ProjectionHead
-from ..runtime import Batch, ClientRule, ServerRule, batch_step
+from ..runtime import Batch, ClientRule, ServerRule, batch_step, read_floats
 from ..runtime.messages import Gradient, StateMsg, Tag
 
 
@@ -342,7 +342,7 @@ class SemiServer(ServerRule):
         def loss_fn(out, _):
             logits, q = out
             ce, labels, mask = pseudo_label_ce(logits, t_logits, p.tau)
-            state["mask"] = float(mask.mean())
+            state["mask"] = mask.mean().detach()
             if not self.cluster_reg:
                 return ce
             return ce + queue_contrastive_loss(q, k, labels, mask, self.queue, p.temperature)
@@ -377,8 +377,11 @@ class SemiServer(ServerRule):
         """The round's K_s step (the schedule decides the next K_s here) and its losses."""
         ctx = self.ctx
         p, h = ctx.params, self.history
-        h["loss_x"].append(float(np.mean(self.round_loss["x"])) if self.round_loss["x"] else float("nan"))
-        h["loss_u"].append(float(np.mean(self.round_loss["u"])) if self.round_loss["u"] else float("nan"))
+        rl = self.round_loss  # the steps' values, on the device until now: read in one go
+        got = iter(read_floats(rl["x"] + rl["u"] + rl["mask"]))
+        rl = {k: [next(got) for _ in rl[k]] for k in ("x", "u", "mask")}
+        h["loss_x"].append(float(np.mean(rl["x"])) if rl["x"] else float("nan"))
+        h["loss_u"].append(float(np.mean(rl["u"])) if rl["u"] else float("nan"))
         h["lr"].append(ctx.trainer.lr())
         h["ks"].append(self.ks)
         used, change, score = self.ks, None, None
@@ -391,7 +394,7 @@ class SemiServer(ServerRule):
                                 p.window)
             self.ks = ks_on_score(self.ks, score, ku, p.alpha, p.beta, share)
         out = {"ks": used, "ks_next": self.ks, "loss_x": h["loss_x"][-1], "loss_u": h["loss_u"][-1],
-               "mask_rate": float(np.mean(self.round_loss["mask"])) if self.round_loss["mask"] else float("nan")}
+               "mask_rate": float(np.mean(rl["mask"])) if rl["mask"] else float("nan")}
         if change is not None:  # logged where the rule decides: the change it compared with rho1 and rho2
             out["ks_loss_change"] = change
         if score is not None:  # the ratio rule's R where it decides (K_s falls at R >= 0.5)
@@ -545,9 +548,9 @@ class SemiFLRule(SemiRule):
                 loss, fl = ctx.executor.run(("semifl", len(idx)), fwd_bwd)
             ctx.update(cid, slot)
             ctx.meter.charge_compute(cid, fl)
-            ctx.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
-            losses.append(loss.item())
-        return float(np.mean(losses))
+            ctx.meter.count(cid, steps=1, loss_sum=loss.detach(), loss_n=1)
+            losses.append(loss.detach())
+        return float(np.mean(read_floats(losses)))
 
 
 class SemiFLServer(ServerRule):

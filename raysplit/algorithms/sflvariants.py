@@ -91,7 +91,7 @@ class SplitGPRule(AuxRule):
     def inputs(self, tag: Tag, idx):
         x, y = self.ctx.data.batch(idx)
         self._labels[tag] = y
-        return x, y.cpu().numpy()
+        return x, self.ctx.data.labels(idx)
 
     def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
         lam = self.ctx.params.lambda_local

@@ -33,6 +33,7 @@ from raysplit.runtime.screening import NonFiniteLossError
 from raysplit.runtime.server.events import Job
 from raysplit.runtime.server.host import ServerHost
 from raysplit.runtime.state import Checkpointed, ModelSlot
+from raysplit.runtime.transport import read_floats
 
 
 def make_backend(rcfg):
@@ -57,4 +58,4 @@ def runtime_for(rcfg, inputs: RuntimeInputs, backend=None) -> Runtime:
 __all__ = ["Activation", "AsyncRule", "Batch", "Checkpointed", "ClientHost", "ClientRule", "EvalTally", "Gradient",
            "EventDriver", "HostCalls", "HostPlan", "Job", "LocalBackend", "Method", "ModelFacts", "ModelSlot", "NonFiniteLossError",
            "RoundDriver", "RoundStats", "Runtime", "RuntimeInputs", "Sections", "ServerHost", "ServerRule", "StateMsg", "Tag",
-           "batch_step", "make_backend", "predict_batches", "runtime_for"]
+           "batch_step", "make_backend", "predict_batches", "read_floats", "runtime_for"]

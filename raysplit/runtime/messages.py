@@ -20,25 +20,40 @@ class Tag:
     stream: str = "main"  # e.g. "student"/"teacher": several feature streams per client step, paired apart
 
 
+class Staged:
+    """A message whose tensor fields (``STAGED``) stay tensors in process and are staged once when the message is
+    pickled to leave it (:func:`~raysplit.runtime.transport.stage`: numpy arrays, a 0-d loss as a float)."""
+
+    STAGED: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:  # what pickling (Ray, a checkpoint, a copy) writes: the fields, staged
+        return {k: (transport.stage(v) if k in self.STAGED else v) for k, v in vars(self).items()}
+
+
 @dataclass
-class Activation:
+class Activation(Staged):
+    """What a client's forward sends: features (the client part's output), labels (empty where they stay on the
+    client), when it reached the server and the client's sample count."""
+
+    STAGED = ("x", "y")
     tag: Tag
-    x: np.ndarray  # smashed data (transport.pack)
-    y: np.ndarray  # labels (int64)
+    x: torch.Tensor | np.ndarray  # smashed data: the sender's detached tensor in process, numpy once it travelled
+    y: torch.Tensor | np.ndarray  # labels (int64)
     t_sent: float  # simulated time at which the activation has reached the server
     weight: float = 1.0  # client's sample count (aggregation / loss weighting)
 
     @property
     def nbytes(self) -> int:
-        return int(self.x.nbytes + self.y.nbytes)
+        return transport.nbytes(self.x) + transport.nbytes(self.y)
 
 
 @dataclass
 class Batch:
     """A client's activation as a server hook sees it (:func:`raysplit.runtime.batch_step`): features and labels
-    as tensors on the server's device, decoded from the wire by the runtime."""
+    as tensors on the server's device. In process the features are the client's own tensor (detached: no copy), so a
+    step must not change them in place; one that travelled is a copy of its own."""
 
-    x: torch.Tensor  # features (an owned copy the step may change)
+    x: torch.Tensor  # features
     y: torch.Tensor  # labels (int64)
     tag: Tag
     t_sent: float  # simulated time at which it reached the server
@@ -50,50 +65,54 @@ class Batch:
 
     @classmethod
     def of(cls, act: "Activation", device) -> "Batch":
-        """An arrived activation as a batch on ``device`` (an owned, writable copy of what came over the wire)."""
-        return cls(transport.unpack(act.x, device, writable=True), torch.as_tensor(np.array(act.y), device=device),
-                   act.tag, act.t_sent, act.weight)
+        """An arrived activation as a batch on ``device``: a tensor handed over as it is, an array that travelled as
+        an owned, writable copy."""
+        return cls(transport.unpack(act.x, device, writable=True), transport.labels(act.y, device), act.tag,
+                   act.t_sent, act.weight)
 
 
 @dataclass
-class Gradient:
+class Gradient(Staged):
+    STAGED = ("g", "loss")
     tag: Tag
-    g: np.ndarray | None  # dL/d(activation); None when the server sends nothing back
+    g: torch.Tensor | np.ndarray | None  # dL/d(activation); None when the server sends nothing back
     t_sent: float  # simulated time at which the server finished and sent it
-    loss: float = float("nan")
+    loss: float | torch.Tensor = float("nan")  # the step's loss (a 0-d tensor in process: read once a round)
     rejected: str = ""  # why the server withheld this client's activation (``runtime.faults.on_bad_client: drop``)
 
     @property
     def nbytes(self) -> int:
-        return int(self.g.nbytes) if self.g is not None else 0
+        return transport.nbytes(self.g) if self.g is not None else 0
 
 
 @dataclass
-class MiddleOut:
+class MiddleOut(Staged):
     """U-shaped split: the server's middle output for the activation of ``tag``, on its way to the client's tail."""
 
+    STAGED = ("z",)
     tag: Tag
-    z: np.ndarray  # the middle's output (transport.pack)
+    z: torch.Tensor | np.ndarray  # the middle's output
     t_sent: float  # simulated time at which the server finished and sent it
 
     @property
     def nbytes(self) -> int:
-        return int(self.z.nbytes)
+        return transport.nbytes(self.z)
 
 
 @dataclass
-class TailGradient:
+class TailGradient(Staged):
     """U-shaped split: the gradient of the client's loss with respect to the middle output of ``tag`` (what the
     client releases, after its label defence), its loss and when it left the client."""
 
+    STAGED = ("g", "loss")
     tag: Tag
-    g: np.ndarray  # transport.pack
+    g: torch.Tensor | np.ndarray
     t_sent: float
-    loss: float
+    loss: float | torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return int(self.g.nbytes)
+        return transport.nbytes(self.g)
 
 
 @dataclass

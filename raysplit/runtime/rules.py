@@ -77,9 +77,8 @@ class ClientRule(Rule):
         return self.ctx.data.draw(tag.client, batch_size)
 
     def inputs(self, tag: Tag, idx: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """Model input and the labels sent with the activation."""
-        x, y = self.ctx.data.batch(idx)
-        return x, y.cpu().numpy()
+        """Model input and the labels sent with the activation (host memory: :meth:`ClientData.labels`)."""
+        return self.ctx.data.features(idx), self.ctx.data.labels(idx)
 
     def encoder(self, tag: Tag, slot: ModelSlot) -> Callable[[torch.Tensor], torch.Tensor]:
         """The module that encodes this forward: the client's model."""

@@ -79,6 +79,18 @@ class ClientData:
         y = torch.as_tensor(np.asarray(self.y[idx]), dtype=torch.long)
         return x, y
 
+    def features(self, idx: np.ndarray) -> torch.Tensor:
+        """The samples ``idx`` as model input (on the host's device)."""
+        if self._on_device is not None:
+            at = torch.as_tensor(np.asarray(idx), dtype=torch.long, device=self.device)
+            return to_tensor(self._on_device[0][at], self.spec)
+        return to_tensor(self.x[idx], self.spec)
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        """The labels of ``idx`` as they are stored, in host memory (int64): what an activation carries. Read from
+        the worker's copy of the dataset, never back from a device."""
+        return np.asarray(self.y[idx], dtype=np.int64)
+
     def forget(self, cid: int | None = None) -> None:
         """Drop the cached permutation of ``cid`` (of every client: None); it is redrawn from the seed on use."""
         if cid is None:

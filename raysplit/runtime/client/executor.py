@@ -24,6 +24,7 @@ from torch.func import functional_call, stack_module_state
 
 from raysplit.clock import FlopCache
 from raysplit.runtime.batched import copies_backward, vmap_refused
+from raysplit.runtime.screening import Deferred
 
 
 @dataclass
@@ -87,6 +88,10 @@ class Executor:
         self.pack = pack is True or (pack == "auto" and device.type != "cpu")
         self.unpackable: str | None = None  # why vmap refused the clients' model (then one client after another)
         self.packed_steps = 0  # client steps that ran packed
+        self.unpacked_steps = 0  # client steps a pack was asked for that ran one at a time (vmap refused the model)
+        # checks of values on the device (the losses' finite check, the gradients' NaN/inf screen), read at the
+        # round's end (ClientHost.end_round): the host's step path never waits on the device
+        self.deferred = Deferred()
 
     @contextlib.contextmanager
     def seeded(self, cid: int, *salt: int):
@@ -115,9 +120,11 @@ class Executor:
         batches of equal shapes): their parameters and buffers stacked and the step vmapped
         (:func:`~raysplit.runtime.batched.copies_backward`); each module's parameters receive its own gradients
         and its buffers their new values, for its own optimizer to step. Returns each client's (loss, FLOPs of its
-        step, counted once per ``key`` on a throwaway copy), or None where vmap refuses the model (random operations
-        such as dropout, data-dependent control flow): remembered, and the caller trains them one at a time."""
+        step, counted once per ``key`` on a throwaway copy; the loss a 0-d tensor, not read), or None where vmap
+        refuses the model (random operations such as dropout, data-dependent control flow): remembered, and the
+        caller trains them one at a time (counted in ``unpacked_steps``)."""
         if self.unpackable is not None:
+            self.unpacked_steps += len(modules)
             return None
         try:
             losses, _ = copies_backward(modules, torch.stack(xs), torch.stack(ys))
@@ -125,6 +132,7 @@ class Executor:
             if not vmap_refused(e):
                 raise
             self.unpackable = f"{type(e).__name__}: {e}"
+            self.unpacked_steps += len(modules)
             return None
 
         def one():
@@ -132,7 +140,8 @@ class Executor:
 
         fl = self.flops.count(key, one)
         self.packed_steps += len(modules)
-        return [(float(lv), fl) for lv in losses.tolist()]
+        losses = losses.detach()
+        return [(losses[i], fl) for i in range(len(modules))]
 
     def forward_together(self, modules: list[torch.nn.Module],
                          xs: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int]], Packed] | None:
@@ -146,6 +155,7 @@ class Executor:
         waits for their gradients; None where vmap refuses the model (remembered: the caller forwards them one at a
         time)."""
         if self.unpackable is not None:
+            self.unpacked_steps += len(modules)
             return None
         params, buffers = stack_module_state(modules)
         base = modules[0]  # functional_call swaps the stacked tensors in for the call and restores base's own
@@ -165,6 +175,7 @@ class Executor:
             if not vmap_refused(e):
                 raise
             self.unpackable = f"{type(e).__name__}: {e}"
+            self.unpacked_steps += len(modules)
             return None
         with torch.no_grad():
             for i, m in enumerate(modules):

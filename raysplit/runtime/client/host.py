@@ -116,9 +116,13 @@ class ClientHost:
     def begin_round(self, rnd: int, cids: list[int], t0: float) -> None:
         self.progress.round = rnd
         self.slots.dropped.clear()
+        self.executor.deferred.clear()
         self.meter.start_round(cids, t0)
 
     def end_round(self) -> dict[int, dict]:
+        """The round's rows per hosted client; first its deferred checks (the gradients' screen and the local
+        losses' finite checks, in the order they were made): the one read of the device a round."""
+        self.executor.deferred.settle()
         steps, dropped = self.steps, self.slots.dropped
         for tag in [t for t in steps.pending if t.client in dropped]:  # never answered: its tag was forged
             del steps.pending[tag]

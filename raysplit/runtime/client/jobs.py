@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from raysplit.runtime import transport
 from raysplit.runtime.state import ModelSlot
-from raysplit.runtime.screening import check_finite
+from raysplit.runtime.screening import Deferred, check_loss
 from raysplit.runtime.messages import StateMsg
 
 
@@ -32,10 +32,11 @@ class LocalJobs:
         return self.slots.progress.round
 
     def local_train(self, cid: int, steps: int) -> float:
-        """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss."""
+        """Plain local SGD of the hosted part on the client's data (FedAvg); returns the mean loss (the call's one
+        read of the device: a step's loss stays there, checked at the round's end)."""
         slot = self.slots.activate(cid)
         with self.executor.seeded(cid, 1, self.round):
-            return float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
+            return mean_loss([self._local_step(cid, slot) for _ in range(steps)])
 
     def local_train_many(self, steps: dict[int, int]) -> dict[int, float]:
         """:meth:`local_train` for each client of ``steps`` this host holds (``steps[c]`` batches); returns each
@@ -50,7 +51,7 @@ class LocalJobs:
         if not self.executor.pack or len(mine) < 2:
             return {c: self.local_train(c, steps[c]) for c in mine}
         slots = {c: self.slots.activate(c) for c in mine}
-        losses: dict[int, list[float]] = {c: [] for c in mine}
+        losses: dict[int, list] = {c: [] for c in mine}
         for s in range(max(steps[c] for c in mine)):
             batch = {c: self.data.batch(self.data.draw(c)) for c in mine if s < steps[c]}
             shapes: dict[tuple, list[int]] = {}
@@ -66,14 +67,15 @@ class LocalJobs:
                             losses[c].append(self._local_step(c, slots[c], batch[c]))
                         continue
                     lv, fl = done[i]
-                    check_finite(lv, self.stop_on_nonfinite, f"round {self.round}, client {c}")
+                    check_loss(self.executor.deferred, lv, self.stop_on_nonfinite, f"round {self.round}, client {c}")
                     self.slots.update(c, slots[c])
                     self.meter.charge_compute(c, fl)
                     self.meter.count(c, steps=1, loss_sum=lv, loss_n=1)
                     losses[c].append(lv)
-        return {c: float(np.mean(v)) for c, v in losses.items()}
+        return dict(zip(losses, mean_losses(list(losses.values()))))
 
-    def _local_step(self, cid: int, slot: ModelSlot, batch: tuple | None = None) -> float:
+    def _local_step(self, cid: int, slot: ModelSlot, batch: tuple | None = None, deferred: Deferred | None = None):
+        """One local SGD step; its loss (a 0-d tensor), checked with ``deferred`` (default: the round's)."""
         x, y = batch if batch is not None else self.data.batch(self.data.draw(cid))
 
         def fwd_bwd():
@@ -83,11 +85,13 @@ class LocalJobs:
             return loss
 
         loss, fl = self.executor.run(("train", tuple(x.shape)), fwd_bwd)
-        check_finite(loss.item(), self.stop_on_nonfinite, f"round {self.round}, client {cid}")
+        loss = loss.detach()
+        check_loss(deferred or self.executor.deferred, loss, self.stop_on_nonfinite,
+                   f"round {self.round}, client {cid}")
         self.slots.update(cid, slot)
         self.meter.charge_compute(cid, fl)
-        self.meter.count(cid, steps=1, loss_sum=loss.item(), loss_n=1)
-        return loss.item()
+        self.meter.count(cid, steps=1, loss_sum=loss, loss_n=1)
+        return loss
 
 
     def join(self, cid: int, msg: StateMsg, t0: float, rnd: int) -> float:
@@ -106,12 +110,17 @@ class LocalJobs:
     def local_job(self, cid: int, steps: int) -> float:
         """``steps`` local SGD batches of the client's whole part (asynchronous FL); returns the mean loss."""
         slot = self.states.slots[cid]
+        checks = Deferred()  # a job has no round's end: its losses are checked as it ends
         with self.executor.seeded(cid, 1, self.job_round.get(cid, 0)):
-            self.job_loss[cid] = float(np.mean([self._local_step(cid, slot) for _ in range(steps)]))
+            losses = [self._local_step(cid, slot, deferred=checks) for _ in range(steps)]
+        checks.settle()
+        self.job_loss[cid] = mean_loss(losses)
         return self.job_loss[cid]
 
     def leave(self, cid: int) -> StateMsg:
-        """The client uploads its model (upload charged) and frees its slot."""
+        """The client uploads its model (upload charged) and frees its slot; the host's deferred checks are judged
+        first (a job has no round's end)."""
+        self.executor.deferred.settle()
         msg = self.transfers.send(cid)
         msg.state = {k: np.array(v, copy=True) for k, v in msg.state.items()}  # the slot's module is reused
         msg.loss = self.job_loss.pop(cid, float("nan"))
@@ -120,3 +129,18 @@ class LocalJobs:
             msg.epsilon = self.cut.epsilon(cid)
         self.slots.release(cid, keep_weights=False)
         return msg
+
+
+def mean_losses(groups: list[list]) -> list[float]:
+    """The mean of each group of losses (0-d tensors or floats), in one read of the device: each the mean of the
+    losses as floats, as :func:`numpy.mean` takes it."""
+    flat = transport.read_floats([v for g in groups for v in g])
+    out, at = [], 0
+    for g in groups:
+        out.append(float(np.mean(flat[at:at + len(g)])))
+        at += len(g)
+    return out
+
+
+def mean_loss(losses: list) -> float:
+    return mean_losses([losses])[0]

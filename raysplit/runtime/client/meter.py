@@ -6,18 +6,37 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+
 from raysplit.clock import ClientProfile
+from raysplit.runtime import transport
 
 
 class Counters:
-    """Named sums (``add(steps=1, flops=...)``); ``v`` holds them."""
+    """Named sums (``add(steps=1, flops=...)``); ``v`` holds them. A 0-d tensor added (a loss on the device) waits,
+    with whatever is added to its name after it, until :func:`settle` reads every waiting value at once; the sums
+    are then made in the order of the adds, as if each had been a float."""
 
     def __init__(self):
         self.v = defaultdict(float)
+        self.waiting: dict[str, list] = {}
 
     def add(self, **kw):
         for k, x in kw.items():
-            self.v[k] += x
+            if k in self.waiting or isinstance(x, torch.Tensor):
+                self.waiting.setdefault(k, []).append(x)
+            else:
+                self.v[k] += x
+
+
+def settle(counters) -> None:
+    """The waiting values of ``counters`` read (one read of the device) and summed in order."""
+    counters = [c for c in counters if c.waiting]
+    items = [(c, k, x) for c in counters for k, xs in c.waiting.items() for x in xs]
+    for (c, k, _), v in zip(items, transport.read_floats([x for _, _, x in items])):
+        c.v[k] += v
+    for c in counters:
+        c.waiting = {}
 
 
 class CostMeter:
@@ -68,8 +87,13 @@ class CostMeter:
         self.round_stats[cid].add(**kw)
 
     def counted(self, cid: int, name: str) -> float:
-        """Client ``cid``'s counter ``name`` so far this round."""
-        return self.round_stats[cid].v.get(name, 0.0) if cid in self.round_stats else 0.0
+        """Client ``cid``'s counter ``name`` so far this round (a read of the device if values of it wait)."""
+        if cid not in self.round_stats:
+            return 0.0
+        cnt = self.round_stats[cid]
+        if name in cnt.waiting:
+            settle([cnt])
+        return cnt.v.get(name, 0.0)
 
     def charge_compute(self, cid: int, flops: float) -> float:
         self.changed.add(cid)
@@ -104,6 +128,7 @@ class CostMeter:
         """This round's counters per client that took part, with ``t_end`` (its clock); added to its totals."""
         out = {}
         self.changed.update(self.round_stats)
+        settle(self.round_stats.values())
         for c, cnt in self.round_stats.items():
             out[c] = dict(cnt.v, t_end=self.clock[c])
             self.totals[c].add(**cnt.v, rounds=1)

@@ -101,6 +101,7 @@ class Moves:
             raise ValueError(f"worker {self.worker_index}: state of clients {sorted(st['clients'])[:5]}... does "
                              f"not match the held clients {st['held'][:5]}...")
         self.states.global_state = st["global"]
+        self.executor.deferred.clear()
         for name, owner in self._books().items():
             getattr(owner, name).clear()
         self.data.forget()

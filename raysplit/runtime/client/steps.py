@@ -13,7 +13,8 @@ from raysplit.runtime import transport
 from raysplit.runtime.client.executor import Forward
 from raysplit.runtime.screening import bad_input
 from raysplit.runtime.messages import Activation, Gradient, Tag
-from raysplit.runtime.screening import gradient_fault, screens_nonfinite, where_of
+from raysplit.runtime.screening import (GRADIENT, defer_nonfinite, gradient_form_fault, nonfinite_count, nonfinite_words,
+                                        screens_nonfinite, where_of)
 
 
 class SplitSteps:
@@ -65,9 +66,9 @@ class SplitSteps:
             out, nbytes = self.defend(tag, x, out)
         self.pending[tag] = out
         self.meter.charge_compute(cid, fl)
-        msg = Activation(tag, transport.pack(out), y, 0.0, float(self.data.size(cid)))
-        msg.t_sent = self.meter.charge_upload(cid, msg.nbytes if nbytes is None else nbytes + msg.y.nbytes,
-                                              "activations")
+        msg = Activation(tag, out.detach(), y, 0.0, float(self.data.size(cid)))  # staged only if it leaves
+        msg.t_sent = self.meter.charge_upload(cid, msg.nbytes if nbytes is None else
+                                              nbytes + transport.nbytes(msg.y), "activations")
         self.rule.after_forward(tag, t_start, msg)
         return msg
 
@@ -114,7 +115,7 @@ class SplitSteps:
         self.meter.count(cid, steps=1)
         why = grad.rejected
         if not why and grad.g is not None:
-            why = gradient_fault(grad.g, out, self.screens_nonfinite)
+            why = self.screen(tag, grad.g, out)
         if why and not grad.rejected:
             if self.on_bad_client == "fail":
                 raise bad_input(where_of(tag), f"rejected by the client: {why}")
@@ -126,6 +127,24 @@ class SplitSteps:
         if grad.g is None or cid in self.slots.dropped:
             return None
         return slot, out, transport.unpack(grad.g, self.executor.device)
+
+    def screen(self, tag: Tag, g, out: torch.Tensor) -> str:
+        """What is wrong with the gradient ``g`` for the activation ``out`` ('' if nothing): its form now; its
+        values (NaN or inf) now where the client must decide (``on_bad_client: drop``) or where they are host
+        memory (a gradient that travelled), else counted on the device and judged with the executor's deferred
+        checks (at the round's end; under the event driver, at the end of the client's job), failing the run
+        naming the same client, round and step."""
+        why = gradient_form_fault(g, out)
+        if why or not self.screens_nonfinite:
+            return why
+        if isinstance(g, torch.Tensor) and self.on_bad_client == "fail":
+            defer_nonfinite(self.executor.deferred, g, "gradient",
+                            lambda w: bad_input(where_of(tag), f"rejected by the client: {w}"),
+                            (tag.round, tag.step, GRADIENT))
+            return ""
+        bad = int(nonfinite_count(g))
+        size = g.nelement() if isinstance(g, torch.Tensor) else int(g.size)
+        return "gradient: " + nonfinite_words(bad, size) if bad else ""
 
     def _apply(self, grad: Gradient) -> float:
         tag, cid = grad.tag, grad.tag.client

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from raysplit.label_privacy import UShapeSpec, defend_gradient, leak_scores
 from raysplit.runtime import transport
-from raysplit.runtime.screening import check_finite
+from raysplit.runtime.screening import TAIL_LOSS, check_loss
 from raysplit.runtime.messages import Activation, Batch, Gradient, MiddleOut, Tag, TailGradient
 from raysplit.runtime.server.stepping import USHAPED
 
@@ -43,13 +43,16 @@ class ClientTail:
     def __init__(self, spec: UShapeSpec, executor, states, meter, stop_on_nonfinite: bool):
         self.spec, self.executor, self.states, self.meter = spec, executor, states, meter
         self.stop_on_nonfinite = stop_on_nonfinite
-        self.labels: dict[Tag, torch.Tensor] = {}  # the labels of forwards whose middle output has not come yet
-        self.released: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # per client: (rows, labels) this round
+        # the labels of forwards whose middle output has not come yet: on the device and as host memory
+        self.labels: dict[Tag, tuple[torch.Tensor, np.ndarray]] = {}
+        # per client: what it released this round (on the device until the round's end) and the labels
+        self.released: dict[int, list[tuple[torch.Tensor, np.ndarray]]] = {}
 
     def keep(self, tag: Tag, y: np.ndarray) -> np.ndarray:
         """The labels of the forward of ``tag`` stay here; what travels in their place (an empty array)."""
-        self.labels[tag] = torch.as_tensor(np.asarray(y), device=self.executor.device)
-        return np.asarray(y)[:0]
+        y = np.asarray(y)
+        self.labels[tag] = (torch.as_tensor(y, device=self.executor.device), y)
+        return y[:0]
 
     def step(self, msg: MiddleOut | Gradient) -> TailGradient | Gradient:
         """The tail and the loss on the middle's output for one forward; the gradient returned to the server. A
@@ -57,7 +60,7 @@ class ClientTail:
         if not isinstance(msg, MiddleOut):
             return msg
         tag, cid, meter, executor = msg.tag, msg.tag.client, self.meter, self.executor
-        y = self.labels.pop(tag)
+        y, y_host = self.labels.pop(tag)
         slot = self.states.slots[cid]
         meter.charge_download(cid, msg.nbytes, msg.t_sent, "middle")
         z = transport.unpack(msg.z, executor.device, writable=True).requires_grad_(True)
@@ -71,21 +74,22 @@ class ClientTail:
         with executor.seeded(cid, 4, tag.round, tag.step, zlib.crc32(tag.stream.encode())):
             loss, fl = executor.run(("tail", tuple(z.shape)), tail)
             g = defend_gradient(z.grad, self.spec.defence)
-        lv = float(loss.item())
-        check_finite(lv, self.stop_on_nonfinite, f"round {tag.round}, client {cid} (step {tag.step})")
+        lv = loss.detach()
+        check_loss(executor.deferred, lv, self.stop_on_nonfinite,
+                   f"round {tag.round}, client {cid} (step {tag.step})", order=(tag.round, tag.step, TAIL_LOSS))
         meter.charge_compute(cid, fl)
         meter.count(cid, loss_sum=lv, loss_n=1)
-        packed = transport.pack(g)
+        g = g.detach()
         if self.spec.scored:
-            self.released.setdefault(cid, []).append((packed.reshape(len(packed), -1), y.cpu().numpy()))
-        return TailGradient(tag, packed, meter.charge_upload(cid, packed.nbytes, "tail_gradients"), lv)
+            self.released.setdefault(cid, []).append((g, y_host))
+        return TailGradient(tag, g, meter.charge_upload(cid, transport.nbytes(g), "tail_gradients"), lv)
 
     def end_round(self, rows: dict[int, dict]) -> None:
         """The round is over: each scored client's row (``rows[c]``) gets the label attack's scores of what it
         released this round (``label_auc_norm``, ...); what was kept for the round goes."""
         for cid, got in self.released.items():
-            scores = leak_scores(np.concatenate([g for g, _ in got]), np.concatenate([y for _, y in got]),
-                                 self.spec.num_classes)
+            released = np.concatenate([transport.pack(g).reshape(len(g), -1) for g, _ in got])
+            scores = leak_scores(released, np.concatenate([y for _, y in got]), self.spec.num_classes)
             rows.setdefault(cid, {}).update({f"label_{k}": v for k, v in scores.items()})
         self.labels.clear()  # a forward the server withheld never got its middle output
         self.released.clear()

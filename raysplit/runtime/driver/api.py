@@ -128,10 +128,16 @@ class Runtime:
         self.workers.begin_round(rnd, self._clients, t0)
 
     def end_round(self) -> RoundStats:
-        b = self.backend
-        server_ref = self.server.end_round()
-        refs = self.workers.end_round()
-        server = b.get(server_ref)  # the server's error (e.g. a non-finite loss) is the root cause: first
+        """The round's numbers from every host, each judging its deferred checks first (:func:`earliest_failure`)."""
+        b, server_ref, refs = self.backend, None, None
+        try:
+            server_ref = self.server.end_round()  # in process the call itself raises
+            refs = self.workers.end_round()
+            server = b.get(server_ref)
+        except Exception as e:
+            if server_ref is not None and refs is None:  # a client host's own, in process
+                raise
+            raise earliest_failure(self, e, refs) from None
         clients = merged(b.get(refs))
         b.round_done()
         t_end = max([server["t_end"]] + [c["t_end"] for c in clients.values()] + [self._t0])
@@ -149,17 +155,12 @@ class Runtime:
     def split_steps(self, seq: list, keys: dict | None = None, method: Callable = ServerHost.train_step,
                     batch_size: int | None = None) -> None:
         """One split step per entry of ``seq`` in serving order: a client id, or ``(client, stream)`` when a
-        client sends several feature streams (each step's tag carries its stream end to end). A client may appear
-        any number of times, consecutively or interleaved with others. Per step the client forwards a batch, the
-        server runs the step ``method(activation, key)`` (``keys[c]``, default ``"main"``; a method of the server
-        host or of the server rule, by reference: :func:`calls.step_name`) and the client applies the
-        gradient. Every (client, stream)'s first forward is submitted at once, so they run in parallel on the
-        client workers; a client's next forward goes together with its backward, so it is ready by its next turn.
-
-        Where the backend offers it (in process; Ray with ``runtime.transport.direct_steps``), the sequence is one
-        call to the server, which runs :func:`stepping.run_split_steps` and calls the client hosts itself: the driver is
-        off the per-step path. Hosts run the same calls in the same order as the driver-chained loop below, so
-        results are bit-identical (tests/test_direct_steps.py)."""
+        client sends several feature streams; a client may appear any number of times, interleaved with others.
+        Per step the client forwards a batch, the server runs ``method(activation, key)`` (``keys[c]``, default
+        ``"main"``; a server host's or rule's method, by reference: :func:`calls.step_name`) and the client applies
+        the gradient. Where the backend offers it (in process; Ray with ``runtime.transport.direct_steps``) the
+        sequence is one call to the server, which runs :func:`stepping.run_split_steps` and calls the client hosts
+        itself; otherwise the same loop chained through the driver, bit-identical (tests/test_direct_steps.py)."""
         method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.plan.ushape)
         plan = stepping.plan_steps(seq, self.round, keys or {})
         route = self.route([s.client for s in plan])
@@ -171,11 +172,10 @@ class Runtime:
     def pooled_steps(self, clients: list[int], steps: int | dict[int, int], method: Callable,
                      streams: tuple[str, ...] = ("main",), batch_sizes: dict | None = None) -> None:
         """Pooled steps of the round's ``clients`` (``steps``: a count for all, or per client; client ``c`` takes
-        part in steps ``0 .. steps[c] - 1``): per step each client forwards one batch per stream, the server
-        method receives all activations at once (clients in order, streams in order within a client) and returns
-        one gradient per activation (CycleSL-style pooling, MiniBatch-SFL's groups, Semi-SFL's two streams,
-        batched server copies). Server-driven (``stepping.run_pooled_steps``) where the backend offers it, otherwise
-        the same loop chained through the driver (:class:`DriverPort`)."""
+        part in steps ``0 .. steps[c] - 1``): per step each client forwards one batch per stream, the server method
+        receives all activations at once (clients in order, streams in order within a client) and returns one
+        gradient per activation (CycleSL's pooling, MiniBatch-SFL's groups, Semi-SFL's two streams, batched server
+        copies); server-driven (``stepping.run_pooled_steps``) or chained through the driver (:class:`DriverPort`)."""
         method = step_name(method, self.inputs.server_host, self.server_rule, self.inputs.plan.ushape, pooled=True)
         clients = [int(c) for c in clients]
         sizes = {c: (batch_sizes or {}).get(c) for c in clients}
@@ -274,6 +274,25 @@ class Runtime:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+def earliest_failure(rt: Runtime, e: Exception, refs) -> Exception:
+    """What a failed round end raises. Each host judges its deferred checks at the round's end (the values read
+    from its device once a round: :class:`~raysplit.runtime.screening.Deferred`); where the server's failed
+    (``e``), the clients' are judged too (``refs``: their end_round calls, if made) and the failure made earliest
+    in the round is raised, by its ``order`` (:func:`~raysplit.runtime.screening.ordered`): a gradient that broke
+    a client at step s, say, before the server screened that client's activation of step s + 1. Any other error
+    of the server is the root cause itself."""
+    order = getattr(e, "order", None)
+    if order is None:
+        return e
+    try:
+        rt.backend.get(refs if refs is not None else rt.workers.end_round())
+    except Exception as c:
+        if getattr(c, "order", None) is not None and c.order < order:
+            c.add_note(f"the server's check failed too, later in the round: {e}")
+            return c
+    return e
 
 
 def packs_clients(pack: bool | str, resolved: dict) -> bool:

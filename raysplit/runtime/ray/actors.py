@@ -5,7 +5,6 @@ Ray Compiled Graphs). With ray_backend.py, the only code that imports Ray."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import gc
 import inspect
@@ -27,7 +26,7 @@ from raysplit.runtime.driver import placement
 from raysplit.runtime.server import stepping
 from raysplit.runtime.state import invoke
 from raysplit.runtime.devices import cpu_kind, determinism_state, host_device_of, restore_determinism
-from raysplit.runtime.messages import Activation, Gradient
+from raysplit.runtime.transport import from_tensors, to_tensors
 from raysplit.runtime.driver.snapshots import SnapshotStore
 
 
@@ -259,7 +258,7 @@ class RdtHostActor(HostActor):
     """:class:`HostActor` with :meth:`call_rdt` (``runtime.transport.kind: rdt``): a class of its own because a method
     with a tensor transport makes Ray run every task of the actor on a background thread (Ray 2.60,
     ray/actor.py), which the other transports should not pay for. Its calls take what another actor's ``call_rdt``
-    returned, and turn the tensors back into the wire format's arrays first (:func:`from_tensors`)."""
+    returned, and make the messages again first (:func:`from_tensors`)."""
 
     def call(self, method: str, *args, **kwargs):
         return super().call(method, *map(from_tensors, args), **kwargs)
@@ -275,30 +274,6 @@ class RdtHostActor(HostActor):
 
 
 HostActor, RdtHostActor = ray.remote(HostActor), ray.remote(RdtHostActor)
-
-
-def to_tensors(msg):
-    """An activation or gradient message with its arrays as tensors sharing their memory, for Ray Direct Transport,
-    which moves torch tensors only; anything else unchanged. A read-only array (a view of the object store) is
-    copied first."""
-    def t(a):
-        return torch.from_numpy(a if a.flags.writeable else a.copy())
-
-    if isinstance(msg, Activation):
-        return dataclasses.replace(msg, x=t(msg.x), y=t(msg.y))
-    if isinstance(msg, Gradient) and isinstance(msg.g, np.ndarray):
-        return dataclasses.replace(msg, g=t(msg.g))
-    return msg
-
-
-def from_tensors(msg):
-    """:func:`to_tensors` undone on arrival: the wire format's arrays again (sharing the received tensors' memory,
-    which this process owns)."""
-    if isinstance(msg, Activation) and isinstance(msg.x, torch.Tensor):
-        return dataclasses.replace(msg, x=msg.x.numpy(), y=msg.y.numpy())
-    if isinstance(msg, Gradient) and isinstance(msg.g, torch.Tensor):
-        return dataclasses.replace(msg, g=msg.g.numpy())
-    return msg
 
 
 def channel_bytes(server_host) -> int:

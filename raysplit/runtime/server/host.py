@@ -22,7 +22,7 @@ from raysplit.runtime.aggregation import finish_average
 from raysplit.runtime.contexts import server_context
 from raysplit.runtime.server.evaluation import ServerEvaluation
 from raysplit.runtime.state import ModelSlot, to_host
-from raysplit.runtime.screening import NonFiniteLossError
+from raysplit.runtime.screening import Deferred, NonFiniteLossError
 from raysplit.runtime.devices import (device_rng_state, host_device, limit_threads, set_determinism,
                                       set_device_rng_state)
 from raysplit.runtime.messages import Activation, Batch, StateMsg, Tag, batch_step, step_timing
@@ -62,8 +62,9 @@ class ServerHost:
         server.to(self.device).train()
         self.progress = Progress()
         optimizer = s.server_optimizer
+        self.deferred = Deferred()  # the round's checks of values on the device, read at its end (end_round)
         self.trainer = Trainer(s.train, s.clock, optimizer, s.train.rounds, self.device,
-                               before_step=lambda *a: self.rule.before_step(*a))
+                               before_step=lambda *a: self.rule.before_step(*a), deferred=self.deferred)
         self.models = ServerModels(ModelSlot(server, make_optimizer(server.parameters(), optimizer)), self.trainer,
                                    optimizer, batch_copies=getattr(plan.method.params, "batched_copies", False),
                                    on_fork=lambda keys: self.rule.on_fork(keys),
@@ -73,7 +74,8 @@ class ServerHost:
         self.client_init = StateMsg(client_init_state)  # the client part as the run started (a message)
         self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
         self.middle = Middle(self.trainer, self.models, self.device) if plan.ushape is not None else None
-        self.screen = Screen(plan, lambda: self.rule.client_encoder(), self.device)  # what arrives (on_bad_client)
+        self.screen = Screen(plan, lambda: self.rule.client_encoder(), self.device,  # what arrives (on_bad_client)
+                             self.deferred)
         self.build()
         ctx = server_context(sections=s, model=plan.model, method=plan.method, privacy=plan.privacy,
                              progress=self.progress, models=self.models, trainer=self.trainer,
@@ -101,6 +103,7 @@ class ServerHost:
         return self.trainer.clock.now
 
     def reset_round(self):
+        self.deferred.clear()
         self.screen.new_round()
         self.rule.on_reset_round()
 
@@ -180,11 +183,15 @@ class ServerHost:
         return self.evaluation.evaluate(client_state.tensors(), self.models[key].module)
 
     def end_round(self) -> dict:
+        """The round's numbers; first its deferred checks (the activations' screen and the steps' finite checks, in
+        the order they were made), the one read of the device a round."""
+        self.deferred.settle()
         tally = self.trainer.tally
         if tally.nonfinite is not None and self.plan.sections.train.stop_on_nonfinite:
             t = tally.nonfinite
             raise NonFiniteLossError(f"non-finite loss at round {t.round}, client {t.client} (step {t.step})")
-        return {"losses": tally.losses, "grad_norms": tally.grad_norms, "flops": tally.flops,
+        losses, norms = tally.read()
+        return {"losses": losses, "grad_norms": norms, "flops": tally.flops,
                 "t_end": self.clock, "busy_wall": tally.busy_wall, "metrics": self.round_metrics(),
                 "dropped": dict(self.screen.drops)}
 
@@ -210,6 +217,7 @@ class ServerHost:
         return to_host(st)
 
     def load_state_dict(self, st: dict) -> None:
+        self.deferred.clear()
         self.models.load_state_dict(st["models"])
         self.trainer.clock.now = st["clock"]
         self.screen.dropped = dict(st.get("dropped", {}))

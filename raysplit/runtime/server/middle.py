@@ -29,7 +29,7 @@ class Middle:
         self.trainer.charge(fl, b.t_sent)
         self.kept[b.tag] = (x, z)
         self.trainer.tally.busy_wall += time.perf_counter() - t_wall
-        return MiddleOut(b.tag, transport.pack(z.detach()), self.trainer.clock.now)
+        return MiddleOut(b.tag, z.detach(), self.trainer.clock.now)  # staged only if it leaves the process
 
     def backward(self, back: TailGradient | Gradient, key="main") -> Gradient:
         """Back-propagate the client's gradient of its loss through the middle, step ``models[key]`` (clipping and

@@ -150,7 +150,8 @@ class ServerModels:
 
         fl = self.trainer.flops.count(self.trainer.flop_key("step", modules[0], x[0]), per_copy)
         self.trainer.tally.busy_wall += time.perf_counter() - t_wall
-        return [(float(lv), g, fl) for lv, g in zip(losses.tolist(), gx)]
+        losses = losses.detach()  # read with the round's other losses, at its end
+        return [(losses[i], gx[i], fl) for i in range(len(acts))]
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

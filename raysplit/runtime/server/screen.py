@@ -11,16 +11,24 @@ import torch
 
 from raysplit.runtime import transport
 from raysplit.runtime.messages import Activation, Gradient, Tag
-from raysplit.runtime.screening import activation_fault, bad_input, screens_nonfinite, where_of
+from raysplit.runtime.screening import (ACTIVATION, Deferred, activation_form_fault, bad_input, defer_nonfinite, nonfinite_count,
+                                        nonfinite_words, screens_nonfinite, where_of)
 
 
 class Screen:
     """The server's screening of what arrives (``runtime.faults.on_bad_client``): ``dropped`` holds the clients whose
     activations are withheld (for the round; for their job, under events) and why, ``drops`` this round's drops as
-    "client c, round r, step s: why" (logged)."""
+    "client c, round r, step s: why" (logged).
 
-    def __init__(self, plan, encoder: Callable[[], torch.nn.Module], device):
+    An activation's form (round, shape, dtype, labels) is checked as it arrives. Its values (NaN or inf) are read
+    then only where the screen must decide at once (``drop``: the client is left out from this step on) or where
+    they are host memory (an activation that travelled); a tensor handed over in process under ``fail`` is
+    counted on its device and judged with the round's other deferred checks (``deferred``, read once at the
+    round's end, in order: the run fails naming the same client, round and step)."""
+
+    def __init__(self, plan, encoder: Callable[[], torch.nn.Module], device, deferred: Deferred | None = None):
         self.plan, self.encoder, self.device = plan, encoder, device
+        self.deferred = deferred
         self.on_bad_client = plan.sections.runtime.faults.on_bad_client
         self._form: tuple | None = None
         self._varargs: dict[str, bool] = {}
@@ -41,9 +49,9 @@ class Screen:
             with torch.no_grad():
                 model = self.plan.model
                 kind = torch.long if model.inputs.kind == "tokens" else torch.float32  # token ids: integers
-                out = transport.pack(enc(torch.zeros((2, *model.input_shape), dtype=kind, device=self.device)))
+                out = enc(torch.zeros((2, *model.input_shape), dtype=kind, device=self.device))
             enc.train(mode)
-            self._form = (tuple(out.shape[1:]), out.dtype)
+            self._form = (tuple(out.shape[1:]), np.dtype(transport.dtype_name(out)))
         return self._form
 
     def check(self, act: Activation, rnd: int | None) -> str:
@@ -54,7 +62,18 @@ class Screen:
         if c in self.dropped:
             return self.dropped[c]
         shape, dtype = self.form()
-        why = activation_fault(act, shape, dtype, self.plan.model.num_classes, rnd, screens_nonfinite(self.plan))
+        why = activation_form_fault(act, shape, dtype, self.plan.model.num_classes, rnd)
+        if not why and screens_nonfinite(self.plan):
+            x = act.x
+            if isinstance(x, torch.Tensor) and self.on_bad_client == "fail" and self.deferred is not None:
+                tag = act.tag
+                defer_nonfinite(self.deferred, x, "activation",
+                                lambda w: bad_input(where_of(tag), f"activation rejected by the server: {w}"),
+                                (tag.round, tag.step, ACTIVATION))
+            else:  # read now: the client is dropped from this step on, or the values are in host memory
+                bad = int(nonfinite_count(x))
+                why = ("activation: " + nonfinite_words(bad, x.nelement() if isinstance(x, torch.Tensor)
+                                                       else int(x.size))) if bad else ""
         if not why:
             return ""
         if self.on_bad_client == "fail":

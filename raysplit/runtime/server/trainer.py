@@ -13,7 +13,6 @@ key nor recomputes a schedule."""
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import weakref
 from typing import Callable
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from raysplit.clock import FlopCache
 from raysplit.runtime import transport
 from raysplit.runtime.state import ModelSlot
-from raysplit.runtime.screening import check_finite
+from raysplit.runtime.screening import LOSS, Deferred, check_loss
 from raysplit.runtime.messages import Batch, Gradient, StateMsg, Tag
 from raysplit.runtime.optim import make_optimizer, round_lr, set_lr
 
@@ -50,25 +49,37 @@ class ServerClock:
 
 
 class Tally:
-    """A round's numbers of the server's steps: the training losses, the norms of the gradients sent to clients,
-    the FLOPs, the wall time busy and the first step whose loss was not finite."""
+    """A round's numbers of the server's steps: the training losses, the norms of the gradients sent to clients
+    (0-d tensors on the server's device while the round runs, read once at its end: :meth:`read`), the FLOPs, the
+    wall time busy and the first step whose loss was not finite."""
 
     def __init__(self):
-        self.losses: list[float] = []
-        self.grad_norms: list[float] = []
+        self.losses: list = []
+        self.grad_norms: list = []
         self.flops = 0.0
         self.busy_wall = 0.0
         self.nonfinite: Tag | None = None
 
+    def read(self) -> tuple[list[float], list[float]]:
+        """The losses and norms as floats, in one read of the device."""
+        both = transport.read_floats(self.losses + self.grad_norms)
+        return both[:len(self.losses)], both[len(self.losses):]
+
 
 class Trainer:
     """The server's step arithmetic (module docstring). ``train``/``clock``: the typed sections; ``optimizer``: the
-    server's optimizer section; ``before_step(module, optimizers, tag)``: the server rule's hook."""
+    server's optimizer section; ``before_step(module, optimizers, tag)``: the server rule's hook; ``deferred``: the
+    host's checks read at the round's end (:class:`~raysplit.runtime.screening.Deferred`), where a step's finite
+    check goes (None: each loss is read as it is made).
+
+    Nothing here reads the device per step: a loss stays a 0-d tensor (returned, tallied, sent with the gradient,
+    checked at the round's end), a gradient is the tensor itself, its norm a tensor in the tally."""
 
     def __init__(self, train, clock_section, optimizer, rounds: int, device: torch.device,
-                 before_step: Callable | None = None):
+                 before_step: Callable | None = None, deferred: Deferred | None = None):
         self.train_section, self.optimizer_section, self.rounds = train, optimizer, rounds
         self.device = device
+        self.deferred = deferred
         self.clock = ServerClock(clock_section)
         self.flops = FlopCache()
         self.before_step = before_step or (lambda module, optimizers, tag: None)
@@ -129,7 +140,7 @@ class Trainer:
         :meth:`settle` (clipping, the rule's ``before_step``, the optimizer steps, the FLOPs on the clock from
         ``ready_at`` on). ``tag``: the client's step it serves, or ``step``: the number of a server-only step of the
         round (a step with neither is the round's step 0 of the server); ``where``: how a non-finite loss names it.
-        Returns the loss (the caller reads ``x.grad`` where it asked for one)."""
+        Returns the loss, a 0-d tensor (the caller reads ``x.grad`` where it asked for one)."""
         module, optimizers = self._unpack(model, more_optimizers)
         tag = tag if tag is not None else Tag(-1, self.round, step or 0)
         return self._run(x, y, module, optimizers, loss, ready_at, tag, record=True, where=where, kind="step")
@@ -154,7 +165,7 @@ class Trainer:
             return model.module, [model.optimizer, *more]
         return model, list(more)
 
-    def _run(self, x, y, module, optimizers, loss, ready_at, tag, *, record, where, kind) -> float:
+    def _run(self, x, y, module, optimizers, loss, ready_at, tag, *, record, where, kind) -> torch.Tensor:
         t_wall = time.perf_counter()
         loss_fn = loss or F.cross_entropy
 
@@ -166,16 +177,17 @@ class Trainer:
             return out
 
         out, fl = self.flops.run(self.flop_key(kind, module, x), step)
-        lv = self.settle(float(out.item()), fl, module, optimizers, tag=tag, ready_at=ready_at, record=record,
+        lv = self.settle(out.detach(), fl, module, optimizers, tag=tag, ready_at=ready_at, record=record,
                          where=where)
         self.tally.busy_wall += time.perf_counter() - t_wall
         return lv
 
-    def settle(self, lv: float, flops: int, module, optimizers: list, *, tag: Tag, ready_at: float = 0.0,
-               record: bool = True, where: str | None = None) -> float:
+    def settle(self, lv, flops: int, module, optimizers: list, *, tag: Tag, ready_at: float = 0.0,
+               record: bool = True, where: str | None = None):
         """The rest of a step once its gradients are in ``module``'s parameters (a step computed elsewhere: batched
         copies, the U-shape's middle): the finite check, clipping, the rule's ``before_step``, the optimizer steps,
-        ``flops`` on the clock from ``ready_at`` on, the loss tallied (``record``)."""
+        ``flops`` on the clock from ``ready_at`` on, the loss ``lv`` (a 0-d tensor or a float) tallied
+        (``record``)."""
         if record:
             self._check(lv, tag, where)
         self.before_step(module, optimizers, tag)
@@ -196,22 +208,31 @@ class Trainer:
     def wait_until(self, t: float) -> float:
         return self.clock.wait_until(t)
 
-    def _check(self, loss: float, tag: Tag, where: str | None = None) -> None:
-        if not math.isfinite(loss) and self.tally.nonfinite is None:
-            self.tally.nonfinite = tag
+    def _check(self, loss, tag: Tag, where: str | None = None) -> None:
+        """The finite check of a step's loss, deferred to the round's end where the host keeps deferred checks; the
+        round's first non-finite step is the tally's ``nonfinite``."""
+        tally = self.tally
+
+        def first() -> None:
+            if tally.nonfinite is None:
+                tally.nonfinite = tag
+
         where = where or (f"round {tag.round}, client {tag.client} (step {tag.step})" if tag.client >= 0 else
                           f"round {tag.round}, server update {tag.step}")  # a server-only step (Tag client -1)
-        check_finite(loss, self.train_section.stop_on_nonfinite, where)
+        check_loss(self.deferred, loss, self.train_section.stop_on_nonfinite, where, first,
+                   (tag.round, tag.step, LOSS))
 
     # ---- answers --------------------------------------------------------------------------------------------------
-    def answer(self, b: Batch | Tag, g: torch.Tensor | None, loss: float) -> Gradient:
+    def answer(self, b: Batch | Tag, g: torch.Tensor | None, loss) -> Gradient:
         """The client's gradient for ``b`` (a batch or its tag), sent at the server's clock, its norm tallied;
-        ``g`` None: nothing goes back for this batch (a teacher stream)."""
+        ``g`` None: nothing goes back for this batch (a teacher stream). The gradient is the tensor itself (a
+        message stages it only if it leaves the process)."""
         tag = b if isinstance(b, Tag) else b.tag
         if g is None:
             return Gradient(tag, None, self.clock.now, loss)
-        self.tally.grad_norms.append(float(g.norm()))
-        return Gradient(tag, transport.pack(g), self.clock.now, loss)
+        g = g.detach()
+        self.tally.grad_norms.append(g.norm())
+        return Gradient(tag, g, self.clock.now, loss)
 
     def message(self, state: dict[str, torch.Tensor], **kw) -> StateMsg:
         """``state`` (tensors) as a message the server sends now, at its clock (a model for the clients)."""
@@ -220,10 +241,12 @@ class Trainer:
     def revise(self, grads: list[Gradient], values: list) -> list[Gradient]:
         """Gradients just answered, revised (SGLR's sharing): the first ``len(values)`` of ``grads`` carry
         ``values`` instead (same tags, times and losses), the rest are kept; the tallied norms follow."""
-        new = [Gradient(g.tag, transport.pack(v) if isinstance(v, torch.Tensor) else v, g.t_sent, g.loss)
+        new = [Gradient(g.tag, v.detach() if isinstance(v, torch.Tensor) else v, g.t_sent, g.loss)
                for g, v in zip(grads, values)]
         out = new + list(grads[len(values):])
-        self.tally.grad_norms[-len(grads):] = [float(np.linalg.norm(g.g)) for g in out]
+        # SGLR's sharing is done in host memory: the norms are taken there too, of every gradient of the call
+        self.tally.grad_norms[-len(grads):] = [float(np.linalg.norm(transport.pack(g.g) if isinstance(g.g, torch.Tensor)
+                                                                    else g.g)) for g in out]
         return out
 
 
