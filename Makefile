@@ -11,7 +11,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
-	bench-gas-authors bench-snapshot bench-numpy-torch bench-table flower-venv doc-figures check-docs check-docs-full \
+	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-table flower-venv doc-figures check-docs check-docs-full \
 	check-results claims check-claims config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
@@ -104,6 +104,12 @@ bench-snapshot:
 # transport.py sends numpy; archived figures: benchmarks/archive/RESULTS-2026-11-22-to-25.md).
 bench-numpy-torch:
 	$(PY) benchmarks/transport.py --repeats 15
+
+# Issue 70 item 3: raysplit's cost per step over a plain loop doing the same arithmetic (a model whose own step is a
+# fraction of a millisecond): the local backend and Ray, SFLV2, SFLV1, PSL and GAS. Targets: local <= 0.2 ms a step,
+# Ray <= 1 ms.
+bench-step-cost:
+	cd benchmarks && ../$(PY) step_cost.py --methods sflv2 sflv1 psl gas --steps 10 40 --rounds 7 --warmup 2
 
 # The table of current figures at the top of benchmarks/RESULTS.md: refresh benchmarks/figures.yaml from
 # benchmarks/out/*.json where an entry names its JSON, then rewrite the table (make check-results checks it).

@@ -69,6 +69,7 @@ def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[in
     cfg = load_config(CONFIG, {"train.rounds": rounds, "tracking.enabled": False, "tracking.progress": False})
     p = prepare(cfg)
     plan = p.inputs.plan
+    spec = plan.model.inputs
     x, y = p.inputs.train_data["x"], p.inputs.train_data["y"]
     xt, yt = p.inputs.test_data["x"], p.inputs.test_data["y"]
     idx = [np.asarray(ix) for ix in p.inputs.train_idx]
@@ -93,7 +94,7 @@ def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[in
         for _ in range(steps):
             for c in active:
                 b = rng.choice(idx[c], bs, replace=len(idx[c]) < bs)
-                xb, yb = to_tensor(x[b], spec.data_spec), torch.as_tensor(y[b], dtype=torch.long)
+                xb, yb = to_tensor(x[b], spec), torch.as_tensor(y[b], dtype=torch.long)
                 act = models[c](xb)
                 sent = act.detach().requires_grad_(True)
                 loss = F.cross_entropy(server(sent) + adjust[c], yb)
@@ -120,7 +121,7 @@ def floor(rounds: int, threads: int | None = None) -> tuple[list[float], list[in
         te = time.perf_counter()
         with torch.no_grad():
             client.eval(), server.eval()
-            correct = sum(int((server(client(to_tensor(xt[i:i + 1000], spec.data_spec))).argmax(1)
+            correct = sum(int((server(client(to_tensor(xt[i:i + 1000], spec))).argmax(1)
                                == torch.as_tensor(yt[i:i + 1000])).sum()) for i in range(0, len(yt), 1000))
             client.train(), server.train()
         t1 = time.perf_counter()

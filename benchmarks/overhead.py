@@ -66,11 +66,13 @@ def make_cfg(model: str, algorithm: str, clients: int, backend: str, steps: int,
 
 class Reference:
     """Plain PyTorch: one process, no actors, no hosts. SFLV2 (sequential, one server model) or SFLV1 (per-client
-    server copies averaged) with FedAvg of the client models."""
+    server copies averaged) with FedAvg of the client models; PSL: SFLV1's copies, every client keeping its own
+    model (no FedAvg)."""
 
     def __init__(self, p, algorithm: str):
         plan = p.inputs.plan
         self.algorithm = algorithm
+        self.spec = plan.model.inputs
         self.seed = plan.sections.seed
         self.x, self.y = p.inputs.train_data["x"], p.inputs.train_data["y"]
         self.idx = [np.asarray(ix) for ix in p.inputs.train_idx]
@@ -87,6 +89,7 @@ class Reference:
         self.opt_args = dict(lr=o.lr, momentum=o.momentum)
         self.server_opt = torch.optim.SGD(server.parameters(), **self.opt_args)
         self.client_opt_state: dict[int, dict] = {}
+        self.client_own: dict[int, dict] = {}  # PSL: each client's own model
         self.bs = plan.sections.train.batch_size
 
     def batch(self, c: int):
@@ -97,12 +100,12 @@ class Reference:
             self.perm[c] = (epoch, np.random.default_rng([self.seed, c, epoch]).permutation(self.idx[c]))
         b = self.perm[c][1][pos:pos + self.bs]
         self.cursor[c] = (epoch, pos + len(b))
-        return to_tensor(self.x[b], self.spec.data_spec), torch.as_tensor(self.y[b], dtype=torch.long)
+        return to_tensor(self.x[b], self.spec), torch.as_tensor(self.y[b], dtype=torch.long)
 
     def round(self, clients: list[int], steps: int) -> None:
         states, weights = [], []
         copies = {}
-        if self.algorithm == "sflv1":  # per-client server copies, forked from the server model
+        if self.algorithm in ("sflv1", "psl"):  # per-client server copies, forked from the server model
             for c in clients:
                 m = copy.deepcopy(self.server)
                 o = torch.optim.SGD(m.parameters(), **self.opt_args)
@@ -110,7 +113,8 @@ class Reference:
                 copies[c] = (m, o)
         for c in clients:
             model = self.client
-            model.load_state_dict(self.client_global)
+            own = self.client_own.get(c, self.client_global) if self.algorithm == "psl" else self.client_global
+            model.load_state_dict(own)
             opt = torch.optim.SGD(model.parameters(), **self.opt_args)
             if c in self.client_opt_state:
                 opt.load_state_dict(self.client_opt_state[c])
@@ -128,6 +132,8 @@ class Reference:
             self.client_opt_state[c] = copy.deepcopy(opt.state_dict())
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
             weights.append(self.sizes[c])
+            if self.algorithm == "psl":
+                self.client_own[c] = states[-1]
         if copies:
             ws = [self.sizes[c] for c in clients]
             self.server.load_state_dict(average_states([copies[c][0].state_dict() for c in clients], ws))
@@ -135,7 +141,8 @@ class Reference:
             for pid in merged["state"]:
                 merged["state"][pid] = average_states([copies[c][1].state_dict()["state"][pid] for c in clients], ws)
             self.server_opt.load_state_dict(merged)
-        self.client_global = average_states(states, weights)
+        if self.algorithm != "psl":
+            self.client_global = average_states(states, weights)
 
 
 class RaysplitRounds:
