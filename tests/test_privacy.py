@@ -10,6 +10,7 @@ import torch
 from raysplit.privacy import GaussianAccountant, clip_and_noise, distance_correlation, nopeek_loss, quantize
 
 
+@pytest.mark.slow  # dcor's import compiles (below): about 40 s of a fresh CI machine's fast tier; the bounds test guards it there
 @pytest.mark.parametrize("shape_x, shape_z, dependent", [((50, 3), (50, 2), True), ((40, 1, 8, 8), (40, 16), True),
                                                         ((60, 5), (60, 4), False)])
 def test_distance_correlation_equals_dcor(shape_x, shape_z, dependent):
