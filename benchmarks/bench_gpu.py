@@ -224,16 +224,23 @@ def gas_arm(a) -> dict:
 
 def gas_authors(a, seconds: float) -> dict:
     """The authors' GAS_main.py for ``seconds`` s in ``--gas-checkout``: the rounds it logged, per second."""
+    def text(x) -> str:
+        return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
     t0 = time.perf_counter()
     try:
-        out = subprocess.run([sys.executable, "GAS_main.py"], cwd=a.gas_checkout, capture_output=True, text=True,
-                             timeout=seconds).stdout
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        done = subprocess.run([sys.executable, "GAS_main.py"], cwd=a.gas_checkout, capture_output=True, text=True,
+                              timeout=seconds)
+        out, err, rc = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:  # the expected end: it ran for its seconds
+        out, err, rc = text(e.stdout), text(e.stderr), None
     rounds = len(re.findall(a.gas_round_regex, out))
     dt = time.perf_counter() - t0
-    print(f"  gas authors: {rounds} rounds logged in {dt:.0f} s", flush=True)
-    return {"rounds": rounds, "seconds": dt, "round_s": dt / rounds if rounds else None}
+    print(f"  gas authors: {rounds} rounds logged in {dt:.0f} s (exit {rc})", flush=True)
+    res = {"rounds": rounds, "seconds": dt, "round_s": dt / rounds if rounds else None, "exit": rc}
+    if rc not in (None, 0) or not rounds:  # it stopped early, or logged nothing that counts: say why
+        res.update({"stdout_tail": out[-1500:], "stderr_tail": err[-1500:]})
+    return res
 
 
 class Recorder:
@@ -402,6 +409,10 @@ def check(out_dir: Path, a) -> list[str]:
                 problems.append(f"{arm}/{name}: {(r.get('error') or r.get('skipped'))[:300]}")
             elif "not_applicable" not in r and not isinstance(r.get("round_s"), dict):
                 problems.append(f"{arm}/{name}: no round time")
+    if "gas" in a.arms and a.gas and a.gas_checkout:
+        r = runs("gas").get("authors")
+        if not r or r.get("error") or not r.get("rounds"):
+            problems.append(f"gas/authors: {'missing' if not r else r.get('error') or 'no round logged'}")
     return problems
 
 
@@ -449,6 +460,7 @@ def main(argv=None) -> int:
     if a.dry_run:
         a.device, a.clients, a.workers, a.client_cpus, a.batch, a.steps, a.rounds = "cpu", 4, 2, 0.5, 8, 1, 1
         a.model, a.cut, a.shape = "cnn_small", "conv1", [1, 28, 28]
+        a.gas_seconds = min(a.gas_seconds, 5.0)
     if a.check:
         problems = check(a.check, a)
         print("\n".join(f"check: {p}" for p in problems) or f"check: {a.check} holds every arm's runs", flush=True)

@@ -21,7 +21,9 @@ exec > >(tee -a "$out/run.log") 2>&1
 extra=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --gas-checkout) extra+=(--gas-checkout "$(cd "$2" && pwd)"); shift 2 ;;
+    --gas-checkout)
+      [ -f "${2:-}/GAS_main.py" ] || { echo "gpu_run: no GAS_main.py in '${2:-}'"; exit 2; }
+      extra+=(--gas-checkout "$(cd "$2" && pwd)"); shift 2 ;;
     --toy) extra+=(--dry-run); shift ;;
     *) echo "gpu_run: unknown argument $1"; exit 2 ;;
   esac

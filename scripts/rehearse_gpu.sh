@@ -4,7 +4,7 @@
 # - "the machine": a fresh venv holding only torch, numpy, pandas, pyarrow, PyYAML and scipy (with what they need),
 #   linked from the project's .venv (no torchvision, Ray, pydantic, MLflow, tqdm; nothing downloaded);
 # - the cp311 bundle (make gpu-bundle, built first; its cp312 twin checked against its size limit) installed by
-#   gpu_run.sh into a venv over that machine, without an index;
+#   gpu_run.sh into a venv over that machine, without an index; a stand-in GAS_main.py as the authors' checkout;
 # - every arm's JSON checked (bench_gpu.py --check): present, and no arm failed or skipped.
 # Everything lives in the ignored .gpu-bundle/ (downloads kept there between runs).
 set -euo pipefail
@@ -49,8 +49,12 @@ for top in sorted(tops):
         os.symlink(top, site / top.name)
 print(f"rehearse-gpu: the machine has {len(seen)} distributions: {', '.join(sorted(seen))}")
 EOF
-rm -rf "$rehearsal/out"
+# a stand-in for the authors' GAS checkout: a GAS_main.py that logs rounds and then runs on (the real one travels
+# from outside the project)
+mkdir -p "$rehearsal/GAS"
+printf 'import time\nfor r in range(3):\n    print(f"Round {r} acc 0.1", flush=True)\ntime.sleep(60)\n' \
+  > "$rehearsal/GAS/GAS_main.py"
 GPU_PYTHON="$rehearsal/machine/bin/python" GPU_VENV="$rehearsal/venv" GPU_BUNDLE=.gpu-bundle/cp311 \
-  bash benchmarks/gpu_run.sh "$rehearsal/out" --toy
-"$PY" benchmarks/bench_gpu.py --dry-run --check "$rehearsal/out"
+  bash benchmarks/gpu_run.sh "$rehearsal/out" --toy --gas-checkout "$rehearsal/GAS"
+"$PY" benchmarks/bench_gpu.py --dry-run --check "$rehearsal/out" --gas-checkout "$rehearsal/GAS"
 echo "rehearse-gpu: passed in $(( $(date +%s) - t0 )) s"
