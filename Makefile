@@ -2,15 +2,16 @@
 # `benchmarks` (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI is set). `make bench` runs the core set (~45 min on
 # the 2-core machine); results and how to read them: benchmarks/RESULTS.md, whose table of current figures
 # `make bench-table` regenerates (benchmarks/figures.yaml, scripts/figures.py). Every script in benchmarks/ has a
-# target below, except common.py (the helpers every script imports), flower_side.py (the Flower half of
-# bench-flower, run by flower.py in the Flower venv) and setup_flower.sh (flower-venv).
+# target below, except common.py (the helpers every script imports), gpu_run.sh (the GPU machine's command, rehearsed
+# by rehearse-gpu), flower_side.py (the Flower half of bench-flower, run by flower.py in the Flower venv) and
+# setup_flower.sh (flower-venv).
 PY ?= .venv/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
-	bench-placement bench-spill bench-ray-run bench-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
+	bench-placement bench-spill bench-ray-run bench-gpu gpu-bundle rehearse-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
 	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-table flower-venv doc-figures check-docs check-docs-full \
 	check-results claims check-claims config-doc check-ui
 
@@ -74,10 +75,19 @@ bench-spill:
 bench-ray-run:
 	$(PY) benchmarks/ray_run_cost.py
 
-# Clients and server on a GPU against the layouts beside them and a plain PyTorch loop (issue 53; needs a GPU,
-# about 8 minutes; `$(PY) benchmarks/bench_gpu.py --dry-run` is the same on the CPU at toy size).
+# Clients and server on a GPU against the layouts beside them and a plain PyTorch loop (issues 53, 70; needs a GPU
+# and this venv, at most about 9 minutes; each arm's JSON in benchmarks/out/bench-gpu/; `$(PY) benchmarks/bench_gpu.py
+# --dry-run` is the same on the CPU at toy size). The GPU machine has no Ray, pydantic nor registry: there, run
+# `bash benchmarks/gpu_run.sh OUT` with the bundle that gpu-bundle builds (.gpu-bundle/cp312, carried; ignored here)
+# and rehearse-gpu (in CI) runs that same command here in a bare venv, at toy size (benchmarks/RESULTS.md says how).
 bench-gpu:
-	cd benchmarks && ../$(PY) bench_gpu.py --workers 7 --rounds 3
+	$(PY) benchmarks/bench_gpu.py --workers 7 --rounds 3
+
+gpu-bundle:
+	$(PY) scripts/gpu_bundle.py
+
+rehearse-gpu:
+	PY=$(PY) bash scripts/rehearse_gpu.sh
 
 # The GPU server alone, both transports interleaved (issue 15).
 bench-gpu-server:

@@ -28,26 +28,43 @@ from raysplit.runtime import runtime_for
 
 
 class GpuSampler(threading.Thread):
-    """``nvidia-smi`` utilisation (%) every ``period_ms`` while running; nothing where there is no nvidia-smi."""
+    """The GPU's utilisation (%) every ``period_ms`` while running: from ``nvidia-smi``, else from NVML
+    (``pynvml``, nvidia-ml-py) where it imports; nothing where neither is there (``source`` says which)."""
 
     def __init__(self, period_ms: int = 100):
         super().__init__(daemon=True)
         self.samples: list[float] = []
+        self.period_ms = period_ms
         self.proc = None
+        self.done = threading.Event()
         self.cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
                     f"-lms={period_ms}"] if shutil.which("nvidia-smi") else None
+        self.nvml = None
+        if self.cmd is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self.nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+            except Exception:  # no NVML library or no device: no samples
+                self.nvml = None
+        self.source = "nvidia-smi" if self.cmd else "pynvml" if self.nvml else None
 
     def run(self) -> None:
-        if self.cmd is None:
-            return
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
-        for line in self.proc.stdout:
-            try:
-                self.samples.append(float(line.split(",")[0]))
-            except ValueError:
-                pass
+        if self.cmd is not None:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+            for line in self.proc.stdout:
+                try:
+                    self.samples.append(float(line.split(",")[0]))
+                except ValueError:
+                    pass
+        elif self.nvml is not None:
+            nvml, handle = self.nvml
+            while not self.done.wait(self.period_ms / 1000):
+                self.samples.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
 
     def stop(self) -> list[float]:
+        self.done.set()
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait(timeout=10)

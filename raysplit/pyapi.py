@@ -40,7 +40,8 @@ def _config(config, overrides: dict):
 @dataclass
 class RunResult:
     """A finished run: its MLflow ``run_id``, the ``config`` it ran with (resolved: every default filled in), its
-    ``final`` metrics and one row of ``rounds`` per round (``round`` counted from 1, as the progress bar counts)."""
+    ``final`` metrics and one row of ``rounds`` per round, indexed by ``round`` counted from 0 as everywhere else
+    (docs/usage.md)."""
 
     run_id: str
     config: Any
@@ -59,7 +60,7 @@ def run(config, overrides: dict | None = None, **keywords) -> RunResult:
 
     cfg = _config(config, _overrides(overrides, keywords))
     rows: list[dict] = []
-    final = run_experiment(cfg, on_round=lambda rnd, metrics: rows.append({"round": rnd + 1, **metrics}))
+    final = run_experiment(cfg, on_round=lambda rnd, metrics: rows.append({"round": rnd, **metrics}))
     return RunResult(final["run_id"], cfg, {k: v for k, v in final.items() if k != "run_id"},
                      pd.DataFrame(rows).set_index("round") if rows else pd.DataFrame())
 

@@ -180,8 +180,10 @@ class Reporter:
             self.delivered = rnd
         if self.progress is not None:
             self.progress.update(1)
-            last_acc = hist.curves["accuracy"][-1][1] if hist.curves.get("accuracy") else float("nan")
-            self.progress.set_postfix(acc=f"{last_acc:.3f}", loss=f"{train_loss:.3f}", sim=f"{hist.t_sim:.1f}s")
+            # The last evaluated accuracy, kept between evaluations; none shown before the first one.
+            evaluated = hist.curves.get("accuracy")
+            self.progress.set_postfix(**({"acc": f"{evaluated[-1][1]:.3f}"} if evaluated else {}),
+                                      loss=f"{train_loss:.3f}", sim=f"{hist.t_sim:.1f}s")
         return m
 
     _LISTS = ("rounds", "label_acc", "grad_norms", "client_rows")  # History's append-only lists

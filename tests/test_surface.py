@@ -226,3 +226,23 @@ def test_rounds_are_named_one_way_the_bar_counts_rounds_done(tmp_path, capfd):
     with pytest.raises(ActorFailure, match=r"^client actor 1 died in round 2 \(2 done before it; rounds count "
                                            r"from 0\); not restarted"):
         guard.recover(ActorFailure("client actor 1 died"), 2)
+
+
+def test_the_python_apis_rounds_count_from_0_and_the_bar_shows_no_nan(tmp_path, capfd):
+    """Issue 70 item 6: ``RunResult.rounds`` was indexed from 1 while MLflow's steps counted from 0; and the bar
+    showed ``acc=nan`` until the first evaluation. Rounds are indexed as MLflow steps them; the bar shows the last
+    evaluated accuracy, and none before the first evaluation."""
+    from helpers import make_config
+
+    import raysplit
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    result = raysplit.run(make_config(tmp_path, uri, **{
+        "runtime.backend": "local", "train.rounds": 3, "eval.every": 2, "tracking.progress": True}))
+    err = capfd.readouterr().err
+    assert list(result.rounds.index) == [0, 1, 2] and result.rounds.index.name == "round"
+    steps = [m.step for m in mlflow.tracking.MlflowClient(uri).get_metric_history(result.run_id, "train/loss")]
+    assert steps == list(result.rounds.index)
+    assert "nan" not in err and "acc=" in err, err[-1500:]
+    evaluated = result.rounds["eval/accuracy"].dropna()
+    assert list(evaluated.index) == [1, 2]  # every 2nd round (round 1) and after the last

@@ -93,6 +93,11 @@ class Executor:
         # round's end (ClientHost.end_round): the host's step path never waits on the device
         self.deferred = Deferred()
 
+    def pack_counts(self) -> dict:
+        """How this executor's client steps ran: packed, or one at a time where a pack was asked for (and why)."""
+        return {"packed_steps": self.packed_steps, "unpacked_steps": self.unpacked_steps,
+                "unpackable": self.unpackable}
+
     @contextlib.contextmanager
     def seeded(self, cid: int, *salt: int):
         """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,

@@ -60,7 +60,8 @@ class ClientHost:
              "set_global": "transfers.install", "get_state": "transfers.send", "load_state": "transfers.receive",
              "export_clients": "moves.export_clients", "import_clients": "moves.import_clients",
              "changed_clients": "moves.changed_clients", "state_dict": "moves.state_dict",
-             "load_state_dict": "moves.load_state_dict", "client_totals": "meter.client_totals"}
+             "load_state_dict": "moves.load_state_dict", "client_totals": "meter.client_totals",
+             "pack_counts": "executor.pack_counts"}
 
     def __init__(self, plan: HostPlan, worker_index: int, data: dict, train_idx: dict[int, np.ndarray],
                  test_idx: dict[int, np.ndarray], profiles: dict[int, ClientProfile], init_state: dict):
