@@ -17,6 +17,12 @@ way; ``values`` are its per-seed values.
 - **reproduced**: three seeds or more, every one in the paper's direction, in the paper's setting or a named
   equivalent (``setting.kind``: ``paper`` | ``equivalent``, the equivalence named), and the median at least half
   the smallest number the paper reports (where it reports one).
+
+A measure is a difference (``scale: difference``, the default: its effect is ``sign * value``, in the paper's
+direction when positive) or a ratio (``scale: ratio``, unit ``x``: its effect is ``sign * ln(value)``, so a ratio is
+in the paper's direction when it is below 1 for ``sign: -1`` and above 1 for ``sign: 1``, and "half the paper's
+number" is half its effect on the log scale, the square root of the ratio). For a ratio, ``paper_number.low`` and
+``high`` are the paper's ratios as it prints them (e.g. 0.0687 and 0.962); the smallest effect is the one nearest 1.
 - **direction only**: every seed in the paper's direction, but fewer than three seeds, or only their median
   printed, or a reduced setting, or a median under half the paper's smallest number.
 - **not reproduced, cause known**: some seed against the paper's direction (or none with it), and a check that
@@ -26,6 +32,7 @@ way; ``values`` are its per-seed values.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import sys
@@ -59,8 +66,12 @@ class PaperNumber(_Strict):
     text: str = Field(max_length=120, description="the paper's number as it quotes it")
     place: str = Field(min_length=2, description="where it stands: section, table or figure")
     low: float | None = Field(default=None, description="the smallest effect the paper reports, in the measure's "
-                              "unit and direction (null: the paper gives a direction only)")
+                              "unit and direction (null: the paper gives a direction only); for a ratio measure, "
+                              "one end of the paper's range of ratios as printed (the rule takes the end nearest 1)")
     high: float | None = None
+    which: str | None = Field(default=None, max_length=200, description="which of the paper's numbers low is and "
+                              "why, where the paper reports several (the rule needs the smallest effect in the "
+                              "measure's unit, where the paper claims one)")
 
 
 class Setting(_Strict):
@@ -83,7 +94,10 @@ class Measure(_Strict):
     what: str = Field(description="the comparison, e.g. CyclePSL minus PSL, final accuracy, paired by seed")
     short: str = Field(max_length=60, description="what the table calls it")
     unit: str
-    sign: Literal[1, -1] = Field(description="1: the paper's claim is a positive value; -1: a negative one")
+    sign: Literal[1, -1] = Field(description="1: the paper's claim is a positive value (a ratio above 1); -1: a "
+                                 "negative one (a ratio below 1)")
+    scale: Literal["difference", "ratio"] = Field(default="difference", description="difference: the effect is "
+                                                  "sign * value; ratio (unit x): sign * ln(value)")
     seeds: list[int]
     values: list[float] = Field(description="per seed, in the order of seeds (median_only: the one median)")
     median_only: bool = Field(default=False, description="the page prints only the median over the seeds")
@@ -94,6 +108,10 @@ class Measure(_Strict):
 
     @model_validator(mode="after")
     def _paired(self):
+        if (self.scale == "ratio") != (self.unit == "x"):
+            raise ValueError("a ratio measure (scale: ratio) has unit x, and a measure in x is a ratio")
+        if self.scale == "ratio" and any(x <= 0 for x in self.values):
+            raise ValueError("a ratio is positive")
         if len(self.values) != (1 if self.median_only else len(self.seeds)):
             raise ValueError(f"{len(self.values)} values for {len(self.seeds)} seeds"
                              f"{' (median_only: one value)' if self.median_only else ''}")
@@ -141,6 +159,23 @@ def load(path: Path = REGISTRY) -> Registry:
     return Registry(claims=yaml.safe_load(path.read_text()))
 
 
+def effect(m: Measure, x: float) -> float:
+    """A value of ``m`` as an effect: positive in the paper's direction; a ratio's on the log scale, so that a ratio
+    below 1 is in the direction of a claimed decrease (``sign: -1``) and above 1 of a claimed increase."""
+    return m.sign * (math.log(x) if m.scale == "ratio" else x)
+
+
+def smallest(c: Claim) -> float | None:
+    """The smallest effect the paper reports, as an effect of the claim's measure (:func:`effect`): a difference's
+    ``low`` as written; for a ratio, the end of the paper's range nearest 1, on the log scale."""
+    p, m = c.paper_number, c.measure
+    if p.low is None:
+        return None
+    if m is None or m.scale == "difference":
+        return p.low
+    return min(abs(math.log(x)) for x in (p.low, p.high) if x is not None and x > 0)
+
+
 def verdict(c: Claim) -> tuple[str, str]:
     """The claim's verdict by the rule (module docstring) and the reason in a few words."""
     m = c.measure
@@ -148,15 +183,18 @@ def verdict(c: Claim) -> tuple[str, str]:
         return "not tested", "no runs"
     if not c.comparable:
         return "not tested", c.why_not_comparable
-    v = [m.sign * x for x in m.values]
+    v = [effect(m, x) for x in m.values]
     n, med = len(v), statistics.median(v)
     if all(x > 0 for x in v):
         if m.median_only:
             return "direction only", f"the median of {len(m.seeds)} seeds; per-seed values not printed"
         if n < 3:
             return "direction only", "one seed" if n == 1 else f"{n} seeds"
-        low = c.paper_number.low
+        low = smallest(c)
         if low is not None and med < low / 2:
+            if m.scale == "ratio":
+                return "direction only", (f"median {statistics.median(m.values):.3g}x, short of the square root of "
+                                          f"the paper's {math.exp(m.sign * low):.3g}x (half its log)")
             return "direction only", f"median {med:+.3g} {m.unit}, under half the paper's {low:g}"
         if c.setting.kind == "reduced":
             return "direction only", "reduced setting"

@@ -17,7 +17,7 @@ sys.modules["claims"] = claims  # pydantic resolves the models' annotations thro
 spec.loader.exec_module(claims)
 
 
-def _claim(values, *, sign=1, kind="paper", low=None, checks=(), comparable=True):
+def _claim(values, *, sign=1, kind="paper", low=None, high=None, checks=(), comparable=True, scale="difference"):
     setting = {"kind": kind, "here": "here"}
     if kind == "reduced":
         setting["reductions"] = ["fewer rounds"]
@@ -26,9 +26,10 @@ def _claim(values, *, sign=1, kind="paper", low=None, checks=(), comparable=True
     return claims.Claim(
         id="planted", paper="GAS", claim="X beats Y", comparable=comparable,
         why_not_comparable=None if comparable else "another quantity",
-        paper_number={"text": "+10 pp", "place": "Table 1", "low": low, "high": low},
+        paper_number={"text": "+10 pp", "place": "Table 1", "low": low, "high": low if high is None else high},
         setting=setting, checks=list(checks),
-        measure={"what": "X minus Y", "short": "X - Y", "unit": "pp", "sign": sign, "seeds": list(range(len(values))),
+        measure={"what": "X minus Y", "short": "X - Y", "unit": "x" if scale == "ratio" else "pp", "sign": sign,
+                 "scale": scale, "seeds": list(range(len(values))),
                  "values": values, "page": "gas.md#x", "command": "python docs/results/run_gas.py"})
 
 
@@ -49,6 +50,40 @@ def _claim(values, *, sign=1, kind="paper", low=None, checks=(), comparable=True
 ])
 def test_the_rule_gives_each_verdict_where_its_text_says(kw, want):
     assert claims.verdict(_claim(**kw))[0] == want
+
+
+@pytest.mark.parametrize("kw, want", [
+    # Ampere's on-device compute (Fig. 9, ampere.txt:532): "6.87% to 96.2% of the on-device computation required by
+    # baselines", a ratio under 1 for a claimed decrease. The paper's best case, and its worst, give "reproduced";
+    # before the ratio scale, sign -1 made every ratio negative and both gave "not reproduced".
+    ({"values": [0.0687, 0.07, 0.07], "low": 0.0687, "high": 0.962}, "reproduced"),
+    ({"values": [0.962, 0.962, 0.962], "low": 0.0687, "high": 0.962}, "reproduced"),
+    # CycleSL's gradient norms (Table 6): CyclePSL 2.773 over PSL 4.369 = 0.635 (0.573 to 0.635 over the table)
+    ({"values": [0.635, 0.6, 0.573], "low": 0.573, "high": 0.635}, "reproduced"),
+    # the paper's direction, but short of half the smallest effect on the log scale (sqrt(0.962) = 0.981)
+    ({"values": [0.99, 0.99, 0.99], "low": 0.0687, "high": 0.962}, "direction only"),
+    ({"values": [0.5, 0.6, 0.7]}, "reproduced"),  # no paper number: the direction against 1 decides
+    ({"values": [3.5, 3.5, 3.5], "low": 0.0687, "high": 0.962}, "not reproduced, unexplained"),  # 3.5x more
+    ({"values": [0.5, 1.0, 0.7]}, "not reproduced, unexplained"),  # a ratio of 1 is no effect
+])
+def test_a_ratio_is_judged_against_1_on_the_log_scale(kw, want):
+    """Issue 73, item 2: a ratio's direction is judged against 1, and the paper's smallest effect in the measure's
+    unit (the end of its range of ratios nearest 1) on the log scale; the paper's own numbers give "reproduced"."""
+    assert claims.verdict(_claim(sign=-1, scale="ratio", **kw))[0] == want, kw
+    # a claimed increase as a ratio: a speedup of 2x against a paper's 1.5x
+    assert claims.verdict(_claim([2.0, 2.1, 1.9], sign=1, scale="ratio", low=1.5))[0] == "reproduced"
+    assert claims.verdict(_claim([1.1, 1.1, 1.1], sign=1, scale="ratio", low=1.5))[0] == "direction only"
+
+
+def test_a_ratio_measure_is_named_and_positive():
+    with pytest.raises(ValueError, match="unit x"):
+        claims.Measure(what="w", short="s", unit="x", sign=-1, seeds=[0], values=[0.5], page="gas.md",
+                       command="python docs/results/run_gas.py")
+    with pytest.raises(ValueError, match="positive"):
+        claims.Measure(what="w", short="s", unit="x", sign=-1, scale="ratio", seeds=[0], values=[-0.5],
+                       page="gas.md", command="python docs/results/run_gas.py")
+    ratios = [c for c in claims.load().claims if c.measure and c.measure.unit == "x"]
+    assert ratios and all(c.measure.scale == "ratio" for c in ratios)
 
 
 def test_the_registry_validates_and_the_readme_table_is_generated_from_it():
