@@ -270,7 +270,8 @@ def head(paper: str, reg: Registry) -> str:
     for c in mine:
         v, why = verdict(c)
         out.append(f"- **{c.claim}** Verdict: **{v}** ({why}).")
-        out.append(f"  - The paper ({c.paper_number.place}): {c.paper_number.text}.")
+        out.append(f"  - The paper ({c.paper_number.place}): {c.paper_number.text}"
+                   + (f" (the rule uses {c.paper_number.which})." if c.paper_number.which else "."))
         s = c.setting
         kind = {"paper": "the paper's setting", "equivalent": f"equivalent to the paper's: {s.equivalent}",
                 "reduced": "reduced: " + "; ".join(s.reductions)}[s.kind]
