@@ -346,6 +346,23 @@ def page_links(pages: list[Path] | None = None) -> list[str]:
     return out
 
 
+def shared_paths(pages: list[Path] | None = None, root: Path = ROOT) -> list[str]:
+    """Paths to the shared papers and notes (``shared/papers/``, ``shared/notes/``, beside the repository) written on
+    a result page that do not lead there from the page's own folder: a reader follows them from the page, not from
+    the repository's root."""
+    results = root / "docs" / "results"
+    pages = pages if pages is not None else sorted(results.glob("*.md")) + sorted((results / "notes").glob("*.md"))
+    out = []
+    for page in pages:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for up, rest in re.findall(r"((?:\.\./)*)shared/((?:papers|notes)\b[^\s)`,;]*)", line):
+                if (page.parent / up).resolve() != root.parent.resolve():
+                    name = page.relative_to(root) if page.is_relative_to(root) else page
+                    out.append(f"{name}:{n}: {up}shared/{rest} does not lead from {name.parent} to "
+                               f"shared/ beside the repository")
+    return out
+
+
 # verdicts in words the rule does not use, as pages wrote them by hand before the registry
 OFF_RULE = r"\b(direction reproduced|reproduced in direction|reproduced centrally|consistent with the paper)\b"
 
@@ -382,7 +399,7 @@ def main(argv: list[str]) -> int:
             path.write_text(text)
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
-    problems = long_cells(reg) + broken_links(reg) + page_links() + hand_verdicts()
+    problems = long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
     for path, text in want.items():
         if text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "

@@ -163,3 +163,16 @@ def test_no_verdict_is_written_by_hand_outside_a_pages_generated_head(tmp_path):
                     f"{claims.HEAD_END}\n\n| the paper | here | open |\n|---|---|---|\n| x | +1 | Not tested here |\n"
                     "| y | +2 | the size |\n\nThe effect is consistent with the paper.\n")
     assert [line.split(": ", 1)[0] for line in claims.hand_verdicts([page])] == [f"{page}:10", f"{page}:13"]
+
+
+def test_paths_to_the_shared_papers_lead_there_from_the_page(tmp_path):
+    """Issue 73: pages wrote ../shared/papers/x.txt, a path from the repository's root, where a reader standing on
+    docs/results/ needs ../../../shared/papers/x.txt (and one ../ more from notes/)."""
+    assert not claims.shared_paths(), claims.shared_paths()
+    root = tmp_path / "repo"
+    (root / "docs" / "results" / "notes").mkdir(parents=True)
+    (root / "docs" / "results" / "a.md").write_text("the paper (../shared/papers/x.txt), ok ../../../shared/papers/x.txt\n")
+    (root / "docs" / "results" / "notes" / "b.md").write_text("ok (../../../../shared/notes/seed-code.md §1)\n"
+                                                              "not ../../../shared/papers/y.txt\n")
+    out = claims.shared_paths(root=root)
+    assert [o.split(": ")[0] for o in out] == ["docs/results/a.md:1", "docs/results/notes/b.md:2"], out
