@@ -8,7 +8,9 @@ by hand, and docs/results/README.md's table is generated from it::
     python scripts/claims.py check     # make check-claims (in make check-results): the registry validates, the
                                        # table and the heads are what the registry gives, every cell fits, and
                                        # every link (the registry's, the result pages') lands on a section that
-                                       # exists
+                                       # exists; every registry value stands in the section its measure links
+                                       # to; no sentence of a paper's page speaks of a claim (its mentions) in
+                                       # verdict words the computed verdict does not allow, however phrased
 
 The rule, as docs/results/README.md states it. A claim's measure is signed so that positive values go the paper's
 way; ``values`` are its per-seed values.
@@ -136,6 +138,9 @@ class Claim(_Strict):
     also: str | None = Field(default=None, max_length=200)
     checks: list[Check] = Field(default_factory=list)
     open: list[str] = Field(default_factory=list, description="what is left to check, each in a few words")
+    mentions: list[str] = Field(default_factory=list, description="regular expressions (case-insensitive) that "
+                                "find a sentence of the paper's page about this claim: the check holds such a "
+                                "sentence's verdict words to the computed verdict")
 
     @model_validator(mode="after")
     def _reason(self):
@@ -388,6 +393,133 @@ def hand_verdicts(pages: list[Path] | None = None) -> list[str]:
     return out
 
 
+# verdict words, by what they say of a claim; a negation is read before the words it negates
+SAYS = {
+    "against": r"\b(?:does|do|did|could|can)(?:n't| not) (?:hold|reproduce|agree)\w*|\bnot reproduced\b|"
+               r"\bfails? to reproduce|\bcontradict\w*|\bdisagree\w* with the paper|\bdisagrees\b|\bagainst the paper\b|"
+               r"\bthe opposite of the paper",
+    "direction": r"\bdirection only\b|\bin the paper's direction\b|\bthe paper's way\b",
+    "holds": r"\bholds?\b|\breproduc(?:ed|es)\b|\bconfirm\w*|\bborne out\b|\bagrees? with the paper\b|"
+             r"\bas the paper (?:claims|reports|finds)\b",
+}
+ALLOWED = {"reproduced": {"holds", "direction"}, "direction only": {"direction"},
+           "not reproduced, cause known": {"against"}, "not reproduced, unexplained": {"against"}, "not tested": set()}
+
+
+def sentences(text: str) -> list[tuple[int, str]]:
+    """The sentences of a page's prose and table rows, each with the line it starts on; code blocks, HTML comments
+    and the generated head left out."""
+    if HEAD_BEGIN in text and HEAD_END in text:
+        a, b = text.index(HEAD_BEGIN), text.index(HEAD_END)
+        text = text[:a] + "\n" * text[a:b].count("\n") + text[b:]
+    blank = lambda m: "\n" * m.group(0).count("\n")  # noqa: E731
+    text = re.sub(r"^```.*?^```", blank, text, flags=re.M | re.S)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
+    out, para, start = [], [], 0
+    lines = text.splitlines() + [""]
+    for n, line in enumerate(lines, 1):
+        new = not line.strip() or line.startswith(("- ", "|", "#", "*Stamp")) or re.match(r"^\d+\. ", line)
+        if new and para:
+            joined = " ".join(para)
+            at = start
+            for piece in re.split(r"(?<=[.!?])\s+(?=[A-Z*\[(])", joined):
+                out.append((at, piece))
+            para = []
+        if line.strip() and not line.startswith(("#", "*Stamp")):
+            if not para:
+                start = n
+            para.append(line.strip())
+            if line.startswith("|"):
+                out.append((n, " ".join(para)))
+                para = []
+    return out
+
+
+def said(sentence: str) -> set[str]:
+    """What a sentence's verdict words say of a claim (:data:`SAYS`): against, direction, holds."""
+    out, rest = set(), re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", sentence)
+    for kind, pattern in SAYS.items():
+        if re.search(pattern, rest, flags=re.I):
+            out.add(kind)
+            rest = re.sub(pattern, " ", rest, flags=re.I)
+    return out
+
+
+def prose_verdicts(reg: Registry, pages: dict[str, Path] | None = None) -> list[str]:
+    """Sentences of a paper's page (outside its head) that speak of one of its claims (the claim's ``mentions``)
+    in verdict words the computed verdict does not allow: "holds" for a claim the rule finds "direction only",
+    "does not hold" for one it finds "direction only" or "reproduced", any verdict for one it does not test. A
+    paraphrase is caught by its words, not a fixed phrase. A sentence that links to one of the claim's checks
+    reports that check (another setting, named there), not the measure, and is left to it."""
+    pages = pages if pages is not None else {paper: TABLE_PAGE.parent / name for paper, name in PAGES.items()}
+    out = []
+    for paper, page in pages.items():
+        mine = [c for c in reg.claims if c.paper == paper and c.mentions]
+        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+        for n, sentence in sentences(page.read_text()):
+            words = said(sentence)
+            if not words:
+                continue
+            links = set(re.findall(r"\]\(([^)\s]+)\)", sentence))
+            for c in mine:
+                checks = {ch.link for ch in c.checks} | {_local(ch.link, page.name) for ch in c.checks}
+                if links & checks:
+                    continue  # the sentence reports one of the claim's checks, linked, not its measure
+                if any(re.search(m, sentence, flags=re.I) for m in c.mentions):
+                    v = verdict(c)[0]
+                    wrong = words - ALLOWED[v]
+                    if wrong:
+                        out.append(f"{name}:{n}: says {'/'.join(sorted(wrong))} of {c.id}, whose verdict is "
+                                   f"'{v}': {sentence[:100]!r}")
+    return out
+
+
+def traces(reg: Registry) -> list[str]:
+    """Registry values the section their measure links to does not print: each value must stand there with at least
+    the registry's decimals (rounded to them, it is the registry's value; the sign as printed)."""
+    out = []
+    for c in reg.claims:
+        m = c.measure
+        if m is None:
+            continue
+        path, _, anchor = m.page.partition("#")
+        file = TABLE_PAGE.parent / path
+        if not file.is_file():
+            continue
+        text = section(file.read_text(), anchor) if anchor else file.read_text()
+        printed = re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", text)
+        for x in m.values:
+            places = len(repr(abs(x)).split(".")[1].rstrip("0")) if "." in repr(x) else 0
+            if not any(len(t.split(".")[1]) >= places if "." in t else places == 0
+                       for t in printed if _rounds_to(t, abs(x), places)):
+                out.append(f"{c.id}: {x:g} is not printed in {m.page} (the measure's page)")
+    return out
+
+
+def _rounds_to(token: str, x: float, places: int) -> bool:
+    try:
+        return abs(float(token.replace(",", "")) - x) <= 0.5 * 10 ** -places + 1e-9  # the token, rounded, is x
+    except ValueError:
+        return False
+
+
+def section(text: str, anchor: str) -> str:
+    """The part of a page under the heading whose anchor is ``anchor``, to the next heading of its level or
+    above."""
+    lines, out, level = text.splitlines(), [], None
+    fence = False
+    for line in lines:
+        fence ^= line.startswith("```")
+        h = None if fence else re.match(r"^(#+) ", line)
+        if h and level is not None and len(h.group(1)) <= level:
+            break
+        if level is not None:
+            out.append(line)
+        elif h and anchor in _anchors(line + "\n"):
+            level = len(h.group(1))
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("write", "check"):
         print(__doc__)
@@ -399,7 +531,8 @@ def main(argv: list[str]) -> int:
             path.write_text(text)
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
-    problems = long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
+    problems = (long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
+                + prose_verdicts(reg) + traces(reg))
     for path, text in want.items():
         if text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "

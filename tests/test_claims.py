@@ -176,3 +176,63 @@ def test_paths_to_the_shared_papers_lead_there_from_the_page(tmp_path):
                                                               "not ../../../shared/papers/y.txt\n")
     out = claims.shared_paths(root=root)
     assert [o.split(": ")[0] for o in out] == ["docs/results/a.md:1", "docs/results/notes/b.md:2"], out
+
+
+def _said_of(text, **kw):
+    """prose_verdicts on a planted GAS page (``text`` after a generated head) for one planted claim."""
+    c = _claim(**kw).model_copy(update={"mentions": [r"X (beats|against|over) Y", r"\bX - Y\b"]})
+    return c, claims.Registry(claims=[c])
+
+
+def test_a_page_sentence_whose_verdict_differs_from_the_computed_one_fails(tmp_path):
+    """Issue 73, item 5: ampere.md said "the paper's claims hold" where the rule computes "direction only", and
+    "does not hold" where the registry's measure was +0.46; the old check read table cells and four fixed phrases.
+    The check reads the verdict words of every sentence that speaks of a claim, so paraphrases fail too."""
+    assert not claims.prose_verdicts(claims.load()), claims.prose_verdicts(claims.load())
+    page = tmp_path / "gas.md"
+    c, reg = _said_of("", values=[1.0, 2.0, 3.0], kind="reduced")  # direction only
+    assert claims.verdict(c)[0] == "direction only"
+    page.write_text(f"# P\n\n{claims.HEAD_BEGIN}\n- X beats Y: Verdict: **reproduced**.\n{claims.HEAD_END}\n\n"
+                    "- **X against Y: the paper's claim holds.** Fine print.\n"            # a paraphrase of reproduced
+                    "- X beats Y here, confirming the paper's claim.\n"                  # another
+                    "- X - Y is +2 [+1, +3]: it does not hold at this scale.\n"           # the other way
+                    "- X beats Y on every seed, in the paper's direction (reduced setting).\n"  # agrees with the rule
+                    "- Z beats W: the paper's claim holds.\n"                             # another claim's subject
+                    "- X against Y at another scale: it does not hold ([the check](c.md#e)).\n")  # a check, linked
+    reg = claims.Registry(claims=[c.model_copy(update={"checks": [claims.Check(what="e", link="c.md#e",
+                                                                                explains=False)]})])
+    out = claims.prose_verdicts(reg, {"GAS": page})
+    assert [o.split(": ")[0].rsplit(":", 1)[1] for o in out] == ["7", "8", "9"], out
+    assert "says holds of planted, whose verdict is 'direction only'" in out[0]
+    assert "says against of planted" in out[2]
+    # the same sentences are right for a claim the rule finds not reproduced only where they say so
+    bad, _ = _said_of("", values=[-1.0, -2.0, -3.0])
+    out = claims.prose_verdicts(claims.Registry(claims=[bad]), {"GAS": page})
+    assert [o.split(": ")[0].rsplit(":", 1)[1] for o in out] == ["7", "8", "10"], out
+
+
+def test_verdict_words_are_read_with_their_negation():
+    assert claims.said("the claim does not hold here") == {"against"}
+    assert claims.said("the claim holds here") == {"holds"}
+    assert claims.said("not reproduced; the opposite of the paper") == {"against"}
+    assert claims.said("the seeds disagree in sign") == set()
+    assert claims.said("direction only, the head's verdict") == {"direction"}
+
+
+def test_a_registry_value_its_page_does_not_print_fails(tmp_path, monkeypatch):
+    """Issue 73: the registry gave Ampere's time as 92.46, 92.65, 92.65 where its page printed 92.5, 92.7, 92.7, and
+    linked CycleSL's and GAS's values to a section that prints none of them. Each value must stand in the section its
+    measure links to, with at least the registry's decimals."""
+    assert not claims.traces(claims.load()), claims.traces(claims.load())
+    monkeypatch.setattr(claims, "TABLE_PAGE", tmp_path / "README.md")
+    (tmp_path / "gas.md").write_text("# G\n\n## X\n\n| X - Y | +1.25 [+0.5, +2.04] | +1.25 +0.50 +2.04 |\n\n"
+                                     "## Other\n\n92.46 and 3.1\n")
+    ok = _claim([1.25, 0.5, 2.04]).model_copy(update={"measure": _claim([1.25, 0.5, 2.04]).measure.model_copy(
+        update={"page": "gas.md#x"})})
+    assert claims.traces(claims.Registry(claims=[ok])) == []
+    coarse = _claim([1.3, 0.5, 2.0]).measure.model_copy(update={"page": "gas.md#x"})  # the page has more digits
+    assert claims.traces(claims.Registry(claims=[ok.model_copy(update={"measure": coarse})])) == []
+    fine = _claim([1.254, 0.5, 3.1]).measure.model_copy(update={"page": "gas.md#x"})
+    assert claims.traces(claims.Registry(claims=[ok.model_copy(update={"measure": fine})])) == [
+        "planted: 1.254 is not printed in gas.md#x (the measure's page)",
+        "planted: 3.1 is not printed in gas.md#x (the measure's page)"]  # 3.1 stands in another section only
