@@ -439,11 +439,26 @@ SAYS = {
                r"\bfails? to reproduce|\bcontradict\w*|\bdisagree\w* with the paper|\bdisagrees\b|\bagainst the paper\b|"
                r"\bthe opposite of the paper",
     "direction": r"\bdirection only\b|\bin the paper's direction\b|\bthe paper's way\b",
-    "holds": r"\bholds?\b|\breproduc(?:ed|es)\b|\bconfirm\w*|\bborne out\b|\bagrees? with the paper\b|"
+    "holds": r"\bholds\b(?!\s+(?:every|all|the|a|an|its|their|\d))|\b(?:claims?|it|this|they) (?:still )?hold\b|\bholds up\b|\breproduc(?:ed|es)\b|\bconfirm\w*|\bborne out\b|\bagrees? with the paper\b|"
              r"\bas the paper (?:claims|reports|finds)\b",
 }
 ALLOWED = {"reproduced": {"holds", "direction"}, "direction only": {"direction"},
            "not reproduced, cause known": {"against"}, "not reproduced, unexplained": {"against"}, "not tested": set()}
+
+
+def sections_at(text: str) -> list[str]:
+    """The anchor of the heading each line of ``text`` stands under ("" before the first), repeats numbered."""
+    out, seen, cur, fenced = [], {}, "", False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            a = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = seen.get(a, 0)
+            seen[a] = n + 1
+            cur = a if n == 0 else f"{a}-{n}"
+        out.append(cur)
+    return out
 
 
 def sentences(text: str) -> list[tuple[int, str]]:
@@ -477,7 +492,8 @@ def sentences(text: str) -> list[tuple[int, str]]:
 
 def said(sentence: str) -> set[str]:
     """What a sentence's verdict words say of a claim (:data:`SAYS`): against, direction, holds."""
-    out, rest = set(), re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", sentence)
+    rest = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", sentence)
+    out, rest = set(), re.sub(r'"[^"]*"', " ", rest)  # a quoted title or phrase says nothing itself
     for kind, pattern in SAYS.items():
         if re.search(pattern, rest, flags=re.I):
             out.add(kind)
@@ -485,32 +501,58 @@ def said(sentence: str) -> set[str]:
     return out
 
 
-def prose_verdicts(reg: Registry, pages: dict[str, Path] | None = None) -> list[str]:
-    """Sentences of a paper's page (outside its head) that speak of one of its claims (the claim's ``mentions``)
+def prose_pages() -> dict[str, list[Path]]:
+    """Each paper's page and its notes (notes/<page>-*.md, the generated claims page left out): what a page says
+    of a claim stays held to the verdict when it moves to notes/."""
+    results = TABLE_PAGE.parent
+    return {paper: [results / name] + sorted(p for p in (results / "notes").glob(f"{Path(name).stem}-*.md")
+                                             if p != full_page(paper))
+            for paper, name in PAGES.items()}
+
+
+def prose_verdicts(reg: Registry, pages: dict[str, Path | list[Path]] | None = None) -> list[str]:
+    """Sentences of a paper's pages (outside the head) that speak of one of its claims (the claim's ``mentions``)
     in verdict words the computed verdict does not allow: "holds" for a claim the rule finds "direction only",
     "does not hold" for one it finds "direction only" or "reproduced", any verdict for one it does not test. A
-    paraphrase is caught by its words, not a fixed phrase. A sentence that links to one of the claim's checks
-    reports that check (another setting, named there), not the measure, and is left to it."""
-    pages = pages if pages is not None else {paper: TABLE_PAGE.parent / name for paper, name in PAGES.items()}
+    paraphrase is caught by its words, not a fixed phrase. A sentence that links to one of the claim's checks, or
+    stands in the section of one, reports that check (another setting, named there), not the measure, and is left
+    to it; a quoted title says nothing itself."""
+    pages = pages if pages is not None else prose_pages()
     out = []
-    for paper, page in pages.items():
+    for paper, paths in pages.items():
         mine = [c for c in reg.claims if c.paper == paper and c.mentions]
-        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
-        for n, sentence in sentences(page.read_text()):
-            words = said(sentence)
-            if not words:
-                continue
-            links = set(re.findall(r"\]\(([^)\s]+)\)", sentence))
-            for c in mine:
-                checks = {ch.link for ch in c.checks} | {_local(ch.link, page.name) for ch in c.checks}
-                if links & checks:
-                    continue  # the sentence reports one of the claim's checks, linked, not its measure
-                if any(re.search(m, sentence, flags=re.I) for m in c.mentions):
-                    v = verdict(c)[0]
-                    wrong = words - ALLOWED[v]
-                    if wrong:
-                        out.append(f"{name}:{n}: says {'/'.join(sorted(wrong))} of {c.id}, whose verdict is "
-                                   f"'{v}': {sentence[:100]!r}")
+        for page in [paths] if isinstance(paths, Path) else paths:
+            out += _prose(mine, page)
+    return out
+
+
+def _prose(mine: list[Claim], page: Path) -> list[str]:
+    out = []
+    name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    in_notes = page.parent.name == "notes"
+    text = page.read_text()
+    under = sections_at(text)
+    here = f"notes/{page.name}" if in_notes else page.name
+    for n, sentence in sentences(text):
+        words = said(sentence)
+        if not words:
+            continue
+        links = set(re.findall(r"\]\(([^)\s]+)\)", sentence))
+        for c in mine:
+            checks = {_from_notes(ch.link) if in_notes else _local(ch.link, page.name) for ch in c.checks}
+            if page.parent.name == "notes":  # a check on the same notes page, linked by its anchor
+                checks |= {"#" + ch.link.partition("#")[2] for ch in c.checks
+                           if ch.link.partition("#")[0] == f"notes/{page.name}"}
+            if links & (checks | {ch.link for ch in c.checks}):
+                continue  # the sentence reports one of the claim's checks, linked, not its measure
+            if f"{here}#{under[n - 1]}" in {ch.link for ch in c.checks}:
+                continue  # the sentence stands in the section of one of the claim's checks: it reports that check
+            if any(re.search(m, sentence, flags=re.I) for m in c.mentions):
+                v = verdict(c)[0]
+                wrong = words - ALLOWED[v]
+                if wrong:
+                    out.append(f"{name}:{n}: says {'/'.join(sorted(wrong))} of {c.id}, whose verdict is "
+                               f"'{v}': {sentence[:100]!r}")
     return out
 
 

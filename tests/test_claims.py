@@ -236,3 +236,45 @@ def test_a_registry_value_its_page_does_not_print_fails(tmp_path, monkeypatch):
     assert claims.traces(claims.Registry(claims=[ok.model_copy(update={"measure": fine})])) == [
         "planted: 1.254 is not printed in gas.md#x (the measure's page)",
         "planted: 3.1 is not printed in gas.md#x (the measure's page)"]  # 3.1 stands in another section only
+
+
+def test_what_a_page_says_stays_checked_in_its_notes_and_a_checks_own_section_reports_the_check(tmp_path):
+    pages = claims.prose_pages()
+    names = {p.name for p in pages["GAS"]}
+    assert {"gas.md", "gas-baselines.md"} <= names and "gas-claims.md" not in names, names
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    page = notes / "gas-x.md"
+    page.write_text("# X\n\n## The measure\n\nX beats Y: the claim holds.\n\n## Another scale\n\n"
+                    "X against Y here: it does not hold.\n\nA cache that holds every activation; X beats Y.\n\n"
+                    "X beats Y, as \"Where we disagree with the paper\" says.\n")
+    c, _ = _said_of("", values=[1.0, 2.0, 3.0], kind="reduced")
+    c = c.model_copy(update={"checks": [claims.Check(what="e", link="notes/gas-x.md#another-scale", explains=False)]})
+    out = claims.prose_verdicts(claims.Registry(claims=[c]), {"GAS": [page]})
+    assert [o.split(": ")[0].rsplit(":", 1)[1] for o in out] == ["5"], out  # only the measure's section's "holds"
+
+
+def _counts(path):
+    """A paper's page in words: its head, its longest table cell (characters, links as their text), and the words
+    before its "Investigations (notes/)" heading."""
+    import re
+
+    text = path.read_text()
+    a, b = text.index(claims.HEAD_BEGIN) + len(claims.HEAD_BEGIN), text.index(claims.HEAD_END)
+    words = lambda t: len(re.sub(r"\]\([^)]*\)", "]", t).split())  # noqa: E731
+    cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.split("|")[1:-1]]
+    longest = max([0] + [len(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", c)) for c in cells])
+    notes = text.find("\n## Investigations (notes/)")
+    return words(text[a:b]), longest, words(text[:notes] if notes >= 0 else text)
+
+
+def test_each_papers_page_reads_in_five_minutes(capsys):
+    """Issue 73, item 7: a paper's page is read in five minutes: its head about 400 words at most, no table cell
+    over about 300 characters, about 1,200 words before the link to its notes (investigations live in notes/)."""
+    counts = {name: _counts(claims.TABLE_PAGE.parent / name) for name in claims.PAGES.values()}
+    with capsys.disabled():
+        print("\npaper pages (head words, longest cell, words before notes/):",
+              ", ".join(f"{k} {h}/{c}/{w}" for k, (h, c, w) in counts.items()))
+    assert all(h <= 420 for h, _, _ in counts.values()), counts
+    assert all(c <= 320 for _, c, _ in counts.values()), counts
+    assert all(w <= 1400 for _, _, w in counts.values()), counts  # about 1,200
