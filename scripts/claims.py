@@ -8,7 +8,9 @@ by hand, and docs/results/README.md's table is generated from it::
     python scripts/claims.py check     # make check-claims (in make check-results): the registry validates, the
                                        # table and the heads are what the registry gives, every cell fits, and
                                        # every link (the registry's, the result pages') lands on a section that
-                                       # exists
+                                       # exists; every registry value stands in the section its measure links
+                                       # to; no sentence of a paper's page speaks of a claim (its mentions) in
+                                       # verdict words the computed verdict does not allow, however phrased
 
 The rule, as docs/results/README.md states it. A claim's measure is signed so that positive values go the paper's
 way; ``values`` are its per-seed values.
@@ -17,6 +19,12 @@ way; ``values`` are its per-seed values.
 - **reproduced**: three seeds or more, every one in the paper's direction, in the paper's setting or a named
   equivalent (``setting.kind``: ``paper`` | ``equivalent``, the equivalence named), and the median at least half
   the smallest number the paper reports (where it reports one).
+
+A measure is a difference (``scale: difference``, the default: its effect is ``sign * value``, in the paper's
+direction when positive) or a ratio (``scale: ratio``, unit ``x``: its effect is ``sign * ln(value)``, so a ratio is
+in the paper's direction when it is below 1 for ``sign: -1`` and above 1 for ``sign: 1``, and "half the paper's
+number" is half its effect on the log scale, the square root of the ratio). For a ratio, ``paper_number.low`` and
+``high`` are the paper's ratios as it prints them (e.g. 0.0687 and 0.962); the smallest effect is the one nearest 1.
 - **direction only**: every seed in the paper's direction, but fewer than three seeds, or only their median
   printed, or a reduced setting, or a median under half the paper's smallest number.
 - **not reproduced, cause known**: some seed against the paper's direction (or none with it), and a check that
@@ -26,6 +34,7 @@ way; ``values`` are its per-seed values.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import sys
@@ -59,8 +68,12 @@ class PaperNumber(_Strict):
     text: str = Field(max_length=120, description="the paper's number as it quotes it")
     place: str = Field(min_length=2, description="where it stands: section, table or figure")
     low: float | None = Field(default=None, description="the smallest effect the paper reports, in the measure's "
-                              "unit and direction (null: the paper gives a direction only)")
+                              "unit and direction (null: the paper gives a direction only); for a ratio measure, "
+                              "one end of the paper's range of ratios as printed (the rule takes the end nearest 1)")
     high: float | None = None
+    which: str | None = Field(default=None, max_length=200, description="which of the paper's numbers low is and "
+                              "why, where the paper reports several (the rule needs the smallest effect in the "
+                              "measure's unit, where the paper claims one)")
 
 
 class Setting(_Strict):
@@ -83,7 +96,10 @@ class Measure(_Strict):
     what: str = Field(description="the comparison, e.g. CyclePSL minus PSL, final accuracy, paired by seed")
     short: str = Field(max_length=60, description="what the table calls it")
     unit: str
-    sign: Literal[1, -1] = Field(description="1: the paper's claim is a positive value; -1: a negative one")
+    sign: Literal[1, -1] = Field(description="1: the paper's claim is a positive value (a ratio above 1); -1: a "
+                                 "negative one (a ratio below 1)")
+    scale: Literal["difference", "ratio"] = Field(default="difference", description="difference: the effect is "
+                                                  "sign * value; ratio (unit x): sign * ln(value)")
     seeds: list[int]
     values: list[float] = Field(description="per seed, in the order of seeds (median_only: the one median)")
     median_only: bool = Field(default=False, description="the page prints only the median over the seeds")
@@ -94,6 +110,10 @@ class Measure(_Strict):
 
     @model_validator(mode="after")
     def _paired(self):
+        if (self.scale == "ratio") != (self.unit == "x"):
+            raise ValueError("a ratio measure (scale: ratio) has unit x, and a measure in x is a ratio")
+        if self.scale == "ratio" and any(x <= 0 for x in self.values):
+            raise ValueError("a ratio is positive")
         if len(self.values) != (1 if self.median_only else len(self.seeds)):
             raise ValueError(f"{len(self.values)} values for {len(self.seeds)} seeds"
                              f"{' (median_only: one value)' if self.median_only else ''}")
@@ -118,6 +138,9 @@ class Claim(_Strict):
     also: str | None = Field(default=None, max_length=200)
     checks: list[Check] = Field(default_factory=list)
     open: list[str] = Field(default_factory=list, description="what is left to check, each in a few words")
+    mentions: list[str] = Field(default_factory=list, description="regular expressions (case-insensitive) that "
+                                "find a sentence of the paper's page about this claim: the check holds such a "
+                                "sentence's verdict words to the computed verdict")
 
     @model_validator(mode="after")
     def _reason(self):
@@ -141,6 +164,23 @@ def load(path: Path = REGISTRY) -> Registry:
     return Registry(claims=yaml.safe_load(path.read_text()))
 
 
+def effect(m: Measure, x: float) -> float:
+    """A value of ``m`` as an effect: positive in the paper's direction; a ratio's on the log scale, so that a ratio
+    below 1 is in the direction of a claimed decrease (``sign: -1``) and above 1 of a claimed increase."""
+    return m.sign * (math.log(x) if m.scale == "ratio" else x)
+
+
+def smallest(c: Claim) -> float | None:
+    """The smallest effect the paper reports, as an effect of the claim's measure (:func:`effect`): a difference's
+    ``low`` as written; for a ratio, the end of the paper's range nearest 1, on the log scale."""
+    p, m = c.paper_number, c.measure
+    if p.low is None:
+        return None
+    if m is None or m.scale == "difference":
+        return p.low
+    return min(abs(math.log(x)) for x in (p.low, p.high) if x is not None and x > 0)
+
+
 def verdict(c: Claim) -> tuple[str, str]:
     """The claim's verdict by the rule (module docstring) and the reason in a few words."""
     m = c.measure
@@ -148,15 +188,18 @@ def verdict(c: Claim) -> tuple[str, str]:
         return "not tested", "no runs"
     if not c.comparable:
         return "not tested", c.why_not_comparable
-    v = [m.sign * x for x in m.values]
+    v = [effect(m, x) for x in m.values]
     n, med = len(v), statistics.median(v)
     if all(x > 0 for x in v):
         if m.median_only:
             return "direction only", f"the median of {len(m.seeds)} seeds; per-seed values not printed"
         if n < 3:
             return "direction only", "one seed" if n == 1 else f"{n} seeds"
-        low = c.paper_number.low
+        low = smallest(c)
         if low is not None and med < low / 2:
+            if m.scale == "ratio":
+                return "direction only", (f"median {statistics.median(m.values):.3g}x, short of the square root of "
+                                          f"the paper's {math.exp(m.sign * low):.3g}x (half its log)")
             return "direction only", f"median {med:+.3g} {m.unit}, under half the paper's {low:g}"
         if c.setting.kind == "reduced":
             return "direction only", "reduced setting"
@@ -221,18 +264,61 @@ def _local(link: str, page: str) -> str:
     return f"#{anchor}" if path == page and anchor else link
 
 
+def _values(m: Measure) -> str:
+    if m.median_only:
+        return f"median of seeds {', '.join(map(str, m.seeds))}: {m.values[0]:g} {m.unit}"
+    return ", ".join(f"seed {sd} {x:+g}" for sd, x in zip(m.seeds, m.values)) + f" {m.unit}"
+
+
+def full_page(paper: str) -> Path:
+    """The notes page that lists ``paper``'s claims in full (generated; the page's head is the short form)."""
+    return TABLE_PAGE.parent / "notes" / f"{Path(PAGES[paper]).stem}-claims.md"
+
+
+def _from_notes(link: str) -> str:
+    """A registry link (relative to docs/results) as written on a page of docs/results/notes/."""
+    return link[len("notes/"):] if link.startswith("notes/") else f"../{link}"
+
+
 def head(paper: str, reg: Registry) -> str:
-    """The head of ``paper``'s page: each claim it tests, the paper's number and where it stands, raysplit's setting
-    and each reduction, the per-seed values with their command, the verdict by the rule, what was checked on a
-    disagreement and what is open."""
-    page = PAGES[paper]
+    """The head of ``paper``'s page, short (issue 73: a page read in five minutes): each claim it tests with its
+    verdict by the rule, the paper's number and where it stands, the per-seed values and the section that shows
+    them; the setting point by point, the reductions, the command, the checks and what is open are on the claims'
+    notes page (:func:`full`), one link away."""
+    page, notes = PAGES[paper], f"notes/{full_page(paper).name}"
     mine = [c for c in reg.claims if c.paper == paper]
-    out = ["**The claims this page tests** (generated from [claims.yaml](claims.yaml) by `make claims`; the verdicts "
-           "by the rule in [README.md](README.md)). Values are signed so that positive goes the paper's way.", ""]
+    out = [f"**The claims this page tests** (generated by `make claims` from [claims.yaml](claims.yaml); verdicts by "
+           f"the rule in [README.md](README.md); settings, commands and checks in [{notes}]({notes})). Values as "
+           f"measured: positive goes the paper's way unless the row says otherwise.", ""]
     for c in mine:
         v, why = verdict(c)
         out.append(f"- **{c.claim}** Verdict: **{v}** ({why}).")
         out.append(f"  - The paper ({c.paper_number.place}): {c.paper_number.text}.")
+        m, s = c.measure, c.setting
+        kind = {"paper": "the paper's setting", "equivalent": "an equivalent setting",
+                "reduced": "reduced"}[s.kind]
+        shown = "not run" if m is None else f"{m.short}: {_values(m)} ([shown here]({_local(m.page, page)}))"
+        way = "" if m is None else {("difference", 1): "", ("difference", -1): "; the paper's way is negative",
+                                     ("ratio", 1): "; the paper's way is above 1",
+                                     ("ratio", -1): "; the paper's way is below 1"}[(m.scale, m.sign)]
+        out.append(f"  - raysplit ({kind}{way}; [in full]({notes}#{c.id})): {shown}.")
+    return "\n".join(out)
+
+
+def full(paper: str, reg: Registry) -> str:
+    """``paper``'s claims in full, the page :func:`full_page` (generated whole by ``make claims``): the paper's
+    number and which of them the rule uses, raysplit's setting and each reduction, the per-seed values with their
+    command, the verdict by the rule, what was checked on a disagreement and what is open."""
+    mine = [c for c in reg.claims if c.paper == paper]
+    out = [f"# {paper}: the claims in full", "",
+           f"Generated from [claims.yaml](../claims.yaml) by `make claims` (do not edit); the verdicts by the rule in "
+           f"[README.md](../README.md). Values as measured: positive goes the paper's way unless the row says otherwise. The short form heads "
+           f"[{PAGES[paper]}](../{PAGES[paper]}).", ""]
+    for c in mine:
+        v, why = verdict(c)
+        out += [f"## {c.id}", "", f"- **{c.claim}** Verdict: **{v}** ({why})."]
+        out.append(f"  - The paper ({c.paper_number.place}): {c.paper_number.text}"
+                   + (f" (the rule uses {c.paper_number.which})." if c.paper_number.which else "."))
         s = c.setting
         kind = {"paper": "the paper's setting", "equivalent": f"equivalent to the paper's: {s.equivalent}",
                 "reduced": "reduced: " + "; ".join(s.reductions)}[s.kind]
@@ -241,27 +327,31 @@ def head(paper: str, reg: Registry) -> str:
         if m is None:
             out.append("  - Not run.")
         else:
-            if m.median_only:
-                vals = f"median of seeds {', '.join(map(str, m.seeds))}: {m.values[0]:g} {m.unit}"
-            else:
-                vals = ", ".join(f"seed {sd} {x:+g}" for sd, x in zip(m.seeds, m.values)) + f" {m.unit}"
-            out.append(f"  - {m.what}: {vals} ([shown here]({_local(m.page, page)}); `{m.command}`).")
+            way = {("difference", 1): "positive", ("difference", -1): "negative", ("ratio", 1): "above 1",
+                   ("ratio", -1): "below 1"}[(m.scale, m.sign)]
+            out.append(f"  - {m.what} (the paper's way: {way}): {_values(m)} ([shown here]({_from_notes(m.page)}); "
+                       f"`{m.command}`).")
+        if c.also:
+            out.append(f"  - Also: {c.also}.")
         if not c.comparable:
             out.append(f"  - Not comparable: {c.why_not_comparable}.")
         for ch in c.checks:
             says = "explains the gap" if ch.explains else "does not explain it"
-            out.append(f"  - Checked: [{ch.what}]({_local(ch.link, page)}) ({says}).")
+            out.append(f"  - Checked: [{ch.what}]({_from_notes(ch.link)}) ({says}).")
         for o in c.open:
             out.append(f"  - Open: {o}.")
+        out.append("")
     return "\n".join(out)
 
 
 def heads(reg: Registry) -> dict[Path, str]:
-    """Each paper's page as ``make claims`` writes it: its head regenerated from the registry."""
+    """Each paper's page as ``make claims`` writes it (its head regenerated from the registry), and its claims'
+    notes page, generated whole."""
     out = {}
     for paper, name in PAGES.items():
         path = TABLE_PAGE.parent / name
         out[path] = between(path.read_text(), str(path), HEAD_BEGIN, HEAD_END, head(paper, reg))
+        out[full_page(paper)] = full(paper, reg)
     return out
 
 
@@ -307,6 +397,23 @@ def page_links(pages: list[Path] | None = None) -> list[str]:
     return out
 
 
+def shared_paths(pages: list[Path] | None = None, root: Path = ROOT) -> list[str]:
+    """Paths to the shared papers and notes (``shared/papers/``, ``shared/notes/``, beside the repository) written on
+    a result page that do not lead there from the page's own folder: a reader follows them from the page, not from
+    the repository's root."""
+    results = root / "docs" / "results"
+    pages = pages if pages is not None else sorted(results.glob("*.md")) + sorted((results / "notes").glob("*.md"))
+    out = []
+    for page in pages:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for up, rest in re.findall(r"((?:\.\./)*)shared/((?:papers|notes)\b[^\s)`,;]*)", line):
+                if (page.parent / up).resolve() != root.parent.resolve():
+                    name = page.relative_to(root) if page.is_relative_to(root) else page
+                    out.append(f"{name}:{n}: {up}shared/{rest} does not lead from {name.parent} to "
+                               f"shared/ beside the repository")
+    return out
+
+
 # verdicts in words the rule does not use, as pages wrote them by hand before the registry
 OFF_RULE = r"\b(direction reproduced|reproduced in direction|reproduced centrally|consistent with the paper)\b"
 
@@ -332,6 +439,175 @@ def hand_verdicts(pages: list[Path] | None = None) -> list[str]:
     return out
 
 
+# verdict words, by what they say of a claim; a negation is read before the words it negates
+SAYS = {
+    "against": r"\b(?:does|do|did|could|can)(?:n't| not) (?:hold|reproduce|agree)\w*|\bnot reproduced\b|"
+               r"\bfails? to reproduce|\bcontradict\w*|\bdisagree\w* with the paper|\bdisagrees\b|\bagainst the paper\b|"
+               r"\bthe opposite of the paper",
+    "direction": r"\bdirection only\b|\bin the paper's direction\b|\bthe paper's way\b",
+    "holds": r"\bholds\b(?!\s+(?:every|all|the|a|an|its|their|\d))|\b(?:claims?|it|this|they) (?:still )?hold\b|\bholds up\b|\breproduc(?:ed|es)\b|\bconfirm\w*|\bborne out\b|\bagrees? with the paper\b|"
+             r"\bas the paper (?:claims|reports|finds)\b",
+}
+ALLOWED = {"reproduced": {"holds", "direction"}, "direction only": {"direction"},
+           "not reproduced, cause known": {"against"}, "not reproduced, unexplained": {"against"}, "not tested": set()}
+
+
+def sections_at(text: str) -> list[str]:
+    """The anchor of the heading each line of ``text`` stands under ("" before the first), repeats numbered."""
+    out, seen, cur, fenced = [], {}, "", False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            a = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = seen.get(a, 0)
+            seen[a] = n + 1
+            cur = a if n == 0 else f"{a}-{n}"
+        out.append(cur)
+    return out
+
+
+def sentences(text: str) -> list[tuple[int, str]]:
+    """The sentences of a page's prose and table rows, each with the line it starts on; code blocks, HTML comments
+    and the generated head left out."""
+    if HEAD_BEGIN in text and HEAD_END in text:
+        a, b = text.index(HEAD_BEGIN), text.index(HEAD_END)
+        text = text[:a] + "\n" * text[a:b].count("\n") + text[b:]
+    blank = lambda m: "\n" * m.group(0).count("\n")  # noqa: E731
+    text = re.sub(r"^```.*?^```", blank, text, flags=re.M | re.S)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
+    out, para, start = [], [], 0
+    lines = text.splitlines() + [""]
+    for n, line in enumerate(lines, 1):
+        new = not line.strip() or line.startswith(("- ", "|", "#", "*Stamp")) or re.match(r"^\d+\. ", line)
+        if new and para:
+            joined = " ".join(para)
+            at = start
+            for piece in re.split(r"(?<=[.!?])\s+(?=[A-Z*\[(])", joined):
+                out.append((at, piece))
+            para = []
+        if line.strip() and not line.startswith(("#", "*Stamp")):
+            if not para:
+                start = n
+            para.append(line.strip())
+            if line.startswith("|"):
+                out.append((n, " ".join(para)))
+                para = []
+    return out
+
+
+def said(sentence: str) -> set[str]:
+    """What a sentence's verdict words say of a claim (:data:`SAYS`): against, direction, holds."""
+    rest = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", sentence)
+    out, rest = set(), re.sub(r'"[^"]*"', " ", rest)  # a quoted title or phrase says nothing itself
+    for kind, pattern in SAYS.items():
+        if re.search(pattern, rest, flags=re.I):
+            out.add(kind)
+            rest = re.sub(pattern, " ", rest, flags=re.I)
+    return out
+
+
+def prose_pages() -> dict[str, list[Path]]:
+    """Each paper's page and its notes (notes/<page>-*.md, the generated claims page left out): what a page says
+    of a claim stays held to the verdict when it moves to notes/."""
+    results = TABLE_PAGE.parent
+    return {paper: [results / name] + sorted(p for p in (results / "notes").glob(f"{Path(name).stem}-*.md")
+                                             if p != full_page(paper))
+            for paper, name in PAGES.items()}
+
+
+def prose_verdicts(reg: Registry, pages: dict[str, Path | list[Path]] | None = None) -> list[str]:
+    """Sentences of a paper's pages (outside the head) that speak of one of its claims (the claim's ``mentions``)
+    in verdict words the computed verdict does not allow: "holds" for a claim the rule finds "direction only",
+    "does not hold" for one it finds "direction only" or "reproduced", any verdict for one it does not test. A
+    paraphrase is caught by its words, not a fixed phrase. A sentence that links to one of the claim's checks, or
+    stands in the section of one, reports that check (another setting, named there), not the measure, and is left
+    to it; a quoted title says nothing itself."""
+    pages = pages if pages is not None else prose_pages()
+    out = []
+    for paper, paths in pages.items():
+        mine = [c for c in reg.claims if c.paper == paper and c.mentions]
+        for page in [paths] if isinstance(paths, Path) else paths:
+            out += _prose(mine, page)
+    return out
+
+
+def _prose(mine: list[Claim], page: Path) -> list[str]:
+    out = []
+    name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    in_notes = page.parent.name == "notes"
+    text = page.read_text()
+    under = sections_at(text)
+    here = f"notes/{page.name}" if in_notes else page.name
+    for n, sentence in sentences(text):
+        words = said(sentence)
+        if not words:
+            continue
+        links = set(re.findall(r"\]\(([^)\s]+)\)", sentence))
+        for c in mine:
+            checks = {_from_notes(ch.link) if in_notes else _local(ch.link, page.name) for ch in c.checks}
+            if page.parent.name == "notes":  # a check on the same notes page, linked by its anchor
+                checks |= {"#" + ch.link.partition("#")[2] for ch in c.checks
+                           if ch.link.partition("#")[0] == f"notes/{page.name}"}
+            if links & (checks | {ch.link for ch in c.checks}):
+                continue  # the sentence reports one of the claim's checks, linked, not its measure
+            if f"{here}#{under[n - 1]}" in {ch.link for ch in c.checks}:
+                continue  # the sentence stands in the section of one of the claim's checks: it reports that check
+            if any(re.search(m, sentence, flags=re.I) for m in c.mentions):
+                v = verdict(c)[0]
+                wrong = words - ALLOWED[v]
+                if wrong:
+                    out.append(f"{name}:{n}: says {'/'.join(sorted(wrong))} of {c.id}, whose verdict is "
+                               f"'{v}': {sentence[:100]!r}")
+    return out
+
+
+def traces(reg: Registry) -> list[str]:
+    """Registry values the section their measure links to does not print: each value must stand there with at least
+    the registry's decimals (rounded to them, it is the registry's value; the sign as printed)."""
+    out = []
+    for c in reg.claims:
+        m = c.measure
+        if m is None:
+            continue
+        path, _, anchor = m.page.partition("#")
+        file = TABLE_PAGE.parent / path
+        if not file.is_file():
+            continue
+        text = section(file.read_text(), anchor) if anchor else file.read_text()
+        printed = re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", text)
+        for x in m.values:
+            places = len(repr(abs(x)).split(".")[1].rstrip("0")) if "." in repr(x) else 0
+            if not any(len(t.split(".")[1]) >= places if "." in t else places == 0
+                       for t in printed if _rounds_to(t, abs(x), places)):
+                out.append(f"{c.id}: {x:g} is not printed in {m.page} (the measure's page)")
+    return out
+
+
+def _rounds_to(token: str, x: float, places: int) -> bool:
+    try:
+        return abs(float(token.replace(",", "")) - x) <= 0.5 * 10 ** -places + 1e-9  # the token, rounded, is x
+    except ValueError:
+        return False
+
+
+def section(text: str, anchor: str) -> str:
+    """The part of a page under the heading whose anchor is ``anchor``, to the next heading of its level or
+    above."""
+    lines, out, level = text.splitlines(), [], None
+    fence = False
+    for line in lines:
+        fence ^= line.startswith("```")
+        h = None if fence else re.match(r"^(#+) ", line)
+        if h and level is not None and len(h.group(1)) <= level:
+            break
+        if level is not None:
+            out.append(line)
+        elif h and anchor in _anchors(line + "\n"):
+            level = len(h.group(1))
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("write", "check"):
         print(__doc__)
@@ -343,9 +619,10 @@ def main(argv: list[str]) -> int:
             path.write_text(text)
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
-    problems = long_cells(reg) + broken_links(reg) + page_links() + hand_verdicts()
+    problems = (long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
+                + prose_verdicts(reg) + traces(reg))
     for path, text in want.items():
-        if text != path.read_text():
+        if not path.is_file() or text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "
                             f"gives (make claims rewrites it)")
     for p in problems:

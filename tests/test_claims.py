@@ -17,7 +17,7 @@ sys.modules["claims"] = claims  # pydantic resolves the models' annotations thro
 spec.loader.exec_module(claims)
 
 
-def _claim(values, *, sign=1, kind="paper", low=None, checks=(), comparable=True):
+def _claim(values, *, sign=1, kind="paper", low=None, high=None, checks=(), comparable=True, scale="difference"):
     setting = {"kind": kind, "here": "here"}
     if kind == "reduced":
         setting["reductions"] = ["fewer rounds"]
@@ -26,9 +26,10 @@ def _claim(values, *, sign=1, kind="paper", low=None, checks=(), comparable=True
     return claims.Claim(
         id="planted", paper="GAS", claim="X beats Y", comparable=comparable,
         why_not_comparable=None if comparable else "another quantity",
-        paper_number={"text": "+10 pp", "place": "Table 1", "low": low, "high": low},
+        paper_number={"text": "+10 pp", "place": "Table 1", "low": low, "high": low if high is None else high},
         setting=setting, checks=list(checks),
-        measure={"what": "X minus Y", "short": "X - Y", "unit": "pp", "sign": sign, "seeds": list(range(len(values))),
+        measure={"what": "X minus Y", "short": "X - Y", "unit": "x" if scale == "ratio" else "pp", "sign": sign,
+                 "scale": scale, "seeds": list(range(len(values))),
                  "values": values, "page": "gas.md#x", "command": "python docs/results/run_gas.py"})
 
 
@@ -49,6 +50,40 @@ def _claim(values, *, sign=1, kind="paper", low=None, checks=(), comparable=True
 ])
 def test_the_rule_gives_each_verdict_where_its_text_says(kw, want):
     assert claims.verdict(_claim(**kw))[0] == want
+
+
+@pytest.mark.parametrize("kw, want", [
+    # Ampere's on-device compute (Fig. 9, ampere.txt:532): "6.87% to 96.2% of the on-device computation required by
+    # baselines", a ratio under 1 for a claimed decrease. The paper's best case, and its worst, give "reproduced";
+    # before the ratio scale, sign -1 made every ratio negative and both gave "not reproduced".
+    ({"values": [0.0687, 0.07, 0.07], "low": 0.0687, "high": 0.962}, "reproduced"),
+    ({"values": [0.962, 0.962, 0.962], "low": 0.0687, "high": 0.962}, "reproduced"),
+    # CycleSL's gradient norms (Table 6): CyclePSL 2.773 over PSL 4.369 = 0.635 (0.573 to 0.635 over the table)
+    ({"values": [0.635, 0.6, 0.573], "low": 0.573, "high": 0.635}, "reproduced"),
+    # the paper's direction, but short of half the smallest effect on the log scale (sqrt(0.962) = 0.981)
+    ({"values": [0.99, 0.99, 0.99], "low": 0.0687, "high": 0.962}, "direction only"),
+    ({"values": [0.5, 0.6, 0.7]}, "reproduced"),  # no paper number: the direction against 1 decides
+    ({"values": [3.5, 3.5, 3.5], "low": 0.0687, "high": 0.962}, "not reproduced, unexplained"),  # 3.5x more
+    ({"values": [0.5, 1.0, 0.7]}, "not reproduced, unexplained"),  # a ratio of 1 is no effect
+])
+def test_a_ratio_is_judged_against_1_on_the_log_scale(kw, want):
+    """Issue 73, item 2: a ratio's direction is judged against 1, and the paper's smallest effect in the measure's
+    unit (the end of its range of ratios nearest 1) on the log scale; the paper's own numbers give "reproduced"."""
+    assert claims.verdict(_claim(sign=-1, scale="ratio", **kw))[0] == want, kw
+    # a claimed increase as a ratio: a speedup of 2x against a paper's 1.5x
+    assert claims.verdict(_claim([2.0, 2.1, 1.9], sign=1, scale="ratio", low=1.5))[0] == "reproduced"
+    assert claims.verdict(_claim([1.1, 1.1, 1.1], sign=1, scale="ratio", low=1.5))[0] == "direction only"
+
+
+def test_a_ratio_measure_is_named_and_positive():
+    with pytest.raises(ValueError, match="unit x"):
+        claims.Measure(what="w", short="s", unit="x", sign=-1, seeds=[0], values=[0.5], page="gas.md",
+                       command="python docs/results/run_gas.py")
+    with pytest.raises(ValueError, match="positive"):
+        claims.Measure(what="w", short="s", unit="x", sign=-1, scale="ratio", seeds=[0], values=[-0.5],
+                       page="gas.md", command="python docs/results/run_gas.py")
+    ratios = [c for c in claims.load().claims if c.measure and c.measure.unit == "x"]
+    assert ratios and all(c.measure.scale == "ratio" for c in ratios)
 
 
 def test_the_registry_validates_and_the_readme_table_is_generated_from_it():
@@ -128,3 +163,118 @@ def test_no_verdict_is_written_by_hand_outside_a_pages_generated_head(tmp_path):
                     f"{claims.HEAD_END}\n\n| the paper | here | open |\n|---|---|---|\n| x | +1 | Not tested here |\n"
                     "| y | +2 | the size |\n\nThe effect is consistent with the paper.\n")
     assert [line.split(": ", 1)[0] for line in claims.hand_verdicts([page])] == [f"{page}:10", f"{page}:13"]
+
+
+def test_paths_to_the_shared_papers_lead_there_from_the_page(tmp_path):
+    """Issue 73: pages wrote ../shared/papers/x.txt, a path from the repository's root, where a reader standing on
+    docs/results/ needs ../../../shared/papers/x.txt (and one ../ more from notes/)."""
+    assert not claims.shared_paths(), claims.shared_paths()
+    root = tmp_path / "repo"
+    (root / "docs" / "results" / "notes").mkdir(parents=True)
+    (root / "docs" / "results" / "a.md").write_text("the paper (../shared/papers/x.txt), ok ../../../shared/papers/x.txt\n")
+    (root / "docs" / "results" / "notes" / "b.md").write_text("ok (../../../../shared/notes/seed-code.md §1)\n"
+                                                              "not ../../../shared/papers/y.txt\n")
+    out = claims.shared_paths(root=root)
+    assert [o.split(": ")[0] for o in out] == ["docs/results/a.md:1", "docs/results/notes/b.md:2"], out
+
+
+def _said_of(text, **kw):
+    """prose_verdicts on a planted GAS page (``text`` after a generated head) for one planted claim."""
+    c = _claim(**kw).model_copy(update={"mentions": [r"X (beats|against|over) Y", r"\bX - Y\b"]})
+    return c, claims.Registry(claims=[c])
+
+
+def test_a_page_sentence_whose_verdict_differs_from_the_computed_one_fails(tmp_path):
+    """Issue 73, item 5: ampere.md said "the paper's claims hold" where the rule computes "direction only", and
+    "does not hold" where the registry's measure was +0.46; the old check read table cells and four fixed phrases.
+    The check reads the verdict words of every sentence that speaks of a claim, so paraphrases fail too."""
+    assert not claims.prose_verdicts(claims.load()), claims.prose_verdicts(claims.load())
+    page = tmp_path / "gas.md"
+    c, reg = _said_of("", values=[1.0, 2.0, 3.0], kind="reduced")  # direction only
+    assert claims.verdict(c)[0] == "direction only"
+    page.write_text(f"# P\n\n{claims.HEAD_BEGIN}\n- X beats Y: Verdict: **reproduced**.\n{claims.HEAD_END}\n\n"
+                    "- **X against Y: the paper's claim holds.** Fine print.\n"            # a paraphrase of reproduced
+                    "- X beats Y here, confirming the paper's claim.\n"                  # another
+                    "- X - Y is +2 [+1, +3]: it does not hold at this scale.\n"           # the other way
+                    "- X beats Y on every seed, in the paper's direction (reduced setting).\n"  # agrees with the rule
+                    "- Z beats W: the paper's claim holds.\n"                             # another claim's subject
+                    "- X against Y at another scale: it does not hold ([the check](c.md#e)).\n")  # a check, linked
+    reg = claims.Registry(claims=[c.model_copy(update={"checks": [claims.Check(what="e", link="c.md#e",
+                                                                                explains=False)]})])
+    out = claims.prose_verdicts(reg, {"GAS": page})
+    assert [o.split(": ")[0].rsplit(":", 1)[1] for o in out] == ["7", "8", "9"], out
+    assert "says holds of planted, whose verdict is 'direction only'" in out[0]
+    assert "says against of planted" in out[2]
+    # the same sentences are right for a claim the rule finds not reproduced only where they say so
+    bad, _ = _said_of("", values=[-1.0, -2.0, -3.0])
+    out = claims.prose_verdicts(claims.Registry(claims=[bad]), {"GAS": page})
+    assert [o.split(": ")[0].rsplit(":", 1)[1] for o in out] == ["7", "8", "10"], out
+
+
+def test_verdict_words_are_read_with_their_negation():
+    assert claims.said("the claim does not hold here") == {"against"}
+    assert claims.said("the claim holds here") == {"holds"}
+    assert claims.said("not reproduced; the opposite of the paper") == {"against"}
+    assert claims.said("the seeds disagree in sign") == set()
+    assert claims.said("direction only, the head's verdict") == {"direction"}
+
+
+def test_a_registry_value_its_page_does_not_print_fails(tmp_path, monkeypatch):
+    """Issue 73: the registry gave Ampere's time as 92.46, 92.65, 92.65 where its page printed 92.5, 92.7, 92.7, and
+    linked CycleSL's and GAS's values to a section that prints none of them. Each value must stand in the section its
+    measure links to, with at least the registry's decimals."""
+    assert not claims.traces(claims.load()), claims.traces(claims.load())
+    monkeypatch.setattr(claims, "TABLE_PAGE", tmp_path / "README.md")
+    (tmp_path / "gas.md").write_text("# G\n\n## X\n\n| X - Y | +1.25 [+0.5, +2.04] | +1.25 +0.50 +2.04 |\n\n"
+                                     "## Other\n\n92.46 and 3.1\n")
+    ok = _claim([1.25, 0.5, 2.04]).model_copy(update={"measure": _claim([1.25, 0.5, 2.04]).measure.model_copy(
+        update={"page": "gas.md#x"})})
+    assert claims.traces(claims.Registry(claims=[ok])) == []
+    coarse = _claim([1.3, 0.5, 2.0]).measure.model_copy(update={"page": "gas.md#x"})  # the page has more digits
+    assert claims.traces(claims.Registry(claims=[ok.model_copy(update={"measure": coarse})])) == []
+    fine = _claim([1.254, 0.5, 3.1]).measure.model_copy(update={"page": "gas.md#x"})
+    assert claims.traces(claims.Registry(claims=[ok.model_copy(update={"measure": fine})])) == [
+        "planted: 1.254 is not printed in gas.md#x (the measure's page)",
+        "planted: 3.1 is not printed in gas.md#x (the measure's page)"]  # 3.1 stands in another section only
+
+
+def test_what_a_page_says_stays_checked_in_its_notes_and_a_checks_own_section_reports_the_check(tmp_path):
+    pages = claims.prose_pages()
+    names = {p.name for p in pages["GAS"]}
+    assert {"gas.md", "gas-baselines.md"} <= names and "gas-claims.md" not in names, names
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    page = notes / "gas-x.md"
+    page.write_text("# X\n\n## The measure\n\nX beats Y: the claim holds.\n\n## Another scale\n\n"
+                    "X against Y here: it does not hold.\n\nA cache that holds every activation; X beats Y.\n\n"
+                    "X beats Y, as \"Where we disagree with the paper\" says.\n")
+    c, _ = _said_of("", values=[1.0, 2.0, 3.0], kind="reduced")
+    c = c.model_copy(update={"checks": [claims.Check(what="e", link="notes/gas-x.md#another-scale", explains=False)]})
+    out = claims.prose_verdicts(claims.Registry(claims=[c]), {"GAS": [page]})
+    assert [o.split(": ")[0].rsplit(":", 1)[1] for o in out] == ["5"], out  # only the measure's section's "holds"
+
+
+def _counts(path):
+    """A paper's page in words: its head, its longest table cell (characters, links as their text), and the words
+    before its "Investigations (notes/)" heading."""
+    import re
+
+    text = path.read_text()
+    a, b = text.index(claims.HEAD_BEGIN) + len(claims.HEAD_BEGIN), text.index(claims.HEAD_END)
+    words = lambda t: len(re.sub(r"\]\([^)]*\)", "]", t).split())  # noqa: E731
+    cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.split("|")[1:-1]]
+    longest = max([0] + [len(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", c)) for c in cells])
+    notes = text.find("\n## Investigations (notes/)")
+    return words(text[a:b]), longest, words(text[:notes] if notes >= 0 else text)
+
+
+def test_each_papers_page_reads_in_five_minutes(capsys):
+    """Issue 73, item 7: a paper's page is read in five minutes: its head about 400 words at most, no table cell
+    over about 300 characters, about 1,200 words before the link to its notes (investigations live in notes/)."""
+    counts = {name: _counts(claims.TABLE_PAGE.parent / name) for name in claims.PAGES.values()}
+    with capsys.disabled():
+        print("\npaper pages (head words, longest cell, words before notes/):",
+              ", ".join(f"{k} {h}/{c}/{w}" for k, (h, c, w) in counts.items()))
+    assert all(h <= 420 for h, _, _ in counts.values()), counts
+    assert all(c <= 320 for _, c, _ in counts.values()), counts
+    assert all(w <= 1400 for _, _, w in counts.values()), counts  # about 1,200
