@@ -151,12 +151,13 @@ class Check(_Strict):
     values: list[float] = Field(default_factory=list, description="per seed (median_only: the one median), as the "
                                 "linked section prints them")
     median_only: bool = False
+    mean_only: bool = Field(default=False, description="the page prints only the mean over the seeds")
 
     @model_validator(mode="after")
     def _setting(self):
         _five(self.at, "check.at")
         if self.at is not None:
-            if not self.seeds or len(self.values) != (1 if self.median_only else len(self.seeds)):
+            if not self.seeds or len(self.values) != (1 if self.median_only or self.mean_only else len(self.seeds)):
                 raise ValueError(f"a setting check ({self.what[:40]!r}) needs its seeds and one value a seed "
                                  "(median_only: one)")
         elif self.values:
@@ -448,7 +449,8 @@ def full(paper: str, reg: Registry) -> str:
             out.append(f"  - Not comparable: {c.why_not_comparable}.")
         for ch in c.checks:
             if ch.at is not None:
-                vals = (f"median of {len(ch.seeds)} seeds {ch.values[0]:g}" if ch.median_only else
+                vals = (f"median of {len(ch.seeds)} seeds {ch.values[0]:+g}" if ch.median_only else
+                        f"mean of {len(ch.seeds)} seeds {ch.values[0]:+g}" if ch.mean_only else
                         ", ".join(f"seed {sd} {x:+g}" for sd, x in zip(ch.seeds, ch.values)))
                 out.append(f"  - Another setting run: [{ch.what}]({_from_notes(ch.link)}): {vals} "
                            f"{m.unit if m else ''} ({_axes(ch.at)}).")
