@@ -336,6 +336,8 @@ def test_a_row_whose_measure_breaks_the_selection_rule_fails():
         claims.Check(what="w", link="gas.md#x", explains=False, at=_axes(), seeds=[0, 1], values=[1.0])
     with pytest.raises(ValueError, match="departures named"):
         _selecting(_axes(labels=["fewer labels"]), [])
+    # a page that keeps only a mean gives one value for its seeds
+    claims.Check(what="w", link="gas.md#x", explains=False, at=_axes(), seeds=[0, 1, 2], values=[2.1], mean_only=True)
 
 
 def test_every_row_of_the_registry_keeps_the_selection_rule():
