@@ -93,3 +93,17 @@ def test_a_pages_records_table_traces_to_its_records(fake, tmp_path):
 def test_the_committed_records_and_their_tables_check():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "records.py"), "check"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_script_that_computes_its_runs_keeps_a_record_and_restores_from_it(fake, tmp_path):
+    # semisfl_premise.py and semisfl_ladder.py run their arms themselves: keep() writes the cache and a record
+    out = tmp_path / ".premise" / "fixmatch_l40_s0.json"
+    spec = {"arm": "fixmatch", "labels": 40, "seed": 0, "steps": 30}
+    res = {"accuracy": 0.66, "curve": [[10, 0.5, 0.5, 0.7], [30, 0.66, 0.64, 0.8]]}
+    _runs.keep(out, "semisfl-premise", "fixmatch labels 40 seed 0", spec, res)
+    rec = json.loads(_runs.record_path(out).read_text())
+    assert rec["kind"] == "script" and rec["config_digest"] == _runs.spec_digest(spec) and rec["result"] == res
+    assert records.invalid(_runs.record_path(out)) == []
+    out.unlink()
+    assert not _runs.restore(out, digest=_runs.spec_digest({**spec, "steps": 60}))  # another run: run it again
+    assert _runs.restore(out, digest=_runs.spec_digest(spec)) and json.loads(out.read_text()) == res

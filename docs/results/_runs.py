@@ -116,11 +116,15 @@ def record_path(out: Path) -> Path:
     return RECORDS / out.parent.name.lstrip(".") / out.name
 
 
+def spec_digest(spec) -> str:
+    """A digest of what a run was asked to be (any JSON-able description of it)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def config_digest(run: Run) -> str:
     """A digest of what a run was asked to be: its base config's content and its overrides."""
     text = run.config.read_text() if run.config.is_file() else str(run.config)
-    spec = {"config": yaml.safe_load(text), "overrides": json.loads(json.dumps(run.overrides))}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return spec_digest({"config": yaml.safe_load(text), "overrides": json.loads(json.dumps(run.overrides))})
 
 
 def _commit() -> str:
@@ -150,12 +154,25 @@ def _machine() -> str:
 
 def write_record(experiment: str, run: Run, res: dict) -> Path:
     """The run's record, written whole (a temporary file renamed) beside the pages."""
-    rec = {"record": 1, "experiment": experiment, "label": run.label,
-           "config": str(run.config.relative_to(ROOT)) if run.config.is_relative_to(ROOT) else str(run.config),
-           "overrides": json.loads(json.dumps(run.overrides, default=str)), "config_digest": config_digest(run),
-           "commit": _commit(), "machine": _machine(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "result": res}
-    path = record_path(run.out)
+    config = str(run.config.relative_to(ROOT)) if run.config.is_relative_to(ROOT) else str(run.config)
+    return _write(run.out, {"record": 1, "kind": "run", "experiment": experiment, "label": run.label,
+                            "config": config, "overrides": json.loads(json.dumps(run.overrides, default=str)),
+                            "config_digest": config_digest(run)}, res)
+
+
+def keep(out: Path, experiment: str, label: str, spec: dict, res) -> None:
+    """For a script that computes its runs itself (not through :func:`study`): write its cache ``out`` and the run's
+    record, ``spec`` (what it was asked to be, JSON-able) standing for the config and its digest."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res))
+    _write(out, {"record": 1, "kind": "script", "experiment": experiment, "label": label, "config": "(the script)",
+                 "overrides": json.loads(json.dumps(spec, default=str)), "config_digest": spec_digest(spec)}, res)
+
+
+def _write(out: Path, head: dict, res) -> Path:
+    rec = {**head, "commit": _commit(), "machine": _machine(),
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "result": res}
+    path = record_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec, indent=1, sort_keys=True, default=float) + "\n")
@@ -163,19 +180,20 @@ def write_record(experiment: str, run: Run, res: dict) -> Path:
     return path
 
 
-def restore(out: Path, run: Run | None = None) -> bool:
-    """Write the cache ``out`` from its record when the cache is absent and the record is there (and, given ``run``,
-    of the same config digest); whether the cache is there now. A record of another config is left alone and the run
-    is run again."""
+def restore(out: Path, run: Run | None = None, digest: str | None = None) -> bool:
+    """Write the cache ``out`` from its record when the cache is absent and the record is there (and, given ``run``
+    or a ``digest`` (:func:`spec_digest`), of the same config digest); whether the cache is there now. A record of
+    another config is left alone and the run is run again."""
     if out.is_file():
         return True
     path = record_path(out)
     if not path.is_file():
         return False
     rec = json.loads(path.read_text())
-    if run is not None and rec.get("config_digest") != config_digest(run):
-        print(f"{run.label}: its record {path.relative_to(RECORDS.parent)} is of another config "
-              f"({rec.get('config_digest')} against {config_digest(run)}); run again", flush=True)
+    want = config_digest(run) if run is not None else digest
+    if want is not None and rec.get("config_digest") != want:
+        print(f"{rec.get('label')}: its record {path.name} is of another config ({rec.get('config_digest')} against "
+              f"{want}); run again", flush=True)
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
