@@ -126,10 +126,16 @@ class Measure(_Strict):
                              "experiment)")
     at: Axes | None = Field(default=None, description="the measure's setting along the selection rule's axes (AXES): "
                             "a number where the paper's is one, else the departures from the paper's, named")
+    records: list[list[str]] = Field(default_factory=list, description="per seed, the run records (paths under "
+                                     "docs/results/records/) its value is made from: [minuend, subtrahend] of a "
+                                     "difference of final accuracies in points, or [run] for a single run's")
 
     @model_validator(mode="after")
     def _paired(self):
         _five(self.at, "measure.at")
+        if self.records and (self.median_only or len(self.records) != len(self.values)
+                             or any(len(r) not in (1, 2) for r in self.records)):
+            raise ValueError("measure.records: one [minuend, subtrahend] (or [run]) a seed, in the order of values")
         if (self.scale == "ratio") != (self.unit == "x"):
             raise ValueError("a ratio measure (scale: ratio) has unit x, and a measure in x is a ratio")
         if self.scale == "ratio" and any(x <= 0 for x in self.values):
@@ -716,6 +722,31 @@ def traces(reg: Registry) -> list[str]:
     return out
 
 
+RECORDS = TABLE_PAGE.parent / "records"
+
+
+def record_traces(reg: Registry, records: Path | None = None) -> list[str]:
+    """Registry values made from run records (``measure.records``) that differ from what the records give: a
+    difference of two runs' final ``eval/accuracy`` in points (or one run's), rounded to the registry's decimals."""
+    import json
+
+    records = records if records is not None else RECORDS
+    out = []
+    for c in reg.claims:
+        m = c.measure
+        for x, paths in zip(m.values if m else [], m.records if m else []):
+            try:
+                acc = [json.loads((records / p).read_text())["result"]["eval/accuracy"] for p in paths]
+            except (OSError, ValueError, KeyError) as e:
+                out.append(f"{c.id}: record {paths} cannot be read ({e})")
+                continue
+            got = 100 * (acc[0] - acc[1]) if len(acc) == 2 else 100 * acc[0]
+            places = len(repr(abs(x)).split(".")[1].rstrip("0")) if "." in repr(x) else 0
+            if abs(got - x) > 0.5 * 10 ** -places + 1e-9:
+                out.append(f"{c.id}: {x:g} is not what its records give ({got:.{max(places, 2)}f} from {paths})")
+    return out
+
+
 def _rounds_to(token: str, x: float, places: int) -> bool:
     try:
         return abs(float(token.replace(",", "")) - x) <= 0.5 * 10 ** -places + 1e-9  # the token, rounded, is x
@@ -752,7 +783,7 @@ def main(argv: list[str]) -> int:
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
     problems = (long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
-                + prose_verdicts(reg) + traces(reg) + selection(reg))
+                + prose_verdicts(reg) + traces(reg) + selection(reg) + record_traces(reg))
     for path, text in want.items():
         if not path.is_file() or text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "

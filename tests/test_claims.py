@@ -346,3 +346,21 @@ def test_every_row_of_the_registry_keeps_the_selection_rule():
     for c in reg.claims:
         if c.measure is not None:
             print(f"{c.id}: the measure and {len(claims.candidates(c)) - 1} other settings run")
+
+
+def test_a_registry_value_made_from_run_records_is_what_they_give(tmp_path):
+    import json
+
+    for name, acc in (("a_s0", 0.8512), ("b_s0", 0.8201), ("a_s1", 0.8000), ("b_s1", 0.8100)):
+        (tmp_path / "fake_runs").mkdir(exist_ok=True)
+        (tmp_path / "fake_runs" / f"{name}.json").write_text(json.dumps({"result": {"eval/accuracy": acc}}))
+    c = _claim([3.11, -1.0])
+    pairs = [["fake_runs/a_s0.json", "fake_runs/b_s0.json"], ["fake_runs/a_s1.json", "fake_runs/b_s1.json"]]
+    ok = claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": pairs}})
+    assert claims.record_traces(claims.Registry(claims=[ok]), tmp_path) == []
+    off = claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "values": [3.2, -1.0], "records": pairs}})
+    assert "3.2 is not what its records give" in claims.record_traces(claims.Registry(claims=[off]), tmp_path)[0]
+    gone = claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": [pairs[0], ["x.json"]]}})
+    assert "cannot be read" in claims.record_traces(claims.Registry(claims=[gone]), tmp_path)[0]
+    with pytest.raises(ValueError, match="one \\[minuend"):
+        claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": pairs[:1]}})
