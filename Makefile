@@ -182,10 +182,13 @@ chaos:
 # section whose methods' golden fingerprints changed since it was made; stale-on-purpose stamps are printed. It also
 # runs check-claims: the claims registry (docs/results/claims.yaml) validates and docs/results/README.md's table,
 # verdicts computed by the rule in scripts/claims.py, is what it gives (make claims rewrites the table); and
-# benchmarks/RESULTS.md's table of current figures is what benchmarks/figures.yaml gives (make bench-table).
+# benchmarks/RESULTS.md's table of current figures is what benchmarks/figures.yaml gives (make bench-table); and the
+# studies' committed run records (docs/results/records/) validate, every records table a page generates being what
+# they give (scripts/records.py).
 check-results: check-claims
 	$(PY) scripts/stamps.py check
 	$(PY) scripts/figures.py check
+	$(PY) scripts/records.py check
 
 claims:
 	$(PY) scripts/claims.py write

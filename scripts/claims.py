@@ -30,6 +30,13 @@ number" is half its effect on the log scale, the square root of the ratio). For 
 - **not reproduced, cause known**: some seed against the paper's direction (or none with it), and a check that
   explains or reverses the gap (``checks[].explains``, each linking to the section that shows it).
 - **not reproduced, unexplained**: the same without such a check.
+
+Which setting's numbers are the measure is a rule too (the selection rule, :func:`nearest`, as docs/results/README.md
+states it): the setting run nearest the paper's along the axes ``AXES`` (data, model, labels, schedule, rounds), in
+that order of precedence, each setting written as a number on an axis where the paper's is one (distance
+``|ln(x / p)|``) or as its departures from the paper's, named (distance: their count); a tie on every axis goes to
+more seeds, then the smaller median effect, then the measure. Every other setting run for the quantity is a check
+with ``at``, ``seeds`` and ``values``; ``check`` fails on a row whose measure is not the nearest.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ PAGES = {"CycleSL": "cyclesl.md", "GAS": "gas.md", "Hydra": "hydra.md", "Semi-SF
          "Ampere": "ampere.md"}  # each paper's page, whose head lists its claims
 LINK = r"^[\w./-]+\.md(#[\w.-]+)?$"  # a page of docs/results (notes/ included), and a section of it
 CELL = 200  # characters a table cell may take
+AXES = ("data", "model", "labels", "schedule", "rounds")  # the selection rule's axes, in order of precedence
 VERDICTS = ("reproduced", "direction only", "not reproduced, cause known", "not reproduced, unexplained",
             "not tested")
 
@@ -74,6 +82,15 @@ class PaperNumber(_Strict):
     which: str | None = Field(default=None, max_length=200, description="which of the paper's numbers low is and "
                               "why, where the paper reports several (the rule needs the smallest effect in the "
                               "measure's unit, where the paper claims one)")
+
+
+AxisValue = float | list[str]  # a number (labels, rounds) or the departures from the paper's, named ([]: the paper's)
+Axes = dict[Literal["data", "model", "labels", "schedule", "rounds"], AxisValue]
+
+
+def _five(at: dict | None, what: str) -> None:
+    if at is not None and set(at) != set(AXES):
+        raise ValueError(f"{what} names the axes {sorted(at)}; the rule needs all of {list(AXES)}")
 
 
 class Setting(_Strict):
@@ -107,9 +124,18 @@ class Measure(_Strict):
     command: str = Field(min_length=10, description="the command that made them")
     runs: str | None = Field(default=None, description="where the runs are kept (the command's cache, an MLflow "
                              "experiment)")
+    at: Axes | None = Field(default=None, description="the measure's setting along the selection rule's axes (AXES): "
+                            "a number where the paper's is one, else the departures from the paper's, named")
+    records: list[list[str]] = Field(default_factory=list, description="per seed, the run records (paths under "
+                                     "docs/results/records/) its value is made from: [minuend, subtrahend] of a "
+                                     "difference of final accuracies in points, or [run] for a single run's")
 
     @model_validator(mode="after")
     def _paired(self):
+        _five(self.at, "measure.at")
+        if self.records and (self.median_only or len(self.records) != len(self.values)
+                             or any(len(r) not in (1, 2) for r in self.records)):
+            raise ValueError("measure.records: one [minuend, subtrahend] (or [run]) a seed, in the order of values")
         if (self.scale == "ratio") != (self.unit == "x"):
             raise ValueError("a ratio measure (scale: ratio) has unit x, and a measure in x is a ratio")
         if self.scale == "ratio" and any(x <= 0 for x in self.values):
@@ -124,6 +150,25 @@ class Check(_Strict):
     what: str = Field(max_length=160)
     link: str = Field(pattern=LINK)
     explains: bool = Field(description="the section shows the check explains or reverses the gap")
+    at: Axes | None = Field(default=None, description="another setting run of the measure's quantity (its values "
+                            "in the measure's unit and sign), along the selection rule's axes: the rule weighs it "
+                            "against the measure's")
+    seeds: list[int] = Field(default_factory=list)
+    values: list[float] = Field(default_factory=list, description="per seed (median_only: the one median), as the "
+                                "linked section prints them")
+    median_only: bool = False
+    mean_only: bool = Field(default=False, description="the page prints only the mean over the seeds")
+
+    @model_validator(mode="after")
+    def _setting(self):
+        _five(self.at, "check.at")
+        if self.at is not None:
+            if not self.seeds or len(self.values) != (1 if self.median_only or self.mean_only else len(self.seeds)):
+                raise ValueError(f"a setting check ({self.what[:40]!r}) needs its seeds and one value a seed "
+                                 "(median_only: one)")
+        elif self.values:
+            raise ValueError("a check's values belong to a setting: name it along the axes (at)")
+        return self
 
 
 class Claim(_Strict):
@@ -141,11 +186,22 @@ class Claim(_Strict):
     mentions: list[str] = Field(default_factory=list, description="regular expressions (case-insensitive) that "
                                 "find a sentence of the paper's page about this claim: the check holds such a "
                                 "sentence's verdict words to the computed verdict")
+    paper_setting: dict[Literal["data", "model", "labels", "schedule", "rounds"], float | list[float] | str] | None = \
+        Field(default=None, description="the paper's setting along the selection rule's axes: a number (or the "
+              "numbers of the settings the paper ran) where the settings' are numbers, else the paper's in words")
 
     @model_validator(mode="after")
     def _reason(self):
         if not self.comparable and not self.why_not_comparable:
             raise ValueError("comparable: false needs why_not_comparable")
+        _five(self.paper_setting, "paper_setting")
+        for at in [self.measure.at if self.measure else None, *(ch.at for ch in self.checks)]:
+            for axis, v in (at or {}).items():
+                p = (self.paper_setting or {}).get(axis)
+                numeric = isinstance(p, (int, float)) or (isinstance(p, list) and p)
+                if isinstance(v, list) == bool(numeric):
+                    raise ValueError(f"{self.id}: axis {axis}: a setting gives a number where the paper's is one, "
+                                     f"else its departures named ({v!r} against the paper's {p!r})")
         return self
 
 
@@ -211,6 +267,65 @@ def verdict(c: Claim) -> tuple[str, str]:
     if any(ch.explains for ch in c.checks):
         return "not reproduced, cause known", why
     return "not reproduced, unexplained", why
+
+
+def distance(at: dict, paper: dict) -> tuple[float, ...]:
+    """How far a setting stands from the paper's, axis by axis in the order of precedence (AXES): on a numeric axis
+    |ln(x / p)| to the nearest of the paper's numbers (a factor of 2 either way counts the same), elsewhere the number
+    of departures from the paper's named there."""
+    out = []
+    for axis in AXES:
+        v, p = at[axis], paper[axis]
+        if isinstance(v, list):
+            out.append(float(len(v)))
+        else:
+            out.append(min(abs(math.log(v / q)) for q in (p if isinstance(p, list) else [p])))
+    return tuple(round(x, 9) for x in out)
+
+
+def candidates(c: Claim) -> list[tuple[str, Axes, list[int], list[float]]]:
+    """The settings run for a claim's quantity: the measure's first, then each setting check's (name, at, seeds,
+    values)."""
+    m = c.measure
+    out = [("the measure", m.at, m.seeds, m.values)] if m is not None and m.at is not None else []
+    return out + [(ch.what, ch.at, ch.seeds, ch.values) for ch in c.checks if ch.at is not None]
+
+
+def nearest(c: Claim) -> int:
+    """The index (in :func:`candidates`) of the setting that represents the claim by the selection rule
+    (docs/results/README.md): the nearest the paper's along the axes, compared in order of precedence (data, model,
+    labels, schedule, rounds: a nearer setting on an earlier axis wins whatever the later ones); on a tie, more
+    seeds, then the smaller median effect (a tie never flatters the claim), then the measure."""
+    m, cands = c.measure, candidates(c)
+
+    def key(i):
+        _, at, seeds, values = cands[i]
+        return (distance(at, c.paper_setting), -len(seeds), statistics.median(effect(m, x) for x in values), i)
+    return min(range(len(cands)), key=key)
+
+
+def selection(reg: Registry) -> list[str]:
+    """Rows whose measure is not the setting the selection rule picks, or that do not give what it needs: every
+    claim with a measure names the paper's setting and the measure's along the axes, and every other setting run
+    stands in its checks with its values."""
+    out = []
+    for c in reg.claims:
+        m = c.measure
+        if m is None:
+            continue
+        if c.paper_setting is None or m.at is None:
+            out.append(f"{c.id}: the selection rule needs paper_setting and measure.at along {list(AXES)}")
+            continue
+        if not c.comparable:
+            continue  # its axes are recorded; a row the rule does not test is not judged by the selection rule
+        i = nearest(c)
+        if i:
+            name, at, seeds, values = candidates(c)[i]
+            d, dm = distance(at, c.paper_setting), distance(m.at, c.paper_setting)
+            axis = next(a for a, x, y in zip(AXES, d, dm) if x != y) if d != dm else "a tie (seeds, effect)"
+            out.append(f"{c.id}: the measure is not the setting nearest the paper's: {name[:70]!r} is nearer "
+                       f"(decided on {axis}: {dict(zip(AXES, d))} against the measure's {dict(zip(AXES, dm))})")
+    return out
 
 
 def _spread(m: Measure) -> str:
@@ -331,17 +446,36 @@ def full(paper: str, reg: Registry) -> str:
                    ("ratio", -1): "below 1"}[(m.scale, m.sign)]
             out.append(f"  - {m.what} (the paper's way: {way}): {_values(m)} ([shown here]({_from_notes(m.page)}); "
                        f"`{m.command}`).")
+            if c.paper_setting is not None and m.at is not None:
+                out.append(f"  - The paper's setting along the rule's axes: {_axes(c.paper_setting)}; the measure's: "
+                           f"{_axes(m.at)} (the nearest by the rule, of {len(candidates(c))} settings run).")
         if c.also:
             out.append(f"  - Also: {c.also}.")
         if not c.comparable:
             out.append(f"  - Not comparable: {c.why_not_comparable}.")
         for ch in c.checks:
+            if ch.at is not None:
+                vals = (f"median of {len(ch.seeds)} seeds {ch.values[0]:+g}" if ch.median_only else
+                        f"mean of {len(ch.seeds)} seeds {ch.values[0]:+g}" if ch.mean_only else
+                        ", ".join(f"seed {sd} {x:+g}" for sd, x in zip(ch.seeds, ch.values)))
+                out.append(f"  - Another setting run: [{ch.what}]({_from_notes(ch.link)}): {vals} "
+                           f"{m.unit if m else ''} ({_axes(ch.at)}).")
+                continue
             says = "explains the gap" if ch.explains else "does not explain it"
             out.append(f"  - Checked: [{ch.what}]({_from_notes(ch.link)}) ({says}).")
         for o in c.open:
             out.append(f"  - Open: {o}.")
         out.append("")
     return "\n".join(out)
+
+
+def _axes(at: dict) -> str:
+    """A setting along the rule's axes, in words: a number as it is, departures named, the paper's as such."""
+    def one(v):
+        if isinstance(v, list) and all(isinstance(x, str) for x in v):
+            return "the paper's" if not v else "; ".join(v)
+        return "/".join(f"{x:g}" for x in v) if isinstance(v, list) else (v if isinstance(v, str) else f"{v:g}")
+    return " | ".join(f"{a}: {one(at[a])}" for a in AXES)
 
 
 def heads(reg: Registry) -> dict[Path, str]:
@@ -563,24 +697,53 @@ def _prose(mine: list[Claim], page: Path) -> list[str]:
 
 
 def traces(reg: Registry) -> list[str]:
-    """Registry values the section their measure links to does not print: each value must stand there with at least
-    the registry's decimals (rounded to them, it is the registry's value; the sign as printed)."""
+    """Registry values the section their measure (or their setting check) links to does not print: each value must
+    stand there with at least the registry's decimals (rounded to them, it is the registry's value; the sign as
+    printed)."""
     out = []
     for c in reg.claims:
         m = c.measure
         if m is None:
             continue
-        path, _, anchor = m.page.partition("#")
-        file = TABLE_PAGE.parent / path
-        if not file.is_file():
-            continue
-        text = section(file.read_text(), anchor) if anchor else file.read_text()
-        printed = re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", text)
-        for x in m.values:
+        pairs = [(m.values, m.page, "the measure's page")]
+        pairs += [(ch.values, ch.link, "a setting check's page") for ch in c.checks if ch.at is not None]
+        for values, link, whose in pairs:
+            path, _, anchor = link.partition("#")
+            file = TABLE_PAGE.parent / path
+            if not file.is_file():
+                continue
+            text = section(file.read_text(), anchor) if anchor else file.read_text()
+            printed = re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", text)
+            for x in values:
+                places = len(repr(abs(x)).split(".")[1].rstrip("0")) if "." in repr(x) else 0
+                if not any(len(t.split(".")[1]) >= places if "." in t else places == 0
+                           for t in printed if _rounds_to(t, abs(x), places)):
+                    out.append(f"{c.id}: {x:g} is not printed in {link} ({whose})")
+    return out
+
+
+RECORDS = TABLE_PAGE.parent / "records"
+
+
+def record_traces(reg: Registry, records: Path | None = None) -> list[str]:
+    """Registry values made from run records (``measure.records``) that differ from what the records give: a
+    difference of two runs' final ``eval/accuracy`` in points (or one run's), rounded to the registry's decimals."""
+    import json
+
+    records = records if records is not None else RECORDS
+    out = []
+    for c in reg.claims:
+        m = c.measure
+        for x, paths in zip(m.values if m else [], m.records if m else []):
+            try:
+                acc = [json.loads((records / p).read_text())["result"]["eval/accuracy"] for p in paths]
+            except (OSError, ValueError, KeyError) as e:
+                out.append(f"{c.id}: record {paths} cannot be read ({e})")
+                continue
+            got = 100 * (acc[0] - acc[1]) if len(acc) == 2 else 100 * acc[0]
             places = len(repr(abs(x)).split(".")[1].rstrip("0")) if "." in repr(x) else 0
-            if not any(len(t.split(".")[1]) >= places if "." in t else places == 0
-                       for t in printed if _rounds_to(t, abs(x), places)):
-                out.append(f"{c.id}: {x:g} is not printed in {m.page} (the measure's page)")
+            if abs(got - x) > 0.5 * 10 ** -places + 1e-9:
+                out.append(f"{c.id}: {x:g} is not what its records give ({got:.{max(places, 2)}f} from {paths})")
     return out
 
 
@@ -620,7 +783,7 @@ def main(argv: list[str]) -> int:
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
     problems = (long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
-                + prose_verdicts(reg) + traces(reg))
+                + prose_verdicts(reg) + traces(reg) + selection(reg) + record_traces(reg))
     for path, text in want.items():
         if not path.is_file() or text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "

@@ -5,6 +5,7 @@ on planted claims, gives each of its five verdicts exactly where its text says."
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -278,3 +279,88 @@ def test_each_papers_page_reads_in_five_minutes(capsys):
     assert all(h <= 420 for h, _, _ in counts.values()), counts
     assert all(c <= 320 for _, c, _ in counts.values()), counts
     assert all(w <= 1400 for _, _, w in counts.values()), counts  # about 1,200
+
+
+def _axes(data=(), model=(), labels=1000, schedule=(), rounds=100):
+    return {"data": list(data), "model": list(model), "labels": labels, "schedule": list(schedule), "rounds": rounds}
+
+
+def _selecting(measure_at, settings):
+    """A hand-made row: the paper at 1,000 labels and 100 rounds, the measure at ``measure_at`` (values +1, +2, +3) and
+    each of ``settings`` (name, at, values) as a setting check."""
+    c = _claim([1.0, 2.0, 3.0], kind="reduced")
+    checks = [{"what": name, "link": "gas.md#x", "explains": False, "at": at, "seeds": list(range(len(v))), "values": v}
+              for name, at, v in settings]
+    paper = {"data": "SVHN", "model": "a CNN", "labels": [1000], "schedule": "K_s adapted", "rounds": 100}
+    return claims.Claim(**{**c.model_dump(), "paper_setting": paper, "checks": checks,
+                           "measure": {**c.measure.model_dump(), "at": measure_at}})
+
+
+def test_the_selection_rule_picks_the_setting_nearest_the_papers():
+    # the order of precedence: a nearer dataset wins over nearer labels, nearer labels over a nearer schedule and
+    # more rounds; a number is compared on the log scale, departures by their count
+    near = _axes(data=["Fashion-MNIST"], labels=1000, schedule=["K_s fixed", "K_u 10"], rounds=60)
+    c = _selecting(_axes(data=["Fashion-MNIST"], labels=40, schedule=[], rounds=100),
+                   [("1,000 labels", near, [-0.1, 0.2, -0.3]),
+                    ("1,000 labels, Dirichlet", _axes(data=["Fashion-MNIST", "Dirichlet"], labels=1000, rounds=100),
+                     [5.0, 5.0, 5.0]),
+                    ("400 labels", _axes(data=["Fashion-MNIST"], labels=400), [4.0, 4.0, 4.0])])
+    assert claims.candidates(c)[claims.nearest(c)][0] == "1,000 labels"
+    assert claims.distance(near, c.paper_setting) == (1.0, 0.0, 0.0, 2.0, round(abs(math.log(60 / 100)), 9))
+    # 250 is nearer 1,000 than 4,000 is (ln 4 each way: a tie on the axis), 100 farther (ln 10)
+    paper = {**c.paper_setting, "labels": [1000]}
+    assert claims.distance(_axes(labels=250), paper)[2] == claims.distance(_axes(labels=4000), paper)[2]
+    assert claims.distance(_axes(labels=100), paper)[2] > claims.distance(_axes(labels=250), paper)[2]
+    # a tie on every axis: more seeds, then the smaller median effect (a tie never flatters the claim)
+    same = _axes(data=["Fashion-MNIST"])
+    tie = _selecting(same, [("worse", same, [-1.0, 0.5, -2.0]), ("one seed", same, [-9.0])])
+    assert claims.candidates(tie)[claims.nearest(tie)][0] == "worse"
+    ok = _selecting(same, [("better", same, [4.0, 5.0, 6.0])])
+    assert claims.nearest(ok) == 0 and claims.selection(claims.Registry(claims=[ok])) == []
+
+
+def test_a_row_whose_measure_breaks_the_selection_rule_fails():
+    # Semi-SFL's unlabelled-gain row as it stood: the measure at 40 labels where a setting at the paper's 1,000 was run
+    bad = _selecting(_axes(data=["Fashion-MNIST"], labels=40, schedule=["K_s fixed"], rounds=60),
+                     [("1,000 labels", _axes(data=["Fashion-MNIST"], labels=1000, schedule=["K_s fixed"], rounds=60),
+                       [0.27, 0.24, -0.05])])
+    problems = claims.selection(claims.Registry(claims=[bad]))
+    assert len(problems) == 1 and "'1,000 labels' is nearer" in problems[0] and "labels" in problems[0], problems
+    # a row with a measure and no axes fails too; a row the rule does not test is not judged
+    bare = _claim([1.0, 2.0, 3.0])
+    assert "needs paper_setting" in claims.selection(claims.Registry(claims=[bare]))[0]
+    off = claims.Claim(**{**bad.model_dump(), "comparable": False, "why_not_comparable": "another quantity"})
+    assert claims.selection(claims.Registry(claims=[off])) == []
+    # a setting check names its values, and a number stands where the paper's is a number
+    with pytest.raises(ValueError, match="seeds and one value"):
+        claims.Check(what="w", link="gas.md#x", explains=False, at=_axes(), seeds=[0, 1], values=[1.0])
+    with pytest.raises(ValueError, match="departures named"):
+        _selecting(_axes(labels=["fewer labels"]), [])
+    # a page that keeps only a mean gives one value for its seeds
+    claims.Check(what="w", link="gas.md#x", explains=False, at=_axes(), seeds=[0, 1, 2], values=[2.1], mean_only=True)
+
+
+def test_every_row_of_the_registry_keeps_the_selection_rule():
+    reg = claims.load()
+    assert claims.selection(reg) == []
+    for c in reg.claims:
+        if c.measure is not None:
+            print(f"{c.id}: the measure and {len(claims.candidates(c)) - 1} other settings run")
+
+
+def test_a_registry_value_made_from_run_records_is_what_they_give(tmp_path):
+    import json
+
+    for name, acc in (("a_s0", 0.8512), ("b_s0", 0.8201), ("a_s1", 0.8000), ("b_s1", 0.8100)):
+        (tmp_path / "fake_runs").mkdir(exist_ok=True)
+        (tmp_path / "fake_runs" / f"{name}.json").write_text(json.dumps({"result": {"eval/accuracy": acc}}))
+    c = _claim([3.11, -1.0])
+    pairs = [["fake_runs/a_s0.json", "fake_runs/b_s0.json"], ["fake_runs/a_s1.json", "fake_runs/b_s1.json"]]
+    ok = claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": pairs}})
+    assert claims.record_traces(claims.Registry(claims=[ok]), tmp_path) == []
+    off = claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "values": [3.2, -1.0], "records": pairs}})
+    assert "3.2 is not what its records give" in claims.record_traces(claims.Registry(claims=[off]), tmp_path)[0]
+    gone = claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": [pairs[0], ["x.json"]]}})
+    assert "cannot be read" in claims.record_traces(claims.Registry(claims=[gone]), tmp_path)[0]
+    with pytest.raises(ValueError, match="one \\[minuend"):
+        claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": pairs[:1]}})

@@ -226,7 +226,7 @@ def test_arms_cross_the_space_and_a_bad_arm_is_named_before_any_trial(tmp_path):
         validate_trials(raw, space_spec(spec, cfg0), spec.arms)
 
 
-def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_path):
+def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_path, monkeypatch):
     """``comparison.arm_results``: per ``raysplit.arm`` tag the newest run that finished or diverged (accuracy NaN,
     the error kept), with its curve and per-round history; a run that failed otherwise is left out; ``sweep`` keeps
     one sweep's runs."""
@@ -275,8 +275,10 @@ def test_the_study_reader_takes_each_arms_newest_finished_or_diverged_run(tmp_pa
 
     runs = [_runs.Run(ROOT / "configs" / "digits.yaml", {}, arm, tmp_path / "cache" / f"{arm}.json",
                       keys=("train/loss",)) for arm in ("A", "D", "E")]
+    monkeypatch.setattr(_runs, "RECORDS", tmp_path / "records")  # the committed records stay untouched
     _runs._cache("study", uri, "s1", runs)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["A.json"]  # D is another sweep's, E not run
+    assert json.loads((tmp_path / "records" / "cache" / "A.json").read_text())["result"]["run_id"] == newest
     cached = json.loads((tmp_path / "cache" / "A.json").read_text())
     assert cached["run_id"] == newest and cached["history"][2] == {"round": 3, "train/loss": pytest.approx(0.4)}
     assert arm_results("no such experiment", uri) == {}
@@ -298,6 +300,7 @@ def test_a_results_study_runs_through_raysplit_sweep_and_is_cached(tmp_path, mon
     uri = f"sqlite:///{tmp_path / 'study.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setattr(_runs, "ROOT", tmp_path)  # the sweep file, Tune's state and the run files go there
+    monkeypatch.setattr(_runs, "RECORDS", tmp_path / "records")
     over = {"train.rounds": 2, "eval.every": 1, "runtime.backend": "local", "runtime.torch_threads": 1,
             "tracking.checkpoint_every": 0}
     digits = ROOT / "configs" / "digits.yaml"

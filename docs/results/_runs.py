@@ -1,6 +1,14 @@
 """Shared by the results scripts: a study's runs go through ``raysplit sweep`` (one sweep file per base config, an
 arm per run, under outputs/studies/), are read back from MLflow by one reader and cached as JSON, so that a page
-is rewritten from its caches without running anything. ``raysplit compare EXPERIMENT`` shows the same runs."""
+is rewritten from its caches without running anything. ``raysplit compare EXPERIMENT`` shows the same runs.
+
+Each run's small record (issue 73, item 6: its final metrics, the evaluated curve, the per-round values its study
+keeps, a digest of its config, the commit and the machine) is written as the run finishes to
+docs/results/records/<cache folder>/<cache file>.json, a committed file beside the pages, so that a study continues
+on the next machine and a page's numbers can be re-read without rerunning: a run whose cache is absent but whose
+record is there (of the same config digest) is restored from its record, not run again. The caches (ignored) stay
+for what is large; ``scripts/records.py check`` (make check-results) validates every record and holds each
+table a page generates from records to what they give."""
 
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from raysplit.metrics import grouped_name  # noqa: E402
+
+RECORDS = ROOT / "docs" / "results" / "records"  # committed: one small JSON record per finished run
 
 # what a cached result holds besides metrics; every other key is a metric, under its grouped name
 NOT_METRICS = ("run_id", "curve", "history", "diverged", "round")
@@ -100,6 +110,105 @@ def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: s
     return path
 
 
+def record_path(out: Path) -> Path:
+    """Where the record of the run cached at ``out`` is kept: records/<the cache's folder, without its dot>/<its file>
+    (docs/results/.gas_runs/GAS_shards_2_s0_r20.json -> records/gas_runs/GAS_shards_2_s0_r20.json)."""
+    return RECORDS / out.parent.name.lstrip(".") / out.name
+
+
+def spec_digest(spec) -> str:
+    """A digest of what a run was asked to be (any JSON-able description of it)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def config_digest(run: Run) -> str:
+    """A digest of what a run was asked to be: its base config's content and its overrides."""
+    text = run.config.read_text() if run.config.is_file() else str(run.config)
+    return spec_digest({"config": yaml.safe_load(text), "overrides": json.loads(json.dumps(run.overrides))})
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
+def _machine() -> str:
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
+def write_record(experiment: str, run: Run, res: dict) -> Path:
+    """The run's record, written whole (a temporary file renamed) beside the pages."""
+    config = str(run.config.relative_to(ROOT)) if run.config.is_relative_to(ROOT) else str(run.config)
+    return _write(run.out, {"record": 1, "kind": "run", "experiment": experiment, "label": run.label,
+                            "config": config, "overrides": json.loads(json.dumps(run.overrides, default=str)),
+                            "config_digest": config_digest(run)}, res)
+
+
+def keep(out: Path, experiment: str, label: str, spec: dict, res) -> None:
+    """For a script that computes its runs itself (not through :func:`study`): write its cache ``out`` and the run's
+    record, ``spec`` (what it was asked to be, JSON-able) standing for the config and its digest."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res))
+    _write(out, {"record": 1, "kind": "script", "experiment": experiment, "label": label, "config": "(the script)",
+                 "overrides": json.loads(json.dumps(spec, default=str)), "config_digest": spec_digest(spec)}, res)
+
+
+def _write(out: Path, head: dict, res) -> Path:
+    rec = {**head, "commit": _commit(), "machine": _machine(),
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "result": res}
+    path = record_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True, default=float) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def restore(out: Path, run: Run | None = None, digest: str | None = None) -> bool:
+    """Write the cache ``out`` from its record when the cache is absent and the record is there (and, given ``run``
+    or a ``digest`` (:func:`spec_digest`), of the same config digest); whether the cache is there now. A record of
+    another config is left alone and the run is run again."""
+    if out.is_file():
+        return True
+    path = record_path(out)
+    if not path.is_file():
+        return False
+    rec = json.loads(path.read_text())
+    want = config_digest(run) if run is not None else digest
+    if want is not None and rec.get("config_digest") != want:
+        print(f"{rec.get('label')}: its record {path.name} is of another config ({rec.get('config_digest')} against "
+              f"{want}); run again", flush=True)
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec["result"]))
+    tmp.replace(out)
+    return True
+
+
+def restored(out: Path) -> Path:
+    """``out``, its cache first restored from its record where the cache is absent (:func:`restore`): for the
+    scripts' report paths, which read the caches without running anything."""
+    restore(out)
+    return out
+
+
 POLL_S = 30.0  # seconds between looks at the store for runs a running sweep has finished
 
 
@@ -118,6 +227,7 @@ def _cache(experiment: str, uri: str, sweep: str, runs: list[Run]) -> None:
         tmp = r.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(res))
         tmp.replace(r.out)  # a cache file is whole or absent
+        write_record(experiment, r, res)  # as the run finishes: the committed record beside the pages
         print(f"{r.label:48s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
 
 
@@ -131,7 +241,7 @@ def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = Non
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):
         raise ValueError(f"{experiment}: two runs share a label: {sorted(x for x in labels if labels.count(x) > 1)}")
-    todo = [r for r in runs if not r.out.is_file()]
+    todo = [r for r in runs if not restore(r.out, r)]  # a cache, or a record of the same config, is reused
     for config in dict.fromkeys(r.config for r in todo):
         group = [r for r in todo if r.config == config]
         path = sweep_file(experiment, config, group, jobs, uri)

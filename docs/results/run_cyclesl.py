@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, study
+from _runs import ROOT, Run, median_range, restored, study
 
 METHODS = [("psl", {}), ("sglr", {}), ("sflv1", {}), ("sflv2", {}), ("cyclepsl", {}), ("cyclesglr", {}),
            ("cyclesfl", {}), ("cyclesfl", {"server_epochs": 2}), ("cyclesfl", {"server_epochs": 4}),
@@ -61,7 +61,7 @@ def run(runs: list[tuple], jobs: int) -> list[tuple]:
 def _cache(tag: str, seed: int, out_dir: Path) -> Path:
     """Where the run of ``tag`` (a method, with its ladder setting in brackets) and ``seed`` is cached."""
     stem = tag.replace(" ", "_").replace("=", "").replace("[", "").replace("]", "").replace("'", "").replace(",", "")
-    return out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json"
+    return restored(out_dir / f"{stem.replace('%', 'pc')}_s{seed}.json")
 
 
 def ladder(a, out_dir):

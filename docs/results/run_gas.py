@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, named, paired_table, run_all
+from _runs import ROOT, Run, median_range, named, paired_table, restored, run_all
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -34,7 +34,7 @@ OUT = HERE / ".gas_runs"
 
 
 def cache_file(method, part_label, seed, rounds) -> Path:
-    return OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_").replace("/", "")
+    return restored(OUT / f"{method}_{part_label}_s{seed}_r{rounds}.json".replace(" ", "_").replace("/", ""))
 
 
 def one(method, alg, part_label, partition, seed, rounds, eval_every):

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, named, study
+from _runs import ROOT, Run, median_range, named, restored, study
 
 # the two settings (--study): the first study (cnn_small, 2-layer heads = 98 % of the server) and the second, at
 # the paper's proportions (cnn_gap, heads conv4+fc = 62 % of the server, or fc alone = 1 %; phi 10 batches of 64)
@@ -233,7 +233,7 @@ def main():
             and (j[0] == 1 or a.seeds_c2 is None or j[4] in a.seeds_c2)]
     every = len(todo)
     if a.report:
-        todo = [j for j in todo if (out_dir / run_file(*j[:4], j[4])).is_file()]
+        todo = [j for j in todo if restored(out_dir / run_file(*j[:4], j[4])).is_file()]
     todo.sort(key=lambda j: (j[4], j[0]))  # every method's first seed first: a partial run is already a table
     ran = study(experiment, [one(*j, a.backend, out_dir, overrides) for j in todo], a.jobs,
                 f"sqlite:///{out_dir / 'mlflow.db'}" if a.no_mlflow else None)

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, named, run_all
+from _runs import ROOT, Run, median_range, named, restored, run_all
 
 HERE = Path(__file__).resolve().parent
 CONFIG = ROOT / "configs" / "privacy" / "fmnist_ushaped.yaml"
@@ -69,7 +69,7 @@ def run_one(out: Path, method: str, cut: str, defence: str, seed: int) -> Run:
 
 
 def cached(out: Path, m: str, c: str, d: str, s: int) -> dict | None:
-    f = out / f"{_label(m, c, d, s)}.json"
+    f = restored(out / f"{_label(m, c, d, s)}.json")
     return named(json.loads(f.read_text())) if f.is_file() else None
 
 

@@ -81,9 +81,9 @@ def run_one(method: str, cut: str, defence: str, seed: int) -> Run:
 def cached(method: str, cut: str, defence: str, seed: int) -> dict | None:
     import json
 
-    from _runs import named
+    from _runs import named, restored
 
-    f = OUT / f"{method}_{cut}_{defence}_s{seed}.json"
+    f = restored(OUT / f"{method}_{cut}_{defence}_s{seed}.json")
     return named(json.loads(f.read_text())) if f.is_file() else None
 
 

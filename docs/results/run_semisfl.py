@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, paired_table, run_all
+from _runs import ROOT, Run, median_range, paired_table, restored, run_all
 
 SEMI = {"ks_initial": 20, "milestones": [20, 30, 40, 50], "window": 5, "ratio_every": 20, "server_batch_size": 32,
         "server_views": ["strong", "strong"]}
@@ -54,7 +54,7 @@ def variant(labels: int, views: str) -> str:
 
 
 def cached(method, part_label, seed, rounds, labels=LABELS, views=VIEWS) -> Path:
-    return OUT / f"{method}_{part_label}_s{seed}_r{rounds}{variant(labels, views)}.json".replace(" ", "_")
+    return restored(OUT / f"{method}_{part_label}_s{seed}_r{rounds}{variant(labels, views)}.json".replace(" ", "_"))
 
 
 def one(method, alg, part_label, partition, seed, rounds, labels=LABELS, views=VIEWS):

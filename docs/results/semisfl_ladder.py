@@ -38,7 +38,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range
+from _runs import ROOT, keep, median_range, restore, spec_digest
 from semisfl_premise import labelled_indices
 
 HERE = Path(__file__).resolve().parent
@@ -168,10 +168,12 @@ def cached(job: tuple, a) -> dict:
     rung, labels, seed = job
     out = OUT / (f"{rung}_l{labels}_s{seed}_r{a.rounds}_ks{a.ks}_ku{a.ku}_m{a.clients}_b{a.batch}_sb{a.sbatch}"
                  f"_{a.lview}_g{a.gamma}.json")
-    if out.is_file():
+    spec = {"rung": rung, "labels": labels, "seed": seed, **{k: v for k, v in sorted(vars(a).items())
+                                                              if k not in ("rungs", "labels", "seeds", "jobs")}}
+    if restore(out, digest=spec_digest(spec)):  # the cache, or the committed record of the same run
         return json.loads(out.read_text())
     res = run(rung, labels, seed, a)
-    out.write_text(json.dumps(res))
+    keep(out, "semisfl-ladder", f"{rung} labels {labels} seed {seed}", spec, res)
     print(f"{rung:10s} labels {labels:4d} seed {seed}: teacher {100 * res['accuracy']:.2f}", flush=True)
     return res
 

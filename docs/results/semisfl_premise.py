@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range
+from _runs import ROOT, keep, median_range, restore, spec_digest
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".semisfl_premise"
@@ -109,11 +109,13 @@ def cached(job: tuple, args) -> dict:
     view = "" if args.lview == "weak" else f"_lv{args.lview}"
     # _split: labeled_split's set
     out = OUT / f"{arm}_l{labels}_s{seed}_t{args.steps}_b{args.batch}_mu{args.mu}_split{view}.json"
-    if out.is_file():
+    spec = {"arm": arm, "labels": labels, "seed": seed, **{k: getattr(args, k) for k in (
+        "steps", "batch", "mu", "tau", "gamma", "lam", "every", "lview")}}
+    if restore(out, digest=spec_digest(spec)):  # the cache, or the committed record of the same run
         return json.loads(out.read_text())
     res = run(arm, labels, seed, args.steps, args.batch, args.mu, args.tau, args.gamma, args.lam, args.every,
               args.lview)
-    out.write_text(json.dumps(res))
+    keep(out, "semisfl-premise", f"{arm} labels {labels} seed {seed}", spec, res)
     print(f"{arm:10s} labels {labels:4d} seed {seed}: student {100 * res['accuracy']:.2f} "
           f"teacher {100 * res['teacher_accuracy']:.2f}", flush=True)
     return res
