@@ -5,6 +5,7 @@ Ray Compiled Graphs). With ray_backend.py, the only code that imports Ray."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import inspect
@@ -30,11 +31,17 @@ from raysplit.runtime.transport import from_tensors, to_tensors
 from raysplit.runtime.driver.snapshots import SnapshotStore
 
 
+def _frozen(obj) -> bool:
+    """A frozen dataclass (the host's plan, its progress' records): data, not a component; it takes no fuse."""
+    return dataclasses.is_dataclass(obj) and obj.__dataclass_params__.frozen
+
+
 def fault_targets(host) -> list:
     """What a fault counts entries into: the host, its rule and the host's components (the objects of the runtime
     it holds: its trainer, its client steps, its meter, ...)."""
     parts = [v for v in vars(host).values()
-             if type(v).__module__.startswith("raysplit.") and not isinstance(v, (dict, list, set, tuple))]
+             if type(v).__module__.startswith("raysplit.") and not isinstance(v, (dict, list, set, tuple))
+             and not _frozen(v)]
     return [host, *[p for p in parts if p is not host]]
 
 
