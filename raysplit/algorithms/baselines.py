@@ -1,5 +1,12 @@
 """The baselines: SplitNN, PSL, SFLV1, SFLV2 and FedAvg.
 
+Clients with their own cuts (``model.tiers``, ``model.cut_budget``; PSL, SFLV1, SFLV2): client ``i`` trains
+``blocks[:cut_i]``, the server ``blocks[min cut:]``, entered at each client's cut. Where blocks are averaged (PSL's
+server copies, SFLV1/SFLV2's FedAvg of client parts) they are averaged by block, every holder of a block weighted by
+the samples that trained its copy, the server's copy of the overlap one of them: the depth-heterogeneous rule of
+DepthFL/HeteroFL, with the server as a holder (raysplit/runtime/tiered.py states it). PSL never averages client
+parts, so a client's blocks stay its own there too.
+
 Semantics follow CycleSL's code (seed-code.md §4.3): a round is ``train.local_steps`` mini-batches per sampled
 client (default 1); client aggregation is FedAvg weighted by client sample count (``train.aggregation.weights``)
 and written to all clients or only the sampled ones (``train.aggregation.write_to``).
@@ -38,6 +45,8 @@ class SplitNN(Algorithm):
     name = "splitnn"
     description = "sequential split learning, client model handed on"
     u_shape = ""
+    tiers = ("it hands one client model on from client to client, and a hand-over between clients of other cuts "
+             "needs the server's blocks between them (not built yet)")
     Params = SequentialParams
 
     def run_round(self, rt, rnd, clients, rng):
@@ -60,6 +69,7 @@ class PSL(Algorithm):
     name = "psl"
     description = "parallel SL: per-client server copies averaged, client models kept"
     u_shape = ""
+    tiers = ""  # each copy enters at its client's cut; copies merge by block (runtime/tiered.py)
     Params = CopiesParams
 
     def keeps_global_client_model(self) -> bool:
@@ -104,6 +114,7 @@ class SFLV1(PSL):
     name = "sflv1"
     description = "SplitFed V1: per-client server copies averaged + FedAvg of client models"
     u_shape = ""
+    tiers = ""  # copies merged by block, then client parts and the server's overlap aggregated by block
 
     def keeps_global_client_model(self) -> bool:
         return True
@@ -122,6 +133,7 @@ class SFLV2(Algorithm):
     name = "sflv2"
     description = "SplitFed V2: one server model, sequential processing in a chosen order, FedAvg of clients"
     u_shape = ""
+    tiers = ""  # the server enters at each client's cut; client parts and its overlap aggregated by block
     Params = OrderedParams
 
     def setup(self, info: SetupInfo) -> None:

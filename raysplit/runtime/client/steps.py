@@ -53,7 +53,9 @@ class SplitSteps:
         with self.stream(tag):
             x, y = rule.inputs(tag, idx)  # x to the host's device: a rule's own inputs (views) may not be there
             x = x.to(self.executor.device)
-            [(out, fl)] = self.executor.forward([Forward(("fwd", tuple(x.shape)), rule.encoder(tag, slot), x)])
+            cut = self.states.cut_of(cid) if self.states.tiered else None  # tiered: FLOPs per cut
+            key = ("fwd", tuple(x.shape)) + (() if cut is None else (cut,))
+            [(out, fl)] = self.executor.forward([Forward(key, rule.encoder(tag, slot), x)])
         return self.send(tag, t_start, x, y, out, fl)
 
     def send(self, tag: Tag, t_start: float, x: torch.Tensor, y, out: torch.Tensor, fl: int) -> Activation:

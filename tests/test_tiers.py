@@ -1,0 +1,195 @@
+"""Clients with their own cut points (issue 72): one tier is today's run bit for bit; two tiers on a tiny model give
+the models a hand computation gives; the aggregation by block on hand-made weights; each client's FLOPs and bytes
+from its own cut; the budget rule; a bad tier config refused before any actor starts."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import load_script, make_config, run_rounds
+from torch.utils.flop_counter import FlopCounterMode
+
+from raysplit import experiment
+from raysplit.config import ModelConfig
+from raysplit.data import to_tensor
+from raysplit.errors import ConfigError
+from raysplit.models import build_model
+from raysplit.models.tiers import AtCuts, client_cuts, cut_flops
+from raysplit.runtime import tiered, transport
+
+golden = load_script("golden")
+TWO_TIERS = [{"cut": "conv1", "clients": [0]}, {"cut": "conv2", "clients": [1]}]
+
+
+@pytest.mark.parametrize("name", ["sflv2", "psl"])
+def test_one_tier_is_todays_run_bit_for_bit(name):
+    got = golden.run(name, **{"model.cut": None, "model.tiers": [{"cut": "conv1", "share": 1.0}]})
+    assert not golden.differences(golden.load(name), got)
+
+
+def tiny(tmp_path, name: str, **over):
+    """Two clients (client 0 cut after conv1, client 1 after conv2), one round of one batch each, plain SGD."""
+    return make_config(tmp_path, f"sqlite:///{tmp_path}/m.db", **{
+        "runtime.backend": "local", "algorithm.name": name, "data.num_clients": 2, "train.participation.count": 2,
+        "train.local_steps": 1, "train.rounds": 1, "model.cut": None, "model.tiers": TWO_TIERS, **over})
+
+
+def first_batch(p, cid: int):
+    """Client ``cid``'s first batch as its host draws it: a permutation of its indices from (seed, client, epoch)."""
+    idx = p.inputs.train_idx[cid]
+    perm = np.random.default_rng([p.cfg.seed, cid, 0]).permutation(idx)[:p.cfg.train.batch_size]
+    spec = p.inputs.plan.model.inputs
+    return (to_tensor(p.inputs.train_data["x"][perm], spec),
+            torch.as_tensor(p.inputs.train_data["y"][perm], dtype=torch.long))
+
+
+def initial(p):
+    model = p.inputs.plan.model.build()
+    state = {f"blocks.{k}": v for k, v in transport.unpack_state(p.inputs.client_init).items()}
+    state.update({f"blocks.{k}": v for k, v in transport.unpack_state(p.inputs.server_init).items()})
+    model.load_state_dict(state)
+    return model
+
+
+def sgd_step(blocks, x, y, lr: float) -> None:
+    """One step of plain SGD of ``blocks`` (run in order) on the batch, by hand."""
+    out = x
+    for b in blocks:
+        out = b(out)
+    loss = F.cross_entropy(out, y)
+    params = [q for b in blocks for q in b.parameters()]
+    grads = torch.autograd.grad(loss, params)
+    with torch.no_grad():
+        for q, g in zip(params, grads):
+            q -= lr * g
+
+
+def check(got: dict, want: dict, keys) -> None:
+    for k in keys:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_two_tiers_sflv2_equal_a_hand_reference(tmp_path):
+    """SFLV2 in fixed order: client 0 (blocks[:1]) then client 1 (blocks[:2]) through one server model entered at
+    their cuts; then block 0 averaged over both clients, block 1 over client 1 and the server (which trained it for
+    client 0), blocks 2-3 the server's."""
+    client, server, p, _ = run_rounds(tiny(tmp_path, "sflv2", **{"algorithm.order": "fixed"}))
+    lr, n = p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)]
+    ref = initial(p)
+    c0, c1 = copy.deepcopy(ref.blocks[0]), copy.deepcopy(ref.blocks[:2])
+    srv = ref.blocks[1:]  # the server's blocks (trained in place)
+    x0, y0 = first_batch(p, 0)
+    sgd_step([c0, *srv], x0, y0, lr)
+    x1, y1 = first_batch(p, 1)
+    sgd_step([c1[0], c1[1], *srv[1:]], x1, y1, lr)
+    w0, w1 = n[0] / sum(n), n[1] / sum(n)
+    want = {}
+    for k, v in c0.state_dict().items():
+        want[f"0.{k}"] = w0 * v + w1 * c1[0].state_dict()[k]
+    for k, v in srv[0].state_dict().items():
+        want[f"1.{k}"] = w0 * v + w1 * c1[1].state_dict()[k]
+    for i, b in enumerate(srv[1:], start=2):
+        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+    check(client, want, client)  # the aggregate every client gets: blocks 0-1
+    check(server, want, server)  # the server: block 1 (the overlap, the same aggregate) and blocks 2-3
+
+
+def test_two_tiers_sflv1_equal_a_hand_reference(tmp_path):
+    """SFLV1: each client against its own server copy entered at its cut; the copies merge by block (block 1 from
+    client 0's copy only: client 1 holds it itself), then client parts and the server's overlap by block."""
+    client, server, p, _ = run_rounds(tiny(tmp_path, "sflv1"))
+    lr, n = p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)]
+    ref = initial(p)
+    own = {c: copy.deepcopy(ref.blocks) for c in (0, 1)}  # each client's whole model: its part and its copy
+    for c, cut in ((0, 1), (1, 2)):
+        x, y = first_batch(p, c)
+        sgd_step(list(own[c]), x, y, lr)
+    w = [n[0] / sum(n), n[1] / sum(n)]
+    want = {}
+    for i in range(4):  # every block: client i's version (its part or its copy), weighted by samples
+        for k, v in own[0][i].state_dict().items():
+            want[f"{i}.{k}"] = w[0] * v + w[1] * own[1][i].state_dict()[k]
+    check(client, want, client)
+    check(server, want, server)
+
+
+def test_aggregation_by_block_on_hand_made_weights():
+    """A holds block 0 (weight 1), B blocks 0-1 (weight 3), the server blocks 1-2: block 0 = (1*1 + 3*5)/4, block
+    1 = (3*2 + 1*10)/4 (the server holds it for A), block 2 the server's alone, not sent back."""
+    t = torch.tensor
+    a, b = {"0.w": t(1.0)}, {"0.w": t(5.0), "1.w": t(2.0)}
+    parts = [tiered.partial_sum([a], [1.0]), tiered.partial_sum([b], [3.0])]
+    packed = [({k: v.numpy() for k, v in s.items()}, h) for s, h in parts]
+    state, update = tiered.finish(packed, 4.0, {"1.w": t(10.0), "2.w": t(7.0)}, {"0.w": t(0.0), "1.w": t(0.0)})
+    assert state == {"0.w": t(4.0), "1.w": t(4.0)} and update == {"1.w": t(4.0)}
+    # copies merge by block: block 1 only A's copy trained (B cuts after it), block 2 both, by weight
+    main = AtCuts(torch.nn.Sequential(), 1)
+    main.add_module("1", torch.nn.Linear(1, 1, bias=False))
+    main.add_module("2", torch.nn.Linear(1, 1, bias=False))
+    copies = {}
+    for cid, (v1, v2) in {0: (2.0, 4.0), 1: (6.0, 8.0)}.items():
+        copies[cid] = copy.deepcopy(main)
+        copies[cid].load_state_dict({"1.weight": t([[v1]]), "2.weight": t([[v2]])})
+    merged = tiered.merge_copies(main, copies, {0: 1.0, 1: 3.0}, cuts=[1, 2])
+    assert merged["1.weight"].item() == 2.0 and merged["2.weight"].item() == (4.0 + 3 * 8.0) / 4
+
+
+def test_each_client_counts_flops_and_bytes_from_its_own_cut(tmp_path):
+    _, _, p, stats = run_rounds(tiny(tmp_path, "sflv2"))
+    rows, model = stats[0].clients, p.inputs.plan.model.build()
+    bs = p.cfg.train.batch_size
+    for cid, cut in ((0, 1), (1, 2)):
+        part = model.segment(0, cut)
+        x, y = first_batch(p, cid)
+        with FlopCounterMode(display=False) as fwd:
+            out = part(x)
+        with FlopCounterMode(display=False) as bwd:
+            out.backward(torch.ones_like(out))
+        assert rows[cid]["flops"] == fwd.get_total_flops() + bwd.get_total_flops()
+        act = int(np.prod(model.activation_shape(cut)))
+        assert rows[cid]["bytes_up_activations"] == bs * act * 4 + bs * 8  # float32 features, int64 labels
+        assert rows[cid]["bytes_up_model"] == sum(v.numel() * 4 for v in part.state_dict().values())
+        profile = p.inputs.profiles[cid]  # its clock: its own FLOPs, upload and download on its own link
+        assert rows[cid]["t_end"] >= rows[cid]["flops"] / profile.flops + rows[cid]["bytes_up"] / profile.up
+    assert rows[0]["flops"] < rows[1]["flops"] and rows[0]["bytes_up_activations"] > rows[1]["bytes_up_activations"]
+
+
+def test_the_budget_rule_gives_each_client_the_deepest_cut_it_affords():
+    model = build_model("cnn_small", 10, (1, 8, 8))
+    fl = cut_flops(model, [1, 2, 3], 16)
+    assert fl[1] < fl[2] < fl[3]
+    speeds = [fl[1] / 1.0, fl[2] / 1.0, fl[3] / 1.0, fl[1] / 2.0]  # afford exactly cut 1, 2, 3; the last none
+    cfg = ModelConfig(name="cnn_small", cut_budget={"seconds": 1.0})
+    assert client_cuts(model, cfg, 4, speeds, 0, 16) == (1, 2, 3, 1)  # none affordable: the shallowest
+    cfg = ModelConfig(name="cnn_small", cut_budget={"seconds": 1.0, "cuts": ["conv1", "fc1"]})
+    assert client_cuts(model, cfg, 4, speeds, 0, 16) == (1, 1, 3, 1)
+    shares = ModelConfig(name="cnn_small", tiers=[{"cut": 1, "share": 0.5}, {"cut": 3, "share": 0.5}],
+                         tier_order="speed")
+    assert client_cuts(model, shares, 4, speeds, 0, 16) == (1, 3, 3, 1)  # the fastest two deepest
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"model.tiers": [{"cut": "conv1", "clients": [0, 1]}, {"cut": 9, "clients": [2, 3]}]}, "model.tiers[1].cut"),
+    ({"model.tiers": [{"cut": "conv1", "clients": [0]}, {"cut": "conv2", "clients": [1, 2]}]}, "in no tier"),
+    ({"model.tiers": [{"cut": "conv1", "clients": [0, 1]}, {"cut": "conv2", "clients": [1, 2, 3]}]},
+     "client 1 is in two tiers"),
+    ({"model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.3}]}, "sum to 0.8"),
+    ({"model.cut": "conv1", "model.tiers": TWO_TIERS}, "model.cut must then be left out"),
+    ({"algorithm.name": "splitnn", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
+     "splitnn cannot take clients with their own cuts"),
+    ({"algorithm.name": "gas", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
+     "gas cannot take clients with their own cuts"),
+])
+def test_a_bad_tier_config_is_refused_before_any_actor(tmp_path, monkeypatch, over, words):
+    def no_actor(*a, **kw):
+        raise AssertionError("an actor was asked for")
+
+    monkeypatch.setattr(experiment, "runtime_for", no_actor)
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/m.db", **{"runtime.backend": "local",
+                                                                      "model.cut": None, **over})
+        experiment.run_experiment(cfg)
