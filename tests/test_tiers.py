@@ -193,3 +193,13 @@ def test_a_bad_tier_config_is_refused_before_any_actor(tmp_path, monkeypatch, ov
         cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/m.db", **{"runtime.backend": "local",
                                                                       "model.cut": None, **over})
         experiment.run_experiment(cfg)
+
+
+def test_each_tier_logs_its_accuracy_bytes_flops_and_time():
+    got = golden.run("psl", **{"model.cut": None, "model.tiers": [{"cut": "conv1", "share": 0.5},
+                                                                   {"cut": "conv2", "share": 0.5}]})
+    last = got["rounds"][-1]
+    for k in (0, 1):
+        assert 0.0 <= last[f"eval/tier{k}/accuracy"] <= 1.0 and last[f"time/tier{k}/sim_time"] > 0
+    assert last["comm/tier0/bytes_up"] + last["comm/tier1/bytes_up"] == last["comm/bytes_up"]
+    assert last["compute/tier0/client_flops"] < last["compute/tier1/client_flops"]
