@@ -203,3 +203,28 @@ def test_each_tier_logs_its_accuracy_bytes_flops_and_time():
         assert 0.0 <= last[f"eval/tier{k}/accuracy"] <= 1.0 and last[f"time/tier{k}/sim_time"] > 0
     assert last["comm/tier0/bytes_up"] + last["comm/tier1/bytes_up"] == last["comm/bytes_up"]
     assert last["compute/tier0/client_flops"] < last["compute/tier1/client_flops"]
+
+
+@pytest.mark.parametrize("over, tiers", [({}, {1: 10, 2: 10}),
+                                         ({"model.tiers": None, "model.cut_budget": {"seconds": 0.04,
+                                                                                     "cuts": ["conv1", "conv2"]}},
+                                          None)])
+def test_the_documented_config_prepares_its_tiers(tmp_path, over, tiers):
+    """configs/tiers/fmnist.yaml (docs/usage.md) as it is, and with the budget rule its comment gives."""
+    from helpers import write_fake_fashion_mnist
+
+    from raysplit.config import load_config
+
+    write_fake_fashion_mnist(tmp_path / "data")
+    cfg = load_config(golden.ROOT / "configs" / "tiers" / "fmnist.yaml",
+                      {"data.root": str(tmp_path / "data"), "runtime.backend": "local", **over})
+    p = experiment.prepare(cfg)
+    cuts = p.inputs.plan.model.cuts
+    got = {c: cuts.count(c) for c in sorted(set(cuts))}
+    speeds = [q.flops for q in p.inputs.profiles]
+    if tiers is not None:
+        assert got == tiers
+        assert min(speeds[c] for c in range(20) if cuts[c] == 2) >= max(speeds[c] for c in range(20) if cuts[c] == 1)
+    else:  # the deepest cut each affords: conv2 for the clients fast enough for it
+        fl = cut_flops(p.inputs.plan.model.build(), [1, 2], 32)
+        assert all(cuts[c] == (2 if fl[2] / speeds[c] <= 0.04 else 1) for c in range(20)) and len(got) == 2
