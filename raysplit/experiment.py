@@ -122,7 +122,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
 
     m = clients_per_round(cfg, num_clients)
     alg.setup(SetupInfo(model=model, cut=cut, counts=counts, num_classes=spec_d.num_classes, seed=cfg.seed,
-                        clients_per_round=m, profiles=tuple(profiles)))
+                        clients_per_round=m, profiles=tuple(profiles), cuts=cuts))
     modes = alg.eval_modes()
     eval_mode = modes[0] if cfg.eval.mode == "auto" else cfg.eval.mode
     if eval_mode not in modes:

@@ -117,6 +117,23 @@ def test_two_tiers_sflv1_equal_a_hand_reference(tmp_path):
     check(server, want, server)
 
 
+def test_two_tiers_splitnn_equal_one_model_trained_client_after_client(tmp_path):
+    """SplitNN hands its model on through the server: client 0 (blocks[:1]) then client 1 (blocks[:2]) train what
+    one whole model trained on client 0's batch and then on client 1's would be."""
+    client, server, p, stats = run_rounds(tiny(tmp_path, "splitnn", **{"algorithm.order": "fixed"}))
+    ref = initial(p)
+    for c in (0, 1):
+        x, y = first_batch(p, c)
+        sgd_step(list(ref.blocks), x, y, p.cfg.train.optimizer.lr)
+    want = {k[len("blocks."):]: v for k, v in ref.state_dict().items()}
+    check(client, want, client)
+    check(server, want, server)
+    # the hand-over: client 0 uploads its block, client 1 downloads its two (the server's block 1 among them)
+    rows = stats[0].clients
+    assert rows[0]["bytes_up_model"] == sum(v.numel() * 4 for k, v in want.items() if k.startswith("0."))
+    assert rows[1]["bytes_down_model"] == sum(v.numel() * 4 for k, v in want.items() if k[0] in "01")
+
+
 def test_aggregation_by_block_on_hand_made_weights():
     """A holds block 0 (weight 1), B blocks 0-1 (weight 3), the server blocks 1-2: block 0 = (1*1 + 3*5)/4, block
     1 = (3*2 + 1*10)/4 (the server holds it for A), block 2 the server's alone, not sent back."""
@@ -179,8 +196,10 @@ def test_the_budget_rule_gives_each_client_the_deepest_cut_it_affords():
      "client 1 is in two tiers"),
     ({"model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.3}]}, "sum to 0.8"),
     ({"model.cut": "conv1", "model.tiers": TWO_TIERS}, "model.cut must then be left out"),
-    ({"algorithm.name": "splitnn", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
-     "splitnn cannot take clients with their own cuts"),
+    ({"algorithm.name": "cyclesfl", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
+     "cyclesfl cannot take clients with their own cuts"),
+    ({"algorithm.name": "psl", "algorithm.batched_copies": True,
+      "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]}, "algorithm.batched_copies"),
     ({"algorithm.name": "gas", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
      "gas cannot take clients with their own cuts"),
 ])

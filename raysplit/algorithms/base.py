@@ -67,6 +67,7 @@ class SetupInfo:
     seed: int
     clients_per_round: int = 1  # sampled clients per round (asynchronous: clients active at a time)
     profiles: tuple = ()  # every client's virtual-clock profile
+    cuts: tuple | None = None  # each client's own cut (model.tiers, model.cut_budget); None: every client at ``cut``
 
 
 class Algorithm(Checkpointed):
@@ -106,8 +107,8 @@ class Algorithm(Checkpointed):
         """Why this method cannot take clients with their own cuts ('' where it can), by the class's own ``tiers``."""
         why = cls.__dict__.get("tiers")
         if why is None:
-            why = ("its steps or models are not built for clients with their own cuts yet (psl, sflv1 and sflv2 "
-                   "are)")
+            why = ("its steps or models are not built for clients with their own cuts yet (splitnn, psl, sflv1 and "
+                   "sflv2 are)")
         return why.format(name=cls.name)
 
     def keeps_global_client_model(self) -> bool:

@@ -40,14 +40,23 @@ class OrderedParams(AlgorithmParams):
 class SplitNN(Algorithm):
     """Vanilla split learning (Gupta & Raskar): one client at a time; each trains ``local_steps`` batches through
     the single server model, then hands its client model on to the next client (counted as upload + download).
-    The last client's model starts the next round and is the one evaluated."""
+    The last client's model starts the next round and is the one evaluated.
+
+    Clients with their own cuts: the model handed on is the client's blocks and the server's blocks after its cut
+    (the server's copy of the client's blocks takes the client's), aggregated by block over that one client
+    (``rt.server.aggregate``), so the next client, shallower or deeper, takes its blocks from one model trained
+    client after client: as one model trained on the clients' batches in turn."""
 
     name = "splitnn"
     description = "sequential split learning, client model handed on"
     u_shape = ""
-    tiers = ("it hands one client model on from client to client, and a hand-over between clients of other cuts "
-             "needs the server's blocks between them (not built yet)")
+    tiers = ""  # the model handed on goes through the server, whose blocks after the client's cut it completes
     Params = SequentialParams
+
+    tiered = False
+
+    def setup(self, info: SetupInfo) -> None:
+        self.tiered = info.cuts is not None
 
     def run_round(self, rt, rnd, clients, rng):
         prev = None
@@ -55,7 +64,7 @@ class SplitNN(Algorithm):
             if prev is not None:
                 rt.client(c).load_state(prev)
             rt.split_steps([c] * self.steps_for(rt, c))
-            prev = rt.client(c).get_state()
+            prev = rt.server.aggregate(*rt.workers.partial_sum({c: 1.0})) if self.tiered else rt.client(c).get_state()
         rt.install(prev)
         return prev
 

@@ -58,5 +58,5 @@ class ModelTransfers:
         state = transport.unpack_state(msg.state)
         self.states.install(state, [cid])
         if cid in self.states.slots:
-            self.states.slots[cid].module.load_state_dict(state)
-        self.meter.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
+            self.states.load(self.states.slots[cid].module, state)
+        self.meter.charge_download(cid, transport.state_nbytes(self.states.held(cid, state)), msg.t_sent, "model")
