@@ -77,8 +77,6 @@ def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles
     why = alg.tiers_refused()
     if not why and getattr(alg.params, "batched_copies", False):
         why = "algorithm.batched_copies batches copies of one shape; copies entered at other cuts are not built yet"
-    if not why and cfg.runtime.pack_clients is True:
-        why = "runtime.pack_clients: true packs clients of one cut; packing by cut is not built yet"
     if not why and (cfg.privacy.defence.kind != "none" or cfg.privacy.attack.kind != "none"):
         why = "the privacy plug-ins at the cut assume one cut"
     if why:

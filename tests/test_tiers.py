@@ -247,3 +247,52 @@ def test_the_documented_config_prepares_its_tiers(tmp_path, over, tiers):
     else:  # the deepest cut each affords: conv2 for the clients fast enough for it
         fl = cut_flops(p.inputs.plan.model.build(), [1, 2], 32)
         assert all(cuts[c] == (2 if fl[2] / speeds[c] <= 0.04 else 1) for c in range(20)) and len(got) == 2
+
+
+def run_keeping_clients(cfg):
+    """``run_rounds``, with each client's own model at the end."""
+    from helpers import GET_TIMEOUT
+
+    from raysplit.runtime import runtime_for
+
+    p = experiment.prepare(cfg)
+    rt = runtime_for(cfg.runtime, p.inputs)
+    try:
+        stats = []
+        p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed).run(0, cfg.train.rounds,
+                                                                          lambda r, st: stats.append(st))
+        own = {c: transport.unpack_state(rt.get(rt.client(c).get_state(), timeout=GET_TIMEOUT).state)
+               for c in range(cfg.data.num_clients)}
+        server = transport.unpack_state(rt.get(rt.server.get_state(), timeout=GET_TIMEOUT).state)
+        return own, server, stats
+    finally:
+        rt.shutdown()
+
+
+def test_a_packed_run_with_two_tiers_equals_one_client_after_another(tmp_path, monkeypatch):
+    """PSL with four clients on one host, two at each cut: packed, a step's clients of one cut forward and take
+    their gradients back as one computation (two packs a step, one per cut); the same models and counters within
+    float rounding as one client after another."""
+    from raysplit.runtime.client.executor import Executor
+
+    packs = []
+    together = Executor.forward_together
+
+    def counted(self, modules, xs, key_suffix=()):
+        packs.append((len(modules), key_suffix))
+        return together(self, modules, xs, key_suffix)
+
+    monkeypatch.setattr(Executor, "forward_together", counted)
+    over = {"data.num_clients": 4, "train.participation.count": 4, "train.local_steps": 2, "runtime.num_workers": 1,
+            "model.tiers": [{"cut": "conv1", "clients": [0, 2]}, {"cut": "conv2", "clients": [1, 3]}]}
+    runs = {pack: run_keeping_clients(tiny(tmp_path / str(pack), "psl", **over, **{"runtime.pack_clients": pack}))
+            for pack in (False, True)}
+    assert sorted(set(packs)) == [(2, (1,)), (2, (2,))] and len(packs) == 4  # 2 steps x 2 cuts, only when packed
+    (own0, s0, st0), (own1, s1, st1) = runs[False], runs[True]
+    for got, want in [(s1, s0)] + [(own1[c], own0[c]) for c in range(4)]:
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    for c in range(4):
+        for key in ("flops", "bytes_up", "bytes_down"):
+            assert st1[0].clients[c][key] == st0[0].clients[c][key], (c, key)

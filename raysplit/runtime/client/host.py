@@ -86,8 +86,7 @@ class ClientHost:
                                    cut_of=plan.model.cut_of if plan.model.cuts is not None else None,
                                    build_cut=lambda cut: plan.model.build().segment(0, cut).to(device))
         self.cut = ClientCut(plan.privacy)
-        # tiered: clients of other cuts hold other modules; packing them by cut is not built, so they step one by one
-        self.executor = Executor(s.seed, device, rt.pack_clients if plan.model.cuts is None else False)
+        self.executor = Executor(s.seed, device, rt.pack_clients)
         self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
                      if plan.ushape is not None else None)  # U-shaped: the labels stay here
         rule = lambda: self.rule  # noqa: E731 - the components call the rule made last
