@@ -308,3 +308,41 @@ def test_a_tiered_run_through_ray_actors_equals_the_local_one(ray_session, trans
                                           "runtime.client.num_cpus": 0.5, "runtime.keep_actors_s": 30,
                                           "runtime.transport.kind": transport, "runtime.num_workers": 2})
     assert not golden.differences(want, got)
+
+
+def test_two_tiers_minibatch_sfl_equal_a_hand_reference(tmp_path):
+    """MiniBatch-SFL: each client's gradient from the server model before the step (entered at its cut), then one
+    server step on both batches, each from its cut, the loss the mean over all samples; then block by block."""
+    client, server, p, _ = run_rounds(tiny(tmp_path, "minibatch_sfl", **{"algorithm.client_batch": "equal"}))
+    lr, n = p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)]
+    ref = initial(p)
+    seq = torch.nn.Sequential
+    parts = {0: copy.deepcopy(seq(*ref.blocks[:1])), 1: copy.deepcopy(seq(*ref.blocks[:2]))}
+    srv = seq(*ref.blocks[1:])
+    batches = {c: first_batch(p, c) for c in (0, 1)}
+    # the clients' steps: through the server as it was (frozen), their own parameters only
+    for c, part in parts.items():
+        x, y = batches[c]
+        out = part(x)
+        for b in srv[len(part) - 1:]:
+            out = b(out)
+        grads = torch.autograd.grad(F.cross_entropy(out, y), list(part.parameters()))
+        with torch.no_grad():
+            for q, g in zip(part.parameters(), grads):
+                q -= lr * g
+    # the server's step on the clients' activations (from their parts before their steps: what they sent)
+    sent = {0: seq(*ref.blocks[:1])(batches[0][0]).detach(), 1: seq(*ref.blocks[:2])(batches[1][0]).detach()}
+    loss = (F.cross_entropy(srv(sent[0]), batches[0][1], reduction="sum")
+            + F.cross_entropy(srv[1:](sent[1]), batches[1][1], reduction="sum")) / (len(sent[0]) + len(sent[1]))
+    params = list(srv.parameters())
+    grads = torch.autograd.grad(loss, params)
+    with torch.no_grad():
+        for q, g in zip(params, grads):
+            q -= lr * g
+    w0, w1 = n[0] / sum(n), n[1] / sum(n)
+    want = {f"0.{k}": w0 * v + w1 * parts[1][0].state_dict()[k] for k, v in parts[0][0].state_dict().items()}
+    want.update({f"1.{k}": w0 * v + w1 * parts[1][1].state_dict()[k] for k, v in srv[0].state_dict().items()})
+    for i, b in enumerate(srv[1:], start=2):
+        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+    check(client, want, client)
+    check(server, want, server)

@@ -19,9 +19,11 @@ first (``"3.weight"``), on the clients' side and the server's alike."""
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def block_of(key: str) -> int:
@@ -105,3 +107,39 @@ def merge_optimizer_states(main: torch.nn.Module, main_state: dict, copy_states:
             entry[name] = acc.to(ref.dtype) if ref.is_floating_point() else acc.round().to(ref.dtype)
         merged["state"][pid] = entry
     return merged
+
+
+def step_at_cuts(trainer, batches: list, model, tag=None) -> torch.Tensor:
+    """One step of ``model`` (a :class:`~raysplit.runtime.state.ModelSlot`) on batches that enter it at their
+    clients' cuts: each cut's batches concatenated and run from there, the loss the mean cross-entropy over every
+    sample (the sum over the cuts' summed losses, divided by all samples: the concatenated step's loss where there
+    is one cut); then the trainer's :meth:`~raysplit.runtime.server.trainer.Trainer.settle` (clipping, the step,
+    the FLOPs from the last arrival on, counted once per composition of cuts and shapes)."""
+    from raysplit.models.tiers import entered
+
+    t_wall = time.perf_counter()
+    module, optimizers = model.module, [model.optimizer]
+    by_cut: dict[int, list] = {}
+    for b in batches:
+        by_cut.setdefault(trainer.cut_of(b.tag.client), []).append(b)
+    parts = [(cut, torch.cat([b.x for b in bs]).detach(), torch.cat([b.y for b in bs]))
+             for cut, bs in sorted(by_cut.items())]
+    n = sum(len(y) for _, _, y in parts)
+
+    def step():
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for cut, x, y in parts:
+            with entered(module, cut):
+                total = total + F.cross_entropy(module(x), y, reduction="sum")
+        out = total / n
+        out.backward()
+        return out
+
+    key = (trainer.call, "step", type(module).__name__) + tuple((cut, tuple(x.shape)) for cut, x, _ in parts)
+    out, fl = trainer.flops.run(key, step)
+    tag = tag if tag is not None else batches[0].tag
+    lv = trainer.settle(out.detach(), fl, module, optimizers, tag=tag, ready_at=max(b.t_sent for b in batches))
+    trainer.tally.busy_wall += time.perf_counter() - t_wall
+    return lv
