@@ -346,3 +346,30 @@ def test_two_tiers_minibatch_sfl_equal_a_hand_reference(tmp_path):
         want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
     check(client, want, client)
     check(server, want, server)
+
+
+def test_two_tiers_sflv3_train_as_psl_and_pair_each_part_with_the_server_at_its_cut(tmp_path):
+    """SFLV3 trains as PSL does (copies merged by block, client parts kept) and evaluates every client's own part
+    with the server model entered at that client's cut (most confident pair)."""
+    over = {"eval.mode": "global"}
+    got = run_keeping_clients(tiny(tmp_path / "v3", "sflv3", **over))
+    want = run_keeping_clients(tiny(tmp_path / "psl", "psl"))
+    for g, w in [(got[1], want[1])] + [(got[0][c], want[0][c]) for c in (0, 1)]:
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
+    res = experiment.run_experiment(tiny(tmp_path / "run", "sflv3", **over, **{"tracking.enabled": False}))
+    p = experiment.prepare(tiny(tmp_path / "p", "sflv3", **over))
+    model = p.inputs.plan.model.build()
+    server = AtCuts(model.segment(1, len(model)), 1)
+    server.load_state_dict(got[1])
+    x = to_tensor(p.inputs.test_data["x"], p.inputs.plan.model.inputs)
+    logits = []
+    with torch.no_grad():
+        for c, cut in ((0, 1), (1, 2)):
+            part = model.segment(0, cut)
+            part.load_state_dict(got[0][c])
+            with server.entered(cut):
+                logits.append(server.eval()(part.eval()(x)))
+    stacked = torch.stack(logits)
+    best = stacked.max(dim=2).values.argmax(dim=0)
+    pred = stacked[best, torch.arange(len(x))].argmax(1).numpy()
+    assert res["eval/accuracy"] == pytest.approx(float(np.mean(pred == p.inputs.test_data["y"])))

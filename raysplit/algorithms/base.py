@@ -107,8 +107,8 @@ class Algorithm(Checkpointed):
         """Why this method cannot take clients with their own cuts ('' where it can), by the class's own ``tiers``."""
         why = cls.__dict__.get("tiers")
         if why is None:
-            why = ("its steps or models are not built for clients with their own cuts yet (splitnn, psl, sflv1 and "
-                   "sflv2 are)")
+            why = ("its steps or models are not built for clients with their own cuts yet (splitnn, psl, sflv1, "
+                   "sflv2, sflv3 and minibatch_sfl are)")
         return why.format(name=cls.name)
 
     def keeps_global_client_model(self) -> bool:

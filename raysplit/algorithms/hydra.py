@@ -41,6 +41,7 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
+from ..models.tiers import Entered
 from ..runtime import Batch, ClientRule, ModelSlot, ServerRule, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
 from ..runtime.messages import Gradient, StateMsg
@@ -106,13 +107,15 @@ class ConfidentServer(ServerRule):
         states = {c: st for p in parts for c, st in p.items()}
         if not states:
             states = {-1: None}
-        server = self.ctx.models.main.module
+        server, model = self.ctx.models.main.module, self.ctx.model
         pairs = []
         for c, st in sorted(states.items()):
-            client = copy.deepcopy(self.ctx.evaluation.client)
+            cut = model.cut_of(c) if c >= 0 else model.deepest  # tiered: each client's part at its own cut
+            client = copy.deepcopy(self.ctx.evaluation.client) if cut is None or c < 0 else \
+                model.client_part(c).to(self.ctx.device)
             if st is not None:
                 client.load_state_dict(st.tensors())
-            pairs.append((client, server))
+            pairs.append((client, server if cut is None else Entered(server, cut)))
         return self._confident(pairs)
 
     def ensure_heads(self, keys: list) -> None:
@@ -277,6 +280,7 @@ class SplitFedV3(PSL):
 
     name = "sflv3"
     u_shape = Algorithm.u_shape  # not built for it yet
+    tiers = ""  # PSL's training by block; each client's part paired with the server entered at its cut
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
     server_rule = ConfidentServer

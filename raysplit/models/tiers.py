@@ -19,7 +19,7 @@ from torch import nn
 
 from raysplit.clock import FlopCache
 
-__all__ = ["AtCuts", "client_cuts", "cut_flops", "entered", "tier_of"]
+__all__ = ["AtCuts", "Entered", "client_cuts", "cut_flops", "entered", "tier_of"]
 
 
 def _resolve(model, cut, key: str) -> int:
@@ -88,6 +88,19 @@ class AtCuts(nn.Sequential):
             yield self
         finally:
             self.entry = outer
+
+
+class Entered(nn.Module):
+    """``server`` entered at ``cut`` for every forward (an evaluation pairing a tiered client's part with the
+    server's model)."""
+
+    def __init__(self, server: nn.Module, cut: int | None):
+        super().__init__()
+        self.server, self.cut = server, cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with entered(self.server, self.cut):
+            return self.server(x)
 
 
 def entered(module, cut: int | None):
