@@ -196,8 +196,8 @@ def test_the_budget_rule_gives_each_client_the_deepest_cut_it_affords():
      "client 1 is in two tiers"),
     ({"model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.3}]}, "sum to 0.8"),
     ({"model.cut": "conv1", "model.tiers": TWO_TIERS}, "model.cut must then be left out"),
-    ({"algorithm.name": "cyclesfl", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
-     "cyclesfl cannot take clients with their own cuts"),
+    ({"algorithm.name": "cyclesglr", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
+     "cyclesglr cannot take clients with their own cuts: it shares one gradient"),
     ({"algorithm.name": "psl", "algorithm.batched_copies": True,
       "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]}, "algorithm.batched_copies"),
     ({"algorithm.name": "gas", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
@@ -373,3 +373,49 @@ def test_two_tiers_sflv3_train_as_psl_and_pair_each_part_with_the_server_at_its_
     best = stacked.max(dim=2).values.argmax(dim=0)
     pred = stacked[best, torch.arange(len(x))].argmax(1).numpy()
     assert res["eval/accuracy"] == pytest.approx(float(np.mean(pred == p.inputs.test_data["y"])))
+
+
+def test_two_tiers_cyclesfl_equal_a_hand_reference(tmp_path):
+    """CycleSFL: the round's features pooled (client 0's from blocks[:1], client 1's from blocks[:2]), two resampled
+    steps of the server, each sample entering at its cut with its client's size as weight; the clients' gradients
+    from the updated server, frozen; then block by block."""
+    client, server, p, _ = run_rounds(tiny(tmp_path, "cyclesfl"))
+    lr, n = p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)]
+    ref = initial(p)
+    seq = torch.nn.Sequential
+    parts = {0: copy.deepcopy(seq(*ref.blocks[:1])), 1: copy.deepcopy(seq(*ref.blocks[:2]))}
+    srv = seq(*ref.blocks[1:])
+    batches = {c: first_batch(p, c) for c in (0, 1)}
+    feats = {c: parts[c](batches[c][0]).detach() for c in (0, 1)}
+    bs = p.cfg.train.batch_size
+    cut_of = torch.tensor([1] * bs + [2] * bs)
+    x_row = torch.cat([torch.arange(bs), torch.arange(bs)])
+    w_all = torch.tensor([float(n[0])] * bs + [float(n[1])] * bs)
+    y_all = torch.cat([batches[0][1], batches[1][1]])
+    perm = torch.randperm(2 * bs, generator=torch.Generator().manual_seed(p.cfg.seed * 100003))
+    for i in range(0, 2 * bs, bs):
+        idx = perm[i:i + bs]
+        total = 0.0
+        for c, cut in ((0, 1), (1, 2)):
+            sel = idx[cut_of[idx] == cut]
+            out = srv[cut - 1:](feats[c][x_row[sel]])
+            total = total + (w_all[sel] * F.cross_entropy(out, y_all[sel], reduction="none")).sum()
+        loss = total / w_all[idx].sum()
+        params = list(srv.parameters())
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for q, g in zip(params, grads):
+                q -= lr * g
+    for c, part in parts.items():  # each client's gradient from the updated server, frozen; its own step
+        x, y = batches[c]
+        grads = torch.autograd.grad(F.cross_entropy(srv[len(part) - 1:](part(x)), y), list(part.parameters()))
+        with torch.no_grad():
+            for q, g in zip(part.parameters(), grads):
+                q -= lr * g
+    w0, w1 = n[0] / sum(n), n[1] / sum(n)
+    want = {f"0.{k}": w0 * v + w1 * parts[1][0].state_dict()[k] for k, v in parts[0][0].state_dict().items()}
+    want.update({f"1.{k}": w0 * v + w1 * parts[1][1].state_dict()[k] for k, v in srv[0].state_dict().items()})
+    for i, b in enumerate(srv[1:], start=2):
+        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+    check(client, want, client)
+    check(server, want, server)

@@ -99,7 +99,7 @@ class MiniBatchServer(CycleServer):
         the concatenated activations."""
         ctx = self.ctx
         grads = [ctx.trainer.gradient(a, ctx.models.main.module) for a in acts]
-        ctx.trainer.step_batches(list(acts), ctx.models[key], tag=acts[0].tag)
+        ctx.trainer.pool(list(acts)).step_all(ctx.models[key], tag=acts[0].tag)  # tiered: each cut from its own
         return grads
 
 

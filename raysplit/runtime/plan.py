@@ -17,8 +17,8 @@ class ModelFacts:
     """What a rule may know of the model: its name and builder options, what goes in (``inputs``: the dataset's
     :class:`~raysplit.data.DataSpec`), where it is cut (``cut``: the index of the first server block, None: the
     whole model on the clients; ``tail_cut``: a U-shaped split's tail) and the per-sample shape of what crosses the
-    cut (``cut_shape``; None without a cut). Clients with their own cuts (``cuts``): client ``i`` holds ``blocks[:cuts[i]]``,
-    the server ``blocks[cut:]`` with ``cut`` the shallowest, entered at each client's cut
+    cut (``cut_shape``; None without a cut). Clients with their own cuts (``cuts``): client ``i`` holds
+    ``blocks[:cuts[i]]``, the server ``blocks[cut:]`` with ``cut`` the shallowest, entered at each client's cut
     (:class:`~raysplit.models.tiers.AtCuts`); ``cut_shape`` is then the shallowest cut's."""
 
     name: str

@@ -109,37 +109,33 @@ def merge_optimizer_states(main: torch.nn.Module, main_state: dict, copy_states:
     return merged
 
 
-def step_at_cuts(trainer, batches: list, model, tag=None) -> torch.Tensor:
-    """One step of ``model`` (a :class:`~raysplit.runtime.state.ModelSlot`) on batches that enter it at their
-    clients' cuts: each cut's batches concatenated and run from there, the loss the mean cross-entropy over every
-    sample (the sum over the cuts' summed losses, divided by all samples: the concatenated step's loss where there
-    is one cut); then the trainer's :meth:`~raysplit.runtime.server.trainer.Trainer.settle` (clipping, the step,
-    the FLOPs from the last arrival on, counted once per composition of cuts and shapes)."""
+def step_at_cuts(trainer, parts: list, model, tag, ready_at: float = 0.0) -> torch.Tensor:
+    """One step of ``model`` (a :class:`~raysplit.runtime.state.ModelSlot`) on samples that enter it at several
+    cuts (``parts``: ``(cut, features, labels, weights or None)``): each cut's samples run from
+    there, the loss the weighted mean cross-entropy over every sample (unweighted: the sum of the cuts' summed
+    losses over all samples, the concatenated step's loss where there is one cut); then the trainer's
+    :meth:`~raysplit.runtime.server.trainer.Trainer.settle` (clipping, the step, the FLOPs from ``ready_at`` on,
+    counted once per composition of cuts and shapes)."""
     from raysplit.models.tiers import entered
 
     t_wall = time.perf_counter()
     module, optimizers = model.module, [model.optimizer]
-    by_cut: dict[int, list] = {}
-    for b in batches:
-        by_cut.setdefault(trainer.cut_of(b.tag.client), []).append(b)
-    parts = [(cut, torch.cat([b.x for b in bs]).detach(), torch.cat([b.y for b in bs]))
-             for cut, bs in sorted(by_cut.items())]
-    n = sum(len(y) for _, _, y in parts)
+    weights = [w if w is not None else torch.ones(len(y), device=y.device) for _, _, y, w in parts]
+    total_weight = sum(w.sum() for w in weights)
 
     def step():
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         total = 0.0
-        for cut, x, y in parts:
+        for (cut, x, y, _), w in zip(parts, weights):
             with entered(module, cut):
-                total = total + F.cross_entropy(module(x), y, reduction="sum")
-        out = total / n
+                total = total + (w * F.cross_entropy(module(x), y, reduction="none")).sum()
+        out = total / total_weight
         out.backward()
         return out
 
-    key = (trainer.call, "step", type(module).__name__) + tuple((cut, tuple(x.shape)) for cut, x, _ in parts)
+    key = (trainer.call, "step", type(module).__name__) + tuple((cut, tuple(x.shape)) for cut, x, _, _ in parts)
     out, fl = trainer.flops.run(key, step)
-    tag = tag if tag is not None else batches[0].tag
-    lv = trainer.settle(out.detach(), fl, module, optimizers, tag=tag, ready_at=max(b.t_sent for b in batches))
+    lv = trainer.settle(out.detach(), fl, module, optimizers, tag=tag, ready_at=ready_at)
     trainer.tally.busy_wall += time.perf_counter() - t_wall
     return lv

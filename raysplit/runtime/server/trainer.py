@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from raysplit.clock import FlopCache
 from raysplit.models.tiers import entered
-from raysplit.runtime import tiered, transport
+from raysplit.runtime import transport
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.screening import LOSS, Deferred, check_loss
 from raysplit.runtime.messages import Batch, Gradient, StateMsg, Tag
@@ -150,14 +150,11 @@ class Trainer:
         tag = tag if tag is not None else Tag(-1, self.round, step or 0)
         return self._run(x, y, module, optimizers, loss, ready_at, tag, record=True, where=where, kind="step")
 
-    def step_batches(self, batches: list[Batch], model, tag: Tag | None = None) -> float:
-        """One step on several clients' batches as one step on their concatenation (MiniBatch-SFL); where they
-        enter the server's model at other cuts (tiered), each cut's batches run from there and their losses pool
-        by samples (:func:`~raysplit.runtime.tiered.step_at_cuts`)."""
-        if len({self.cut_of(b.tag.client) for b in batches}) > 1:
-            return tiered.step_at_cuts(self, batches, model, tag)
-        x, y = torch.cat([b.x for b in batches]).detach(), torch.cat([b.y for b in batches])
-        return self.step(x, y, model, tag=tag)
+    def pool(self, batches: list[Batch]):
+        """The batches' samples pooled for steps on them (:class:`~raysplit.runtime.server.pool.Pool`)."""
+        from raysplit.runtime.server.pool import Pool
+
+        return Pool(self, batches)
 
     def train(self, b: Batch, model, *more_optimizers, loss: Callable | None = None) -> Gradient:
         """One training step on a client's batch from its arrival on (:meth:`step`); the client's gradient."""
