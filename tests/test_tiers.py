@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_script, make_config, run_rounds
+from helpers import counting_syncs, load_script, make_config, run_rounds
 from torch.utils.flop_counter import FlopCounterMode
 
 from raysplit import experiment
@@ -29,6 +29,16 @@ TWO_TIERS = [{"cut": "conv1", "clients": [0]}, {"cut": "conv2", "clients": [1]}]
 def test_one_tier_is_todays_run_bit_for_bit(name):
     got = golden.run(name, **{"model.cut": None, "model.tiers": [{"cut": "conv1", "share": 1.0}]})
     assert not golden.differences(golden.load(name), got)
+
+
+@pytest.mark.parametrize("name", ["splitnn", "sflv1", "sflv2", "minibatch_sfl", "cyclesfl"])
+def test_a_tiered_step_path_makes_no_host_synchronisation(name):
+    """Entering the server at each client's cut, pooling by cut and the per-cut FLOP keys read nothing back from
+    the device within the steps (tests/test_golden.py's budgets: none for these families)."""
+    with counting_syncs() as syncs:
+        golden.run(name, **{"model.cut": None, "model.tiers": [{"cut": "conv1", "share": 0.5},
+                                                               {"cut": "conv2", "share": 0.5}]})
+    assert syncs.steps > 0 and syncs.total == 0, f"{syncs.total} synchronisations in {syncs.steps} steps"
 
 
 def tiny(tmp_path, name: str, **over):

@@ -80,7 +80,7 @@ class CycleServer(ServerRule):
         bs = p.server_batch_size or ctx.train.batch_size
         n = len(pool)
         for _ in range(p.server_epochs):
-            perm = torch.randperm(n, generator=g).to(pool.device)
+            perm = torch.randperm(n, generator=g)  # the pool moves each batch's indices to its device
             starts = range(0, n, bs) if p.server_steps == "epoch" else [0]
             for i in starts:
                 pool.step(perm[i:i + bs], main, tag=acts[0].tag)  # client-size-weighted cross-entropy

@@ -26,13 +26,14 @@ class Pool:
         if not self.tiered:
             self.x = torch.cat([b.x for b in batches])
             return
-        sample_cut = torch.cat([torch.full((len(b.y),), c, dtype=torch.long) for b, c in zip(batches, cuts)])
-        self.cut_of_sample = sample_cut.to(self.device)
-        self.local = torch.empty(len(self.y), dtype=torch.long, device=self.device)  # a sample's row in its cut's
+        # which cut each sample enters at and its row among its cut's samples: host memory, from the batches'
+        # sizes, so that choosing a resampled batch's samples of each cut reads nothing back from the device
+        self.cut_of_sample = torch.cat([torch.full((len(b.y),), c, dtype=torch.long) for b, c in zip(batches, cuts)])
+        self.local = torch.empty(len(self.y), dtype=torch.long)
         self.x_at: dict[int, torch.Tensor] = {}
         for cut in sorted(set(cuts)):
             rows = (self.cut_of_sample == cut).nonzero().flatten()
-            self.local[rows] = torch.arange(len(rows), device=self.device)
+            self.local[rows] = torch.arange(len(rows))
             self.x_at[cut] = torch.cat([b.x for b, c in zip(batches, cuts) if c == cut])
 
     def __len__(self) -> int:
@@ -43,19 +44,28 @@ class Pool:
         concatenation (MiniBatch-SFL); tiered, each cut's samples run from there, their losses pooled by samples."""
         if not self.tiered:
             return self.trainer.step(self.x.detach(), self.y, model, tag=tag)
-        return tiered.step_at_cuts(self.trainer, [(cut, x.detach(), self.y[self.cut_of_sample == cut], None)
+        return tiered.step_at_cuts(self.trainer, [(cut, x.detach(), self.y[self.rows(cut)], None)
                                                   for cut, x in self.x_at.items()], model, tag)
 
+    def rows(self, cut: int, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled rows (of ``idx``, a host tensor, in its order; default all) whose samples enter at ``cut``, on
+        the device."""
+        idx = torch.arange(len(self.y)) if idx is None else idx
+        return idx[self.cut_of_sample[idx] == cut].to(self.device)
+
     def step(self, idx: torch.Tensor, model, tag) -> torch.Tensor:
-        """One step of ``model`` on the samples ``idx``, each weighted by its client's sample count; the loss."""
+        """One step of ``model`` on the samples ``idx`` (host memory: CycleSL's resampled order), each weighted by
+        its client's sample count; the loss."""
         if not self.tiered:
+            idx = idx.to(self.device)
             def weighted_ce(out, y, w=self.w[idx]):
                 return (w * F.cross_entropy(out, y, reduction="none")).sum() / w.sum()
 
             return self.trainer.step(self.x[idx], self.y[idx], model, tag=tag, loss=weighted_ce)
         parts = []
         for cut, x in self.x_at.items():
-            sel = idx[self.cut_of_sample[idx] == cut]
+            sel = idx[self.cut_of_sample[idx] == cut]  # host memory: no read of the device
             if len(sel):
-                parts.append((cut, x[self.local[sel]], self.y[sel], self.w[sel]))
+                on = sel.to(self.device)
+                parts.append((cut, x[self.local[sel].to(self.device)], self.y[on], self.w[on]))
         return tiered.step_at_cuts(self.trainer, parts, model, tag)
