@@ -175,6 +175,7 @@ class FedAvg(Algorithm):
     weighted average. The FL baseline; no server model."""
 
     name = "fedavg"
+    tiers = ("the whole model is on the clients: it has no cut")
     description = "federated averaging, whole model on clients"
 
     def split_model(self, model, cut):

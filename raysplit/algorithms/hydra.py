@@ -209,6 +209,8 @@ class Hydra(SFLV2):
     round (see the module docstring)."""
 
     name = "hydra"
+    tiers = ("its server splits again at algorithm.cut_b into a shared part and per-group heads; a shared part "
+             "entered at each client's cut is not built")
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
@@ -300,6 +302,7 @@ class MultiHead(SFLV1):
     global-test inference by the most confident head (module docstring)."""
 
     name = "multihead"
+    tiers = ("its per-client server heads start at the one cut; heads entered at each client's cut are not built")
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies

@@ -145,6 +145,7 @@ class S2FL(MiniBatchSFL):
     """S2FL as GAS's code trains it (module docstring): label-balanced groups with server copies averaged."""
 
     name = "s2fl"
+    tiers = ("its server copies belong to label groups, not clients, so a copy's blocks have no one cut; not built")
     description = "S2FL: MiniBatch-SFL over label-balanced client groups, group server copies averaged"
     Params = S2FLParams
 
