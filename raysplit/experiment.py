@@ -20,7 +20,7 @@ from raysplit.algorithms.base import clients_per_round
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
-from raysplit.models.tiers import client_cuts
+from raysplit.models.tiers import client_cuts, describe
 from raysplit.runtime.server.events import EventPlan
 from raysplit.runtime.driver.drivers import RoundGuard
 from raysplit import tags
@@ -117,6 +117,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
         client, server = u_client, u_server
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
+    if cuts is not None:  # tiered: the cuts' names and their clients ("conv1:10,conv2:10"), logged and compared
+        cut_name = describe(model, cuts)
 
     m = clients_per_round(cfg, num_clients)
     alg.setup(SetupInfo(model=model, cut=cut, counts=counts, num_classes=spec_d.num_classes, seed=cfg.seed,

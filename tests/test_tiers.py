@@ -429,3 +429,40 @@ def test_two_tiers_cyclesfl_equal_a_hand_reference(tmp_path):
         want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
     check(client, want, client)
     check(server, want, server)
+
+
+def test_sweep_presets_over_tiers_and_budgets_and_compare_shows_the_tiers(tmp_path):
+    """The ``tiers`` preset: two tiers over every pair of cuts, a quarter to three quarters of the clients deep;
+    ``cut_budget``: one budget per cut; every trial valid before any starts. A tiered run's cut column in
+    ``raysplit compare`` names its tiers."""
+    import yaml
+
+    from raysplit.comparison import runs_table
+    from raysplit.tuning import load_sweep, space_spec, validate_trials
+
+    def sweep(presets):
+        path = tmp_path / "sweep.yaml"
+        path.write_text(yaml.safe_dump({"base": str(golden.ROOT / "configs" / "digits.yaml"),
+                                        "overrides": {"train.rounds": 1}, "presets": presets,
+                                        "storage_path": str(tmp_path / "tune")}))
+        spec, raw, cfg0 = load_sweep(str(path))
+        return raw, space_spec(spec, cfg0)
+
+    raw, space = sweep(["tiers"])
+    assert space["model.cut"] == {"grid": [None]} and len(space["model.tiers"]["grid"]) == 9  # 3 pairs x 3 shares
+    assert space["model.tiers"]["grid"][0] == [{"cut": "conv1", "share": 0.75}, {"cut": "conv2", "share": 0.25}]
+    assert validate_trials(raw, space) == 9
+    raw, space = sweep([{"tiers": [[{"cut": "conv1", "share": 0.5}, {"cut": "fc1", "share": 0.5}]]}])
+    assert validate_trials(raw, space) == 1
+    raw, space = sweep(["cut_budget"])
+    budgets = [b["seconds"] for b in space["model.cut_budget"]["grid"]]
+    assert len(budgets) == 3 and budgets == sorted(budgets) and validate_trials(raw, space) == 3
+    raw, space = sweep([{"cut_budget": [0.01, 0.02]}])
+    assert space["model.cut_budget"]["grid"] == [{"seconds": 0.01}, {"seconds": 0.02}]
+    uri = f"sqlite:///{tmp_path}/c.db"
+    cfg = make_config(tmp_path, uri, **{"runtime.backend": "local", "train.rounds": 1, "model.cut": None,
+                                        "tracking.experiment": "tiers-compare",
+                                        "model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.5}]})
+    experiment.run_experiment(cfg)
+    [row] = runs_table("tiers-compare", uri)
+    assert row["cut"] == "conv1:2,conv2:2"

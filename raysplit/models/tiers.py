@@ -165,6 +165,14 @@ def _from_budget(model, budget, n: int, client_flops, batch_size: int) -> list[i
     return out
 
 
+def describe(model, cuts: Sequence[int]) -> str:
+    """The tiers in a line, shallowest first: each cut's name and how many clients hold it (``conv1:10,conv2:10``)."""
+    names: dict[int, str] = {}
+    for name, k in model.cut_points().items():
+        names.setdefault(k, name)
+    return ",".join(f"{names.get(k, k)}:{list(cuts).count(k)}" for k in sorted(set(cuts)))
+
+
 def tier_of(cuts: Sequence[int] | None) -> dict[int, int]:
     """Each distinct cut's tier number, shallowest first (``eval/tier{k}/...``)."""
     return {cut: k for k, cut in enumerate(sorted(set(cuts or ())))}
