@@ -65,17 +65,41 @@ def initial(p):
     return model
 
 
+def descend(params, loss, lr: float) -> None:
+    """Plain SGD on ``params`` down the gradient of ``loss``, by hand."""
+    params = list(params)
+    grads = torch.autograd.grad(loss, params)
+    with torch.no_grad():
+        for q, g in zip(params, grads):
+            q -= lr * g
+
+
 def sgd_step(blocks, x, y, lr: float) -> None:
     """One step of plain SGD of ``blocks`` (run in order) on the batch, by hand."""
     out = x
     for b in blocks:
         out = b(out)
-    loss = F.cross_entropy(out, y)
-    params = [q for b in blocks for q in b.parameters()]
-    grads = torch.autograd.grad(loss, params)
-    with torch.no_grad():
-        for q, g in zip(params, grads):
-            q -= lr * g
+    descend([q for b in blocks for q in b.parameters()], F.cross_entropy(out, y), lr)
+
+
+def two_tier_start(p):
+    """The learning rate, the clients' sample counts, the initial model, each client's part (copies: client 0's
+    blocks[:1], client 1's blocks[:2]), the server's blocks 1-3 (the model's own) and each client's first batch."""
+    ref, seq = initial(p), torch.nn.Sequential
+    parts = {0: copy.deepcopy(seq(*ref.blocks[:1])), 1: copy.deepcopy(seq(*ref.blocks[:2]))}
+    return (p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)], ref, parts,
+            seq(*ref.blocks[1:]), {c: first_batch(p, c) for c in (0, 1)})
+
+
+def by_block(n, shallow, deep, srv) -> dict:
+    """The two-tier aggregate by hand: block 0 over client 0's part (``shallow``) and client 1's (``deep``), block 1
+    over client 1's and the server's, blocks 2-3 the server's (``srv``: blocks 1-3), by the clients' samples."""
+    w0, w1 = n[0] / sum(n), n[1] / sum(n)
+    want = {f"0.{k}": w0 * v + w1 * deep[0].state_dict()[k] for k, v in shallow[0].state_dict().items()}
+    want.update({f"1.{k}": w0 * v + w1 * deep[1].state_dict()[k] for k, v in srv[0].state_dict().items()})
+    for i, b in enumerate(srv[1:], start=2):
+        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+    return want
 
 
 def check(got: dict, want: dict, keys) -> None:
@@ -96,14 +120,7 @@ def test_two_tiers_sflv2_equal_a_hand_reference(tmp_path):
     sgd_step([c0, *srv], x0, y0, lr)
     x1, y1 = first_batch(p, 1)
     sgd_step([c1[0], c1[1], *srv[1:]], x1, y1, lr)
-    w0, w1 = n[0] / sum(n), n[1] / sum(n)
-    want = {}
-    for k, v in c0.state_dict().items():
-        want[f"0.{k}"] = w0 * v + w1 * c1[0].state_dict()[k]
-    for k, v in srv[0].state_dict().items():
-        want[f"1.{k}"] = w0 * v + w1 * c1[1].state_dict()[k]
-    for i, b in enumerate(srv[1:], start=2):
-        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+    want = by_block(n, [c0], c1, srv)
     check(client, want, client)  # the aggregate every client gets: blocks 0-1
     check(server, want, server)  # the server: block 1 (the overlap, the same aggregate) and blocks 2-3
 
@@ -324,36 +341,21 @@ def test_two_tiers_minibatch_sfl_equal_a_hand_reference(tmp_path):
     """MiniBatch-SFL: each client's gradient from the server model before the step (entered at its cut), then one
     server step on both batches, each from its cut, the loss the mean over all samples; then block by block."""
     client, server, p, _ = run_rounds(tiny(tmp_path, "minibatch_sfl", **{"algorithm.client_batch": "equal"}))
-    lr, n = p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)]
-    ref = initial(p)
+    lr, n, ref, parts, srv, batches = two_tier_start(p)
     seq = torch.nn.Sequential
-    parts = {0: copy.deepcopy(seq(*ref.blocks[:1])), 1: copy.deepcopy(seq(*ref.blocks[:2]))}
-    srv = seq(*ref.blocks[1:])
-    batches = {c: first_batch(p, c) for c in (0, 1)}
     # the clients' steps: through the server as it was (frozen), their own parameters only
     for c, part in parts.items():
         x, y = batches[c]
         out = part(x)
         for b in srv[len(part) - 1:]:
             out = b(out)
-        grads = torch.autograd.grad(F.cross_entropy(out, y), list(part.parameters()))
-        with torch.no_grad():
-            for q, g in zip(part.parameters(), grads):
-                q -= lr * g
+        descend(part.parameters(), F.cross_entropy(out, y), lr)
     # the server's step on the clients' activations (from their parts before their steps: what they sent)
     sent = {0: seq(*ref.blocks[:1])(batches[0][0]).detach(), 1: seq(*ref.blocks[:2])(batches[1][0]).detach()}
     loss = (F.cross_entropy(srv(sent[0]), batches[0][1], reduction="sum")
             + F.cross_entropy(srv[1:](sent[1]), batches[1][1], reduction="sum")) / (len(sent[0]) + len(sent[1]))
-    params = list(srv.parameters())
-    grads = torch.autograd.grad(loss, params)
-    with torch.no_grad():
-        for q, g in zip(params, grads):
-            q -= lr * g
-    w0, w1 = n[0] / sum(n), n[1] / sum(n)
-    want = {f"0.{k}": w0 * v + w1 * parts[1][0].state_dict()[k] for k, v in parts[0][0].state_dict().items()}
-    want.update({f"1.{k}": w0 * v + w1 * parts[1][1].state_dict()[k] for k, v in srv[0].state_dict().items()})
-    for i, b in enumerate(srv[1:], start=2):
-        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+    descend(srv.parameters(), loss, lr)
+    want = by_block(n, parts[0], parts[1], srv)
     check(client, want, client)
     check(server, want, server)
 
@@ -390,12 +392,7 @@ def test_two_tiers_cyclesfl_equal_a_hand_reference(tmp_path):
     steps of the server, each sample entering at its cut with its client's size as weight; the clients' gradients
     from the updated server, frozen; then block by block."""
     client, server, p, _ = run_rounds(tiny(tmp_path, "cyclesfl"))
-    lr, n = p.cfg.train.optimizer.lr, [len(p.inputs.train_idx[c]) for c in (0, 1)]
-    ref = initial(p)
-    seq = torch.nn.Sequential
-    parts = {0: copy.deepcopy(seq(*ref.blocks[:1])), 1: copy.deepcopy(seq(*ref.blocks[:2]))}
-    srv = seq(*ref.blocks[1:])
-    batches = {c: first_batch(p, c) for c in (0, 1)}
+    lr, n, ref, parts, srv, batches = two_tier_start(p)
     feats = {c: parts[c](batches[c][0]).detach() for c in (0, 1)}
     bs = p.cfg.train.batch_size
     cut_of = torch.tensor([1] * bs + [2] * bs)
@@ -410,23 +407,11 @@ def test_two_tiers_cyclesfl_equal_a_hand_reference(tmp_path):
             sel = idx[cut_of[idx] == cut]
             out = srv[cut - 1:](feats[c][x_row[sel]])
             total = total + (w_all[sel] * F.cross_entropy(out, y_all[sel], reduction="none")).sum()
-        loss = total / w_all[idx].sum()
-        params = list(srv.parameters())
-        grads = torch.autograd.grad(loss, params)
-        with torch.no_grad():
-            for q, g in zip(params, grads):
-                q -= lr * g
+        descend(srv.parameters(), total / w_all[idx].sum(), lr)
     for c, part in parts.items():  # each client's gradient from the updated server, frozen; its own step
         x, y = batches[c]
-        grads = torch.autograd.grad(F.cross_entropy(srv[len(part) - 1:](part(x)), y), list(part.parameters()))
-        with torch.no_grad():
-            for q, g in zip(part.parameters(), grads):
-                q -= lr * g
-    w0, w1 = n[0] / sum(n), n[1] / sum(n)
-    want = {f"0.{k}": w0 * v + w1 * parts[1][0].state_dict()[k] for k, v in parts[0][0].state_dict().items()}
-    want.update({f"1.{k}": w0 * v + w1 * parts[1][1].state_dict()[k] for k, v in srv[0].state_dict().items()})
-    for i, b in enumerate(srv[1:], start=2):
-        want.update({f"{i}.{k}": v for k, v in b.state_dict().items()})
+        descend(part.parameters(), F.cross_entropy(srv[len(part) - 1:](part(x)), y), lr)
+    want = by_block(n, parts[0], parts[1], srv)
     check(client, want, client)
     check(server, want, server)
 
