@@ -167,8 +167,6 @@ class ModelConfig(_Strict):
             raise ValueError("give model.tiers or model.cut_budget, not both")
         if given and self.cut is not None:
             raise ValueError(f"model.{given[0]} gives every client its cut; model.cut must then be left out")
-        if given and self.tail_cut is not None:
-            raise ValueError(f"model.{given[0]} with a U-shaped split (model.tail_cut) is not built yet")
         tiers = self.tiers or []
         if self.tiers is not None and not tiers:
             raise ValueError("model.tiers is empty: give at least one tier (or leave it out)")

@@ -20,7 +20,7 @@ from raysplit.algorithms.base import clients_per_round
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
-from raysplit.models.tiers import client_cuts, describe
+from raysplit.models.tiers import client_cuts, describe, tiered_parts
 from raysplit.runtime.server.events import EventPlan
 from raysplit.runtime.driver.drivers import RoundGuard
 from raysplit import tags
@@ -77,7 +77,8 @@ def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles
     why = alg.tiers_refused()
     if not why and getattr(alg.params, "batched_copies", False):
         why = "algorithm.batched_copies batches copies of one shape; copies entered at other cuts are not built yet"
-    if not why and (cfg.privacy.defence.kind != "none" or cfg.privacy.attack.kind != "none"):
+    if not why and any(getattr(cfg.privacy, k).kind != "none" for k in ("defence", "attack", "label_defence",
+                                                                          "label_attack")):
         why = "the privacy plug-ins at the cut assume one cut"
     if why:
         raise ConfigError(f"{key}: {alg.name} cannot take clients with their own cuts: {why}")
@@ -87,7 +88,6 @@ def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles
 def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.data import load_partitioned, partition_counts, partition_summary
     from raysplit.models import MODELS, build_model
-    from raysplit.models.tiers import AtCuts
     from raysplit.label_privacy import ushape_spec
     from raysplit.privacy import privacy_spec
 
@@ -110,12 +110,13 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     if cuts is not None:
         want, cuts = (cuts[0], None) if len(set(cuts)) == 1 else (min(cuts), cuts)  # one tier: today's run
     cut, client, server = alg.split_model(model, want)
-    if cuts is not None:  # the clients' blocks up to the deepest cut, the server's from the shallowest on
-        client, server = model.segment(0, max(cuts)), AtCuts(model.segment(cut, len(model)), cut)
-    ushape, u_client, u_server = ushape_spec(model, cut, cfg.model.tail_cut, cfg.privacy, alg.name, alg.u_shape,
-                                             getattr(alg.params, "batched_copies", False), spec_d.num_classes)
+    ushape, u_client, u_server = ushape_spec(model, max(cuts) if cuts else cut, cfg.model.tail_cut, cfg.privacy,
+                                             alg.name, alg.u_shape, getattr(alg.params, "batched_copies", False),
+                                             spec_d.num_classes)
     if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
         client, server = u_client, u_server
+    if cuts is not None:  # the clients' blocks up to the deepest cut, the server's from the shallowest on
+        client, server = tiered_parts(model, cuts, ushape.tail_cut if ushape is not None else None)
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
     if cuts is not None:  # tiered: the cuts' names and their clients ("conv1:10,conv2:10"), logged and compared
         cut_name = describe(model, cuts)

@@ -59,7 +59,8 @@ def first_batch(p, cid: int):
 
 def initial(p):
     model = p.inputs.plan.model.build()
-    state = {f"blocks.{k}": v for k, v in transport.unpack_state(p.inputs.client_init).items()}
+    state = {f"blocks.{k.removeprefix('head.').removeprefix('tail.')}": v  # a U-shaped part's head and tail
+             for k, v in transport.unpack_state(p.inputs.client_init).items()}
     state.update({f"blocks.{k}": v for k, v in transport.unpack_state(p.inputs.server_init).items()})
     model.load_state_dict(state)
     return model
@@ -223,6 +224,8 @@ def test_the_budget_rule_gives_each_client_the_deepest_cut_it_affords():
      "client 1 is in two tiers"),
     ({"model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.3}]}, "sum to 0.8"),
     ({"model.cut": "conv1", "model.tiers": TWO_TIERS}, "model.cut must then be left out"),
+    ({"model.tail_cut": "conv2", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
+     "model.tail_cut='conv2' .after block 2. does not come after"),
     ({"algorithm.name": "cyclesglr", "model.tiers": [{"cut": 1, "share": 0.5}, {"cut": 2, "share": 0.5}]},
      "cyclesglr cannot take clients with their own cuts: it shares one gradient"),
     ({"algorithm.name": "psl", "algorithm.batched_copies": True,
@@ -451,3 +454,28 @@ def test_sweep_presets_over_tiers_and_budgets_and_compare_shows_the_tiers(tmp_pa
     experiment.run_experiment(cfg)
     [row] = runs_table("tiers-compare", uri)
     assert row["cut"] == "conv1:2,conv2:2"
+
+
+def test_two_tiers_u_shaped_sflv2_equal_a_hand_reference(tmp_path):
+    """U-shaped (model.tail_cut fc1: the clients keep fc2 and the loss), two tiers of heads: client 0 blocks[:1],
+    client 1 blocks[:2], the server's middle blocks 1-2 entered at each client's cut. Heads and the middle's overlap
+    aggregate by block, the tails (every client's) by samples."""
+    client, server, p, stats = run_rounds(tiny(tmp_path, "sflv2", **{"algorithm.order": "fixed", "model.tail_cut": "fc1"}))
+    lr, n, ref, _, _, batches = two_tier_start(p)
+    b = ref.blocks
+    head0, tail0 = copy.deepcopy(b[0]), copy.deepcopy(b[3])
+    head1, tail1 = copy.deepcopy(b[:2]), copy.deepcopy(b[3])
+    sgd_step([head0, b[1], b[2], tail0], *batches[0], lr)  # the middle (b[1], b[2]) trained in place
+    sgd_step([head1[0], head1[1], b[2], tail1], *batches[1], lr)
+    w0, w1 = n[0] / sum(n), n[1] / sum(n)
+    avg = lambda u, v: {k: w0 * x + w1 * v.state_dict()[k] for k, x in u.state_dict().items()}  # noqa: E731
+    want = {**{f"head.0.{k}": v for k, v in avg(head0, head1[0]).items()},
+            **{f"head.1.{k}": v for k, v in avg(b[1], head1[1]).items()},
+            **{f"tail.3.{k}": v for k, v in avg(tail0, tail1).items()}}
+    check(client, want, client)
+    middle = {**{f"1.{k}": want[f"head.1.{k}"] for k in b[1].state_dict()},
+              **{f"2.{k}": v for k, v in b[2].state_dict().items()}}
+    check(server, middle, server)
+    assert sorted(server) == sorted(middle)
+    rows = stats[0].clients  # the middle's output and the tail's gradient: one shape for every tier
+    assert rows[0]["bytes_down_middle"] == rows[1]["bytes_down_middle"] > 0

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from raysplit.clock import FlopCache
+from raysplit.models.core import UClient
 
-__all__ = ["AtCuts", "Entered", "client_cuts", "cut_flops", "entered", "tier_of"]
+__all__ = ["AtCuts", "Entered", "block_key", "client_cuts", "client_part", "cut_flops", "entered", "tier_of",
+           "tiered_parts"]
 
 
 def _resolve(model, cut, key: str) -> int:
@@ -101,6 +103,32 @@ class Entered(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with entered(self.server, self.cut):
             return self.server(x)
+
+
+def client_part(model, cut: int, tail_cut: int | None = None) -> nn.Module:
+    """A client's part at ``cut``: ``blocks[:cut]``, with the tail ``blocks[tail_cut:]`` where the split is U-shaped
+    (a :class:`~raysplit.models.UClient`, whose state keys are ``head.<block>...`` and ``tail.<block>...``)."""
+    head = model.segment(0, cut)
+    return head if tail_cut is None else UClient(head, model.segment(tail_cut, len(model)))
+
+
+def tiered_parts(model, cuts: Sequence[int], tail_cut: int | None = None) -> tuple[nn.Module, AtCuts]:
+    """The deepest client's part (every block a client holds) and the server's: ``blocks[min(cuts):]`` (U-shaped:
+    up to the tail), entered at each client's cut."""
+    end = len(model) if tail_cut is None else tail_cut
+    return client_part(model, max(cuts), tail_cut), AtCuts(model.segment(min(cuts), end), min(cuts))
+
+
+def block_key(key: str) -> tuple[int, str | None]:
+    """A part's state key as ``(block index, the server's key for it)``: a client's head (``head.3.w``) and a plain
+    part's keys (``3.w``) are the server's keys of that block (``3.w``); a U-shaped tail's (``tail.5.w``) only
+    clients hold (None)."""
+    side, _, rest = key.partition(".")
+    if side == "tail":
+        return int(rest.split(".", 1)[0]), None
+    if side == "head":
+        return int(rest.split(".", 1)[0]), rest
+    return int(side), key
 
 
 def entered(module, cut: int | None):

@@ -48,9 +48,13 @@ class ModelFacts:
 
     def client_part(self, cid: int) -> torch.nn.Module:
         """A fresh client part of client ``cid`` (tiered: ``blocks[:cut_of(cid)]``; else :meth:`parts`' client)."""
-        if self.cuts is None:
-            return self.parts()[0]
-        return self.build().segment(0, self.cut_of(cid))
+        return self.parts()[0] if self.cuts is None else self.part_at(self.cut_of(cid))
+
+    def part_at(self, cut: int) -> torch.nn.Module:
+        """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail)."""
+        from raysplit.models.tiers import client_part
+
+        return client_part(self.build(), cut, self.tail_cut)
 
     def build(self):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
@@ -66,9 +70,9 @@ class ModelFacts:
         if self.cut is None:
             return model, torch.nn.Identity()
         if self.cuts is not None:  # tiered: every block a client holds, the server's from the shallowest cut on
-            from raysplit.models.tiers import AtCuts
+            from raysplit.models.tiers import tiered_parts
 
-            return model.segment(0, self.deepest), AtCuts(model.segment(self.cut, len(model)), self.cut)
+            return tiered_parts(model, self.cuts, self.tail_cut)
         if self.tail_cut is not None:
             return model.split_u(self.cut, self.tail_cut)
         return model.split(self.cut)

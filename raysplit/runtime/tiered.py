@@ -48,21 +48,28 @@ def finish(partials: list[tuple[dict, dict]], total: float, server: dict, like: 
     """The aggregate by block (module docstring) of the workers' ``partials`` (packed sums, weights per key),
     ``total`` their clients' weight, with the server's state ``server``: ``(client state, server update)``. The
     client state has every key of ``like`` (the deepest client's part), cast to its dtypes; the server update the
-    server's keys that clients hold too (the overlap), to be loaded into the server's model. A key that no client
+    server's keys that clients hold too (the overlap; a U-shaped client's ``head.<block>`` entry is the server's
+    ``<block>``), to be loaded into the server's model. A key that no client
     holds and the server does not either is an error."""
+    from raysplit.models.tiers import block_key
+
     out: dict[str, torch.Tensor] = {}
+    update: dict[str, torch.Tensor] = {}
     for k, ref in like.items():
         s = sum((torch.as_tensor(np.asarray(p[0][k], dtype=np.float64)) for p in partials if k in p[0]),
                 torch.zeros(()))
         w = sum(p[1].get(k, 0.0) for p in partials)
-        if k in server:  # the server holds it for the clients that cut at or before its block
-            s = s + server[k].detach().double().cpu() * (total - w)
+        at_server = block_key(k)[1]  # the server's name of the entry (a U-shaped head's ``head.`` dropped)
+        if at_server in server:  # the server holds it for the clients that cut at or before its block
+            s = s + server[at_server].detach().double().cpu() * (total - w)
             w = total
         if w == 0:
             raise ValueError(f"no holder of {k!r} took part in the aggregation")
         avg = s / w
         out[k] = (avg if ref.is_floating_point() else avg.round()).to(ref.dtype)
-    return out, {k: out[k] for k in server if k in out}
+        if at_server in server:
+            update[at_server] = out[k]
+    return out, update
 
 
 def merge_copies(main: torch.nn.Module, copies: dict, weights: dict, cuts) -> dict:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from raysplit.models.tiers import block_key
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.optim import make_optimizer, set_lr
 from raysplit.runtime.spill import SpillStore
@@ -68,15 +69,17 @@ class ClientStates:
             self._pools.setdefault(self._key(module), []).append(module)
 
     def _key(self, module: torch.nn.Module) -> int | None:
-        return len(module) if self.tiered else None  # a tiered client part is blocks[:cut]: cut children
+        if not self.tiered:
+            return None
+        return len(getattr(module, "head", module))  # a tiered client's head is blocks[:cut]: cut children
 
     def held(self, cid: int, state: dict) -> dict:
-        """The part of ``state`` client ``cid`` holds: tiered, the entries of its blocks (a client part's key starts
-        with its block's index in the full model); else all of it."""
+        """The part of ``state`` client ``cid`` holds: tiered, the entries of its blocks (a client part's key names
+        its block's index in the full model; a U-shaped tail every client holds); else all of it."""
         if not self.tiered:
             return state
         cut = self.cut_of(cid)
-        return {k: v for k, v in state.items() if int(k.split(".", 1)[0]) < cut}
+        return {k: v for k, v in state.items() if k.startswith("tail.") or block_key(k)[0] < cut}
 
     def load(self, module: torch.nn.Module, weights: dict) -> None:
         """``weights`` into ``module``: tiered, the blocks it holds of the global state's (every key it has)."""

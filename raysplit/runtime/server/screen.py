@@ -44,7 +44,7 @@ class Screen:
         """Per-sample shape and dtype of what the client part (``encoder()``) sends, probed once on zeros; ``cut``:
         a tiered client's, whose part is the encoder's first ``cut`` blocks."""
         if cut not in self._forms:
-            enc = self.encoder() if cut is None else self.encoder()[:cut]
+            enc = self.encoder() if cut is None else getattr(self.encoder(), "head", self.encoder())[:cut]
             mode = enc.training
             enc.eval()
             with torch.no_grad():
