@@ -479,3 +479,16 @@ def test_two_tiers_u_shaped_sflv2_equal_a_hand_reference(tmp_path):
     assert sorted(server) == sorted(middle)
     rows = stats[0].clients  # the middle's output and the tail's gradient: one shape for every tier
     assert rows[0]["bytes_down_middle"] == rows[1]["bytes_down_middle"] > 0
+
+
+def test_tiered_sflv1_prox_at_mu_zero_is_tiered_sflv1_and_pulls_each_clients_own_blocks(tmp_path):
+    """FedProx's term on each client's own blocks: mu = 0 is tiered SFLV1 bit for bit; mu > 0 changes the clients'
+    parts, not whether the run holds."""
+    want = run_rounds(tiny(tmp_path / "v1", "sflv1"))
+    got = run_rounds(tiny(tmp_path / "p0", "sflv1_prox", **{"algorithm.mu": 0.0}))
+    for g, w in ((got[0], want[0]), (got[1], want[1])):
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
+    two = {"train.local_steps": 2}  # the term is zero at a round's first step (w = w_t)
+    pulled = run_rounds(tiny(tmp_path / "p1", "sflv1_prox", **{"algorithm.mu": 10.0, **two}))[0]
+    plain = run_rounds(tiny(tmp_path / "v2", "sflv1", **two))[0]
+    assert all(not torch.equal(pulled[k], plain[k]) for k in ("0.0.weight", "1.0.weight"))
