@@ -54,11 +54,14 @@ def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of:
     server.load_state_dict(server_state)
     client.eval(), server.eval()
     tally = EvalTally()
+    at_cut: dict = {}  # tiered: one fresh part per cut, loaded with each client's weights in turn
     for c in (int(c) for c in cids):
         idx = data.test_idx.get(c)
         if idx is None or len(idx) == 0:
             continue
-        own = client if client_of is None else client_of(c).to(device).eval()
+        if client_of is not None and cut_of(c) not in at_cut:
+            at_cut[cut_of(c)] = client_of(c).to(device).eval()
+        own = client if client_of is None else at_cut[cut_of(c)]
         own.load_state_dict(state_of(c))
         with entered(server, cut_of(c)):
             predict_batches(data.x[idx], data.y[idx], data.spec, batch_size, end_to_end(own, server), tally, device)
