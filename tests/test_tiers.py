@@ -492,3 +492,21 @@ def test_tiered_sflv1_prox_at_mu_zero_is_tiered_sflv1_and_pulls_each_clients_own
     pulled = run_rounds(tiny(tmp_path / "p1", "sflv1_prox", **{"algorithm.mu": 10.0, **two}))[0]
     plain = run_rounds(tiny(tmp_path / "v2", "sflv1", **two))[0]
     assert all(not torch.equal(pulled[k], plain[k]) for k in ("0.0.weight", "1.0.weight"))
+
+
+def test_a_tiered_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
+    """A driver killed after round 1 of a tiered SFLV1 run: resumed from its checkpoint (each client's own blocks,
+    the server's from the shallowest cut), it ends with the uninterrupted run's numbers."""
+    from helpers import crashed_run
+
+    uri = f"sqlite:///{tmp_path}/r.db"
+    over = {"runtime.backend": "local", "algorithm.name": "sflv1", "train.rounds": 3, "model.cut": None,
+            "tracking.checkpoint_every": 1, "tracking.experiment": "tiers-resume",
+            "model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.5}]}
+    full = experiment.run_experiment(make_config(tmp_path / "a", uri, **over))
+    run = crashed_run(make_config(tmp_path / "b", uri, **over), uri, at_round=1)
+    resumed = experiment.run_experiment(make_config(tmp_path / "b", uri, **over), resume_run_id=run.info.run_id)
+    for key in ("eval/accuracy", "train/loss", "time/sim", "comm/tier0/bytes_up", "eval/tier1/accuracy"):
+        if key in full:
+            assert resumed[key] == full[key], key
+    assert "comm/tier0/bytes_up" in full
