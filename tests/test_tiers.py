@@ -510,3 +510,17 @@ def test_a_tiered_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(
         if key in full:
             assert resumed[key] == full[key], key
     assert "comm/tier0/bytes_up" in full
+
+
+def test_tiered_pipar_trains_as_tiered_sflv1_on_a_pipelined_clock_per_client(tmp_path):
+    """PiPar's updates are SplitFed V1's (by block here), its clock pipelined from each client's own stage times:
+    one micro-batch is tiered SFLV1 bit for bit, four shorten every client's round."""
+    want = run_rounds(tiny(tmp_path / "v1", "sflv1"))
+    one = run_rounds(tiny(tmp_path / "m1", "pipar", **{"algorithm.micro_batches": 1}))
+    four = run_rounds(tiny(tmp_path / "m4", "pipar", **{"algorithm.micro_batches": 4}))
+    for got in (one, four):
+        for g, w in ((got[0], want[0]), (got[1], want[1])):
+            assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
+    for c in (0, 1):
+        assert one[3][0].clients[c]["t_end"] == want[3][0].clients[c]["t_end"]
+        assert four[3][0].clients[c]["t_end"] < want[3][0].clients[c]["t_end"]

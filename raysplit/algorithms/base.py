@@ -108,7 +108,7 @@ class Algorithm(Checkpointed):
         why = cls.__dict__.get("tiers")
         if why is None:
             why = ("its steps or models are not built for clients with their own cuts yet (splitnn, psl, sflv1, "
-                   "sflv2, sflv3, sflv1_prox, minibatch_sfl, cyclepsl and cyclesfl are)")
+                   "sflv2, sflv3, sflv1_prox, pipar, minibatch_sfl, cyclepsl and cyclesfl are)")
         return why.format(name=cls.name)
 
     def keeps_global_client_model(self) -> bool:
