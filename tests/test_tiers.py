@@ -524,3 +524,15 @@ def test_tiered_pipar_trains_as_tiered_sflv1_on_a_pipelined_clock_per_client(tmp
     for c in (0, 1):
         assert one[3][0].clients[c]["t_end"] == want[3][0].clients[c]["t_end"]
         assert four[3][0].clients[c]["t_end"] < want[3][0].clients[c]["t_end"]
+
+
+def test_the_budget_rule_leaves_the_model_and_the_random_stream_as_they_were():
+    """Counting the cuts' FLOPs runs a copy: BatchNorm's statistics and the global random state are untouched, so a
+    budget that gives every client one cut is today's run at that cut."""
+    torch.manual_seed(0)
+    model = build_model("resnet9", 10, (3, 32, 32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    cut_flops(model, [1, 3], 4)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -2,14 +2,15 @@
 ``model.cut_budget`` rule, resolved once on the driver before any actor exists.
 
 Client ``i`` holds ``blocks[:cuts[i]]``; the server holds ``blocks[min(cuts):]`` and enters its model at client
-``i``'s cut for client ``i``'s activations. One tier (every client at one cut) is not tiered at all: the run is
-today's single-cut run (:func:`client_cuts` returns None).
+``i``'s cut for client ``i``'s activations (:class:`AtCuts`). One tier (every client at one cut) is not tiered at
+all: the driver runs today's single-cut run at that cut (``experiment.prepare``).
 
 This module knows nothing about Ray, MLflow or Tune; it reads plain values (the model, the clients' FLOP/s)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import OrderedDict
 from typing import Sequence
 
@@ -33,21 +34,21 @@ def _resolve(model, cut, key: str) -> int:
 
 def cut_flops(model, cuts: Sequence[int], batch_size: int) -> dict[int, int]:
     """FLOPs of one batch's forward and backward through ``blocks[:cut]`` for each of ``cuts`` (counted with torch's
-    flop counter on a copy's random input; the model's weights take no step)."""
+    flop counter on a random input through a copy of the model, the global random state kept: the model's weights,
+    buffers (BatchNorm's statistics) and the run's random stream are as they were)."""
     flops = FlopCache()
     out = {}
-    for k in sorted(set(cuts)):
-        part = model.segment(0, k)
-        x = model.example_input(batch_size, generator=torch.Generator().manual_seed(0))
+    copied = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        for k in sorted(set(cuts)):
+            part = copied.segment(0, k)
+            x = copied.example_input(batch_size, generator=torch.Generator().manual_seed(0))
 
-        def fb(part=part, x=x):
-            y = part(x)
-            y.backward(torch.ones_like(y))
+            def fb(part=part, x=x):
+                y = part(x)
+                y.backward(torch.ones_like(y))
 
-        flags = [(p, p.grad) for p in part.parameters()]
-        out[k] = flops.run(("budget", k), fb)[1]
-        for p, g in flags:
-            p.grad = g
+            out[k] = flops.run(("budget", k), fb)[1]
     return out
 
 
