@@ -330,11 +330,14 @@ def test_a_packed_run_with_two_tiers_equals_one_client_after_another(tmp_path, m
 
 @pytest.mark.ray
 @pytest.mark.parametrize("transport", ["compiled", "calls"])
-def test_a_tiered_run_through_ray_actors_equals_the_local_one(ray_session, transport):
-    """Two client actors, the compiled graphs' channels sized for the largest tier's activations."""
-    tiers = {"model.cut": None, "model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.5}]}
-    want = golden.run("sflv1", **tiers)
-    got = golden.run("sflv1", **tiers, **{"runtime.backend": "ray", "runtime.server.num_cpus": 0.5,
+@pytest.mark.parametrize("name, extra", [("sflv1", {}), ("sflv2", {"model.tail_cut": "fc1"})],
+                         ids=["sflv1", "sflv2-u-shaped"])
+def test_a_tiered_run_through_ray_actors_equals_the_local_one(ray_session, transport, name, extra):
+    """Two client actors, the compiled graphs' channels sized for the largest tier's activations; U-shaped too."""
+    tiers = {"model.cut": None, "model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.5}],
+             **extra}
+    want = golden.run(name, **tiers)
+    got = golden.run(name, **tiers, **{"runtime.backend": "ray", "runtime.server.num_cpus": 0.5,
                                           "runtime.client.num_cpus": 0.5, "runtime.keep_actors_s": 30,
                                           "runtime.transport.kind": transport, "runtime.num_workers": 2})
     assert not golden.differences(want, got)
