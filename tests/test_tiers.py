@@ -162,6 +162,22 @@ def test_two_tiers_splitnn_equal_one_model_trained_client_after_client(tmp_path)
     assert rows[1]["bytes_down_model"] == sum(v.numel() * 4 for k, v in want.items() if k[0] in "01")
 
 
+def test_the_server_part_enters_at_each_cut_and_slices_as_a_plain_part():
+    model = build_model("cnn_small", 10, (1, 8, 8))
+    server = AtCuts(model.segment(1, len(model)), 1)
+    x = model.example_input(2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(server(model.blocks[0](x)), model(x))
+        with server.entered(2):
+            assert torch.equal(server(model.segment(0, 2)(x)), model(x))
+        assert server.entry == 1
+        with pytest.raises(ValueError, match="outside the server's blocks"):
+            with server.entered(0):
+                pass
+    tail = server[1:]
+    assert type(tail) is torch.nn.Sequential and list(tail.state_dict()) == list(model.segment(2, 4).state_dict())
+
+
 def test_aggregation_by_block_on_hand_made_weights():
     """A holds block 0 (weight 1), B blocks 0-1 (weight 3), the server blocks 1-2: block 0 = (1*1 + 3*5)/4, block
     1 = (3*2 + 1*10)/4 (the server holds it for A), block 2 the server's alone, not sent back."""

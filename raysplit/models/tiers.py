@@ -75,6 +75,13 @@ class AtCuts(nn.Sequential):
         super().__init__(OrderedDict(part._modules))
         self.start = self.entry = int(start)
 
+    def __getitem__(self, idx):
+        """A block (an index), or the blocks of a slice as a plain Sequential named by full-model index (entered at
+        its first block, as any part is)."""
+        if isinstance(idx, slice):
+            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for name, block in self._modules.items():
             if int(name) >= self.entry:
