@@ -111,6 +111,28 @@ class DataConfig(_Strict):
         return v
 
 
+class TierConfig(_Strict):
+    cut: int | str = Field(description="the cut of this tier's clients: a block name or index (blocks before it run "
+                           "on them)")
+    clients: list[int] | None = Field(default=None, description="the client ids of this tier (or share)")
+    share: float | None = Field(default=None, gt=0, le=1, description="the share of the clients in this tier (or "
+                                "clients); which clients: model.tier_order")
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        if (self.clients is None) == (self.share is None):
+            raise ValueError("a tier names its clients or its share of them, one of the two")
+        return self
+
+
+class CutBudgetConfig(_Strict):
+    seconds: float = Field(gt=0, description="the compute budget: the simulated seconds one batch "
+                           "(train.batch_size) of forward and backward through a client's blocks may take at its "
+                           "clock profile's FLOP/s; each client gets the deepest cut within it")
+    cuts: list[int | str] | None = Field(default=None, description="the cuts to choose from (null: every cut of the "
+                                         "model); a client that affords none gets the shallowest")
+
+
 class ModelConfig(_Strict):
     name: str = Field(default="cnn_small", description="a model of raysplit/models (listed by `raysplit list`)")
     cut: int | str | None = Field(default=None, description="where the model is split: a block name or index "
@@ -121,6 +143,15 @@ class ModelConfig(_Strict):
                                        "(splitnn, psl, sflv1, sflv2)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model's builder "
                                     "(e.g. cifar_stem), checked against its signature (docs/config.md lists them)")
+    tiers: list[TierConfig] | None = Field(default=None, description="clients with their own cuts (null: every "
+                                           "client at model.cut): a list of {cut, clients} or {cut, share}; the "
+                                           "server holds the blocks from the shallowest cut on (docs/usage.md)")
+    tier_order: Literal["ids", "seeded", "speed"] = Field(default="ids", description="with shares: which clients "
+                                                           "go to which tier: by ascending id in the tiers' order "
+                                                           "(ids), in a seeded permutation (seeded), or the fastest "
+                                                           "clients (clock profile FLOP/s) to the deepest cuts (speed)")
+    cut_budget: CutBudgetConfig | None = Field(default=None, description="instead of tiers: each client gets the "
+                                               "deepest cut its clock profile affords under a compute budget")
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +159,22 @@ class ModelConfig(_Strict):
         from raysplit.models import MODELS
 
         return _checked_options(data, "model", MODELS, lambda info: info.builder)
+
+    @model_validator(mode="after")
+    def _tiers(self):
+        given = [k for k in ("tiers", "cut_budget") if getattr(self, k) is not None]
+        if len(given) == 2:
+            raise ValueError("give model.tiers or model.cut_budget, not both")
+        if given and self.cut is not None:
+            raise ValueError(f"model.{given[0]} gives every client its cut; model.cut must then be left out")
+        tiers = self.tiers or []
+        if self.tiers is not None and not tiers:
+            raise ValueError("model.tiers is empty: give at least one tier (or leave it out)")
+        if any(t.share is not None for t in tiers) and any(t.clients is not None for t in tiers):
+            raise ValueError("model.tiers: give every tier its clients or every tier its share, not a mix")
+        if tiers and tiers[0].share is not None and abs(sum(t.share for t in tiers) - 1.0) > 1e-9:
+            raise ValueError(f"model.tiers: the shares sum to {sum(t.share for t in tiers):g}, not 1")
+        return self
 
 
 class OptimizerConfig(_Strict):

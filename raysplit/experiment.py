@@ -20,6 +20,7 @@ from raysplit.algorithms.base import clients_per_round
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
+from raysplit.models.tiers import client_cuts, describe, tiered_parts
 from raysplit.runtime.server.events import EventPlan
 from raysplit.runtime.driver.drivers import RoundGuard
 from raysplit import tags
@@ -62,6 +63,28 @@ def cut_shape(model, cut: int | None, data_spec) -> tuple | None:
             m.training = flag
 
 
+def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles) -> tuple[int, ...] | None:
+    """Each client's cut from ``model.tiers`` or ``model.cut_budget`` (None: neither), checked against the model,
+    the clients and the method before any actor exists: one ConfigError naming the key or the method."""
+    try:
+        cuts = client_cuts(model, cfg.model, num_clients, [p.flops for p in profiles], cfg.seed,
+                           cfg.train.batch_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cuts is None or len(set(cuts)) == 1:
+        return cuts
+    key = "model.tiers" if cfg.model.tiers is not None else "model.cut_budget"
+    why = alg.tiers_refused()
+    if not why and getattr(alg.params, "batched_copies", False):
+        why = "algorithm.batched_copies batches copies of one shape; copies entered at other cuts are not built yet"
+    if not why and any(getattr(cfg.privacy, k).kind != "none" for k in ("defence", "attack", "label_defence",
+                                                                          "label_attack")):
+        why = "the privacy plug-ins at the cut assume one cut"
+    if why:
+        raise ConfigError(f"{key}: {alg.name} cannot take clients with their own cuts: {why}")
+    return cuts
+
+
 def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.data import load_partitioned, partition_counts, partition_summary
     from raysplit.models import MODELS, build_model
@@ -81,18 +104,26 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         model = build_model(cfg.model.name, spec_d.num_classes, tuple(spec_d.input_shape), **cfg.model.options)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model: cannot build {cfg.model.name!r} for {cfg.data.dataset}: {e}") from None
+    profiles = cfg.clock.draw(num_clients, np.random.default_rng([cfg.seed, 2]))
+    cuts = client_cuts_of(cfg, alg, model, num_clients, profiles)  # None: one cut for every client
     want = cfg.model.cut if cfg.model.cut is not None else MODELS[cfg.model.name].default_cut
+    if cuts is not None:
+        want, cuts = (cuts[0], None) if len(set(cuts)) == 1 else (min(cuts), cuts)  # one tier: today's run
     cut, client, server = alg.split_model(model, want)
-    ushape, u_client, u_server = ushape_spec(model, cut, cfg.model.tail_cut, cfg.privacy, alg.name, alg.u_shape,
-                                             getattr(alg.params, "batched_copies", False), spec_d.num_classes)
+    ushape, u_client, u_server = ushape_spec(model, max(cuts) if cuts else cut, cfg.model.tail_cut, cfg.privacy,
+                                             alg.name, alg.u_shape, getattr(alg.params, "batched_copies", False),
+                                             spec_d.num_classes)
     if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
         client, server = u_client, u_server
+    if cuts is not None:  # the clients' blocks up to the deepest cut, the server's from the shallowest on
+        client, server = tiered_parts(model, cuts, ushape.tail_cut if ushape is not None else None)
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
+    if cuts is not None:  # tiered: the cuts' names and their clients ("conv1:10,conv2:10"), logged and compared
+        cut_name = describe(model, cuts)
 
     m = clients_per_round(cfg, num_clients)
-    profiles = cfg.clock.draw(num_clients, np.random.default_rng([cfg.seed, 2]))
     alg.setup(SetupInfo(model=model, cut=cut, counts=counts, num_classes=spec_d.num_classes, seed=cfg.seed,
-                        clients_per_round=m, profiles=tuple(profiles)))
+                        clients_per_round=m, profiles=tuple(profiles), cuts=cuts))
     modes = alg.eval_modes()
     eval_mode = modes[0] if cfg.eval.mode == "auto" else cfg.eval.mode
     if eval_mode not in modes:
@@ -109,7 +140,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         sections=Sections(train=cfg.train, eval=cfg.eval, clock=cfg.clock, runtime=cfg.runtime, seed=cfg.seed),
         model=ModelFacts(name=cfg.model.name, options=dict(cfg.model.options), inputs=spec_d, cut=cut,
                          tail_cut=ushape.tail_cut if ushape is not None else None,
-                         cut_shape=cut_shape(model, cut, spec_d)),
+                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts),
         method=Method(params=alg.params, setup=alg.host_setup(), client_rule=alg.client_rule,
                       server_rule=alg.server_rule, persist_client_models=not alg.keeps_global_client_model(),
                       asynchronous=alg.driver.asynchronous),

@@ -70,6 +70,39 @@ def round_metrics(stats) -> dict:
     }
 
 
+def tier_metrics(stats, cuts) -> dict:
+    """Per tier of a run whose clients have their own cuts (``cuts[c]``; tier 0 the shallowest): the round's bytes
+    up and down, client FLOPs and the latest clock of its clients (``comm/tier{k}/...``, ``compute/tier{k}/...``,
+    ``time/tier{k}/...``)."""
+    out = {}
+    for k, cut in enumerate(sorted(set(cuts))):
+        rows = [r for c, r in stats.clients.items() if cuts[int(c)] == cut]
+        if not rows:
+            continue
+        out.update({f"comm/tier{k}/bytes_up": sum(r.get("bytes_up", 0) for r in rows),
+                    f"comm/tier{k}/bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+                    f"compute/tier{k}/client_flops": sum(r.get("flops", 0) for r in rows),
+                    f"time/tier{k}/sim_time": max(r.get("t_end", 0.0) for r in rows)})
+    return out
+
+
+def tier_evaluation(rt, prepared, global_handle, who: list[int], cuts) -> dict:
+    """``eval/tier{k}/accuracy`` and ``loss`` of the clients at each cut (``eval.mode: clients``: each through its
+    own part; a global model is one model at every cut once its blocks are aggregated, so it has no tiers)."""
+    out = {}
+    if prepared.eval_mode != "clients":
+        return out
+    for k, cut in enumerate(sorted(set(cuts))):
+        mine = [c for c in who if cuts[int(c)] == cut]
+        if not mine:
+            continue
+        y, p, loss = prepared.algorithm.evaluate(rt, prepared.eval_mode, global_handle, mine)
+        if len(y):
+            ev = M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
+            out.update({f"eval/tier{k}/accuracy": ev["accuracy"], f"eval/tier{k}/loss": ev["loss"]})
+    return out
+
+
 def dropped_clients(stats) -> dict[int, str]:
     """The clients dropped in a round (``runtime.faults.on_bad_client: drop``) and why: rejected by the server, or
     rejecting the server's gradient."""
@@ -151,12 +184,18 @@ class Reporter:
         hist.t_sim = stats.t_end
         hist.wall = time.perf_counter() - self._wall0
         m = round_metrics(stats)
+        cuts = self.prepared.inputs.plan.model.cuts  # clients with their own cuts: the numbers per tier too
+        if cuts is not None:
+            m.update(tier_metrics(stats, cuts))
         m["wall_time"] = hist.wall
         hist.grad_norms.extend(stats.server.get("grad_norms", []))
         hist.client_rows.extend([rnd, c] + [st.get(k, 0.0) for k in CLIENT_KEYS]
                                 for c, st in sorted(stats.clients.items()))
         if (rnd + 1) % cfg.eval.every == 0 or last:
             m.update(self._evaluation(rnd, rt, global_handle, stats.participants))
+            if cuts is not None:
+                who = evaluation_clients(cfg, len(self.prepared.inputs.test_idx), stats.participants)
+                m.update(tier_evaluation(rt, self.prepared, global_handle, who, cuts))
             if cfg.privacy.attack.kind != "none":
                 m.update(self._attack(rnd, rt, global_handle))
         hist.add("train_loss", rnd, m["train_loss"])

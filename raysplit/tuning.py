@@ -12,8 +12,9 @@ A sweep file (every key optional except ``base``; unknown keys are errors):
     arms:                                # named sets of overrides, crossed with the space (a grid over the arms):
       SFLV2: {algorithm.name: sflv2}     #   a study's arms, each several keys at once; each trial's MLflow run
       CycleSFL E=2: {algorithm: {name: cyclesfl, server_epochs: 2}}   # is tagged raysplit.arm = its name
-    presets: [cut_points]                # named spaces for the papers' questions (PRESETS below); a preset may
-                                         # carry its own values: {server_epochs: [1, 2]}
+    presets: [cut_points]                # named spaces for the papers' questions (PRESETS, JOINT_PRESETS below:
+                                         # tiers, cut_budget); a preset may carry its own values: {server_epochs:
+                                         # [1, 2]}, {tiers: [[{cut: conv1, share: 0.5}, {cut: fc1, share: 0.5}]]}
     metric: eval/accuracy                # reported every evaluated round (eval.every); an old short name
                                          #   (accuracy) is read as its grouped one
     mode: max
@@ -71,14 +72,49 @@ ARM = "arm"  # the trial parameter that names its arm (not a config key: its ove
 
 def _cut_points(cfg) -> list:
     """Every valid cut of the base model, by block name."""
-    from raysplit.models import MODELS, build_model
-
-    info = MODELS[cfg.model.name]
-    model = build_model(cfg.model.name, 10, tuple(info.default_input_shape), **cfg.model.options)
+    model = _base_model(cfg)
     by_index: dict[int, str] = {}
     for name, idx in model.cut_points().items():
         by_index.setdefault(idx, name)
     return [by_index[i] for i in sorted(by_index)]
+
+
+def _base_model(cfg):
+    from raysplit.models import MODELS, build_model
+
+    info = MODELS[cfg.model.name]
+    return build_model(cfg.model.name, 10, tuple(info.default_input_shape), **cfg.model.options)
+
+
+def _tiers(cfg) -> dict[str, list]:
+    """Two tiers over every pair of the base model's cuts (shallow, deep), with a quarter, half or three quarters
+    of the clients deep; the base's ``model.cut`` cleared (a trial gives every client its cut)."""
+    cuts = _cut_points(cfg)
+    grid = [[{"cut": a, "share": 1 - s}, {"cut": b, "share": s}]
+            for i, a in enumerate(cuts) for b in cuts[i + 1:] for s in (0.25, 0.5, 0.75)]
+    return {"model.cut": [None], "model.tiers": grid}
+
+
+def _tier_values(values: list) -> dict[str, list]:
+    return {"model.cut": [None], "model.tiers": list(values)}
+
+
+def _budgets(cfg) -> dict[str, list]:
+    """The budget rule at one budget per cut of the base model: the seconds a batch through that cut takes at the
+    clients' mean FLOP/s (drawn as the run draws them), so that about the average client affords it."""
+    import numpy as np
+
+    from raysplit.models.tiers import cut_flops
+
+    model = _base_model(cfg)
+    mean = float(np.mean([p.flops for p in cfg.clock.draw(cfg.data.num_clients, np.random.default_rng([cfg.seed, 2]))]))
+    flops = cut_flops(model, sorted(set(model.cut_points().values())), cfg.train.batch_size)
+    return _budget_values([flops[k] / mean for k in sorted(flops)])
+
+
+def _budget_values(values: list) -> dict[str, list]:
+    return {"model.cut": [None], "model.tiers": [None],
+            "model.cut_budget": [v if isinstance(v, dict) else {"seconds": float(v)} for v in values]}
 
 
 def _buffer_keys(cfg) -> list[str]:
@@ -95,6 +131,12 @@ PRESETS: dict[str, tuple[Any, Any]] = {
     "server_epochs": ("algorithm.server_epochs", [1, 2, 4, 8]),  # CycleSL's E
     "buffer_sizes": (_buffer_keys, [5, 10, 20]),  # GAS's activation and model buffers; FedBuff's K
     "ks_schedules": ("algorithm.ks", ["fixed", "milestones", "ratio"]),  # Semi-SFL's K_s rule
+}
+# presets over several keys at once (one trial per value: the keys' one-value grids cross with it): name -> (the
+# space for the base config, the space for values given: a list of model.tiers lists, or of budgets in seconds)
+JOINT_PRESETS: dict[str, tuple[Any, Any]] = {
+    "tiers": (_tiers, _tier_values),  # clients with their own cuts: the share of deep clients, each tier's depth
+    "cut_budget": (_budgets, _budget_values),  # the budget rule, one budget per trial
 }
 
 
@@ -157,8 +199,12 @@ def space_spec(spec: SweepFile, cfg0) -> dict[str, dict]:
     space = dict(spec.space)
     for pr in spec.presets:
         name, values = (pr, None) if isinstance(pr, str) else next(iter(pr.items()))
+        if name in JOINT_PRESETS:
+            of_base, of_values = JOINT_PRESETS[name]
+            space.update({k: {"grid": v} for k, v in (of_base(cfg0) if values is None else of_values(values)).items()})
+            continue
         if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown preset {name!r}; presets: {', '.join([*PRESETS, *JOINT_PRESETS])}")
         keys, default = PRESETS[name]
         keys = keys(cfg0) if callable(keys) else [keys]
         if values is None:

@@ -70,9 +70,15 @@ RDT = {"runtime.transport.kind": "rdt", "runtime.transport.direct_steps": False}
 PACKED = {"runtime.pack_clients": True, "data.num_clients": 6, "train.participation.count": 6}
 
 
+# clients with their own cuts (issue 72), packed by cut: a dead actor's clients come back with their own blocks
+TIERED = {**PACKED, "model.cut": None, "model.tiers": [{"cut": "conv1", "share": 0.5}, {"cut": "conv2", "share": 0.5}]}
+
+
 @pytest.mark.parametrize("algorithm,victim,extra", [("gas", "client", {}), ("sflv2", "client", RDT),
-                                                    ("fedavg", "client", PACKED), ("sflv1", "client", PACKED)],
-                         ids=["gas-client", "sflv2-client-rdt", "fedavg-client-packed", "sflv1-client-packed"])
+                                                    ("fedavg", "client", PACKED), ("sflv1", "client", PACKED),
+                                                    ("sflv1", "client", TIERED)],
+                         ids=["gas-client", "sflv2-client-rdt", "fedavg-client-packed", "sflv1-client-packed",
+                              "sflv1-client-tiered"])
 def test_a_dead_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_session, tmp_path, mlflow_uri,
                                                                           backends, algorithm, victim, extra):
     over = {"algorithm.name": algorithm, "train.rounds": 4, "tracking.experiment": f"faults-{algorithm}",

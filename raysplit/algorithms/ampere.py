@@ -284,6 +284,8 @@ class Ampere(Algorithm):
     disk-backed store, server phase on the consolidated activations."""
 
     name = "ampere"
+    tiers = ("its device block with its auxiliary head is the cut, trained apart by FedAvg; device blocks of other"
+             " depths are not built")
     u_shape = "{name}'s server phase trains on the devices' exported activations with their labels"
     description = "Ampere: device block + auxiliary net to convergence, one-shot activations, server block after"
     Params = AmpereParams

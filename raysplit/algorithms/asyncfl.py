@@ -96,6 +96,7 @@ class FedBuff(AsyncAlgorithm):
     """FedBuff: buffered asynchronous aggregation (module docstring)."""
 
     name = "fedbuff"
+    tiers = "the whole model is on the clients: it has no cut"
     description = "FedBuff: async FL, K buffered client updates per server step"
     Params = FedBuffParams
     server_rule = FedBuffServer
@@ -145,6 +146,7 @@ class CA2FL(AsyncAlgorithm):
     """CA2FL: FedBuff with cached-update calibration (module docstring)."""
 
     name = "ca2fl"
+    tiers = "the whole model is on the clients: it has no cut"
     description = "CA2FL: FedBuff + calibration by every client's cached latest update"
     Params = CA2FLParams
     server_rule = CA2FLServer
@@ -174,6 +176,7 @@ class FedAsync(AsyncAlgorithm):
     """FedAsync: every upload mixed into the global model with a staleness-decayed weight (module docstring)."""
 
     name = "fedasync"
+    tiers = "the whole model is on the clients: it has no cut"
     description = "FedAsync: each upload mixed in with weight alpha * (staleness+1)^-a"
     Params = FedAsyncParams
     server_rule = FedAsyncServer

@@ -67,6 +67,7 @@ class SetupInfo:
     seed: int
     clients_per_round: int = 1  # sampled clients per round (asynchronous: clients active at a time)
     profiles: tuple = ()  # every client's virtual-clock profile
+    cuts: tuple | None = None  # each client's own cut (model.tiers, model.cut_budget); None: every client at ``cut``
 
 
 class Algorithm(Checkpointed):
@@ -79,6 +80,9 @@ class Algorithm(Checkpointed):
     u_shape: ClassVar[str] = ("a U-shaped split is built for the plain split step of splitnn, psl, sflv1 and sflv2; "
                               "{name} changes its steps in ways it does not cover yet")
     driver: ClassVar[type] = RoundDriver
+    # why clients with their own cuts (model.tiers, model.cut_budget) are refused for it ("" where it takes them); a
+    # class's own word only (:meth:`tiers_refused`): a subclass changes its parent's steps, so it says so again
+    tiers: ClassVar[str] = ""
 
     def __init__(self, params: AlgorithmParams, cfg):
         self.params = params
@@ -97,6 +101,15 @@ class Algorithm(Checkpointed):
             raise ConfigError(f"model.cut: {e}") from None
         client, server = model.split(index)
         return index, client, server
+
+    @classmethod
+    def tiers_refused(cls) -> str:
+        """Why this method cannot take clients with their own cuts ('' where it can), by the class's own ``tiers``."""
+        why = cls.__dict__.get("tiers")
+        if why is None:
+            why = ("its steps or models are not built for clients with their own cuts yet (splitnn, psl, sflv1, "
+                   "sflv2, sflv3, sflv1_prox, pipar, minibatch_sfl, cyclepsl and cyclesfl are)")
+        return why.format(name=cls.name)
 
     def keeps_global_client_model(self) -> bool:
         """True when the algorithm maintains one global client model (``run_round`` returns a handle to it).

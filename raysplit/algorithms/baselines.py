@@ -1,5 +1,12 @@
 """The baselines: SplitNN, PSL, SFLV1, SFLV2 and FedAvg.
 
+Clients with their own cuts (``model.tiers``, ``model.cut_budget``; PSL, SFLV1, SFLV2): client ``i`` trains
+``blocks[:cut_i]``, the server ``blocks[min cut:]``, entered at each client's cut. Where blocks are averaged (PSL's
+server copies, SFLV1/SFLV2's FedAvg of client parts) they are averaged by block, every holder of a block weighted by
+the samples that trained its copy, the server's copy of the overlap one of them: the depth-heterogeneous rule of
+DepthFL/HeteroFL, with the server as a holder (raysplit/runtime/tiered.py states it). PSL never averages client
+parts, so a client's blocks stay its own there too.
+
 Semantics follow CycleSL's code (seed-code.md §4.3): a round is ``train.local_steps`` mini-batches per sampled
 client (default 1); client aggregation is FedAvg weighted by client sample count (``train.aggregation.weights``)
 and written to all clients or only the sampled ones (``train.aggregation.write_to``).
@@ -33,12 +40,23 @@ class OrderedParams(AlgorithmParams):
 class SplitNN(Algorithm):
     """Vanilla split learning (Gupta & Raskar): one client at a time; each trains ``local_steps`` batches through
     the single server model, then hands its client model on to the next client (counted as upload + download).
-    The last client's model starts the next round and is the one evaluated."""
+    The last client's model starts the next round and is the one evaluated.
+
+    Clients with their own cuts: the model handed on is the client's blocks and the server's blocks after its cut
+    (the server's copy of the client's blocks takes the client's), aggregated by block over that one client
+    (``rt.server.aggregate``), so the next client, shallower or deeper, takes its blocks from one model trained
+    client after client: as one model trained on the clients' batches in turn."""
 
     name = "splitnn"
     description = "sequential split learning, client model handed on"
     u_shape = ""
+    tiers = ""  # the model handed on goes through the server, whose blocks after the client's cut it completes
     Params = SequentialParams
+
+    tiered = False
+
+    def setup(self, info: SetupInfo) -> None:
+        self.tiered = info.cuts is not None
 
     def run_round(self, rt, rnd, clients, rng):
         prev = None
@@ -46,7 +64,7 @@ class SplitNN(Algorithm):
             if prev is not None:
                 rt.client(c).load_state(prev)
             rt.split_steps([c] * self.steps_for(rt, c))
-            prev = rt.client(c).get_state()
+            prev = rt.server.aggregate(*rt.workers.partial_sum({c: 1.0})) if self.tiered else rt.client(c).get_state()
         rt.install(prev)
         return prev
 
@@ -60,6 +78,7 @@ class PSL(Algorithm):
     name = "psl"
     description = "parallel SL: per-client server copies averaged, client models kept"
     u_shape = ""
+    tiers = ""  # each copy enters at its client's cut; copies merge by block (runtime/tiered.py)
     Params = CopiesParams
 
     def keeps_global_client_model(self) -> bool:
@@ -104,6 +123,7 @@ class SFLV1(PSL):
     name = "sflv1"
     description = "SplitFed V1: per-client server copies averaged + FedAvg of client models"
     u_shape = ""
+    tiers = ""  # copies merged by block, then client parts and the server's overlap aggregated by block
 
     def keeps_global_client_model(self) -> bool:
         return True
@@ -122,6 +142,7 @@ class SFLV2(Algorithm):
     name = "sflv2"
     description = "SplitFed V2: one server model, sequential processing in a chosen order, FedAvg of clients"
     u_shape = ""
+    tiers = ""  # the server enters at each client's cut; client parts and its overlap aggregated by block
     Params = OrderedParams
 
     def setup(self, info: SetupInfo) -> None:
@@ -154,6 +175,7 @@ class FedAvg(Algorithm):
     weighted average. The FL baseline; no server model."""
 
     name = "fedavg"
+    tiers = ("the whole model is on the clients: it has no cut")
     description = "federated averaging, whole model on clients"
 
     def split_model(self, model, cut):

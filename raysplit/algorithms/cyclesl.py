@@ -13,6 +13,10 @@ Choices where the paper and the authors' code (seed-code.md §4.3) differ or are
 - The gradient pass runs the frozen server in train mode (BatchNorm statistics update again), as the code does;
   the gradient is that of the mean CE over the client's batch.
 - Client optimizer state persists across rounds (per client; Adam in the CycleSL configs).
+- Clients with their own cuts (``model.tiers``; CyclePSL, CycleSFL): the pool keeps each cut's features apart, a
+  resampled batch's samples enter the server's model at their own cuts with the same weighted loss, and CycleSFL
+  averages client parts and the server's overlap by block (raysplit/runtime/tiered.py). CycleSGLR and SGLR share
+  one gradient among clients, which clients of other cuts cannot take (other shapes): they refuse.
 
 SGLR has two variants (``variant``):
 - ``cyclesl`` (CycleSL's code, default): per-client server copies, each stepping once on its client's batch, then
@@ -30,7 +34,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from .base import Algorithm, AlgorithmParams, CopiesParams, register
@@ -72,21 +75,15 @@ class CycleServer(ServerRule):
         client-size-weighted loss, freeze it, return each client's gradient on its original features."""
         ctx = self.ctx
         p, main, trainer = ctx.params, ctx.models.main, ctx.trainer
-        x_all, y_all = torch.cat([a.x for a in acts]), torch.cat([a.y for a in acts])
-        w_all = torch.cat([torch.full((len(a.y),), float(a.weight), device=x_all.device) for a in acts])
+        pool = trainer.pool(list(acts))  # the round's features, labels and client-size weights
         g = torch.Generator().manual_seed(ctx.seed * 100003 + ctx.round)
         bs = p.server_batch_size or ctx.train.batch_size
-        n = len(y_all)
+        n = len(pool)
         for _ in range(p.server_epochs):
-            perm = torch.randperm(n, generator=g).to(x_all.device)
+            perm = torch.randperm(n, generator=g)  # the pool moves each batch's indices to its device
             starts = range(0, n, bs) if p.server_steps == "epoch" else [0]
             for i in starts:
-                idx = perm[i:i + bs]
-
-                def weighted_ce(out, y, w=w_all[idx]):
-                    return (w * F.cross_entropy(out, y, reduction="none")).sum() / w.sum()
-
-                trainer.step(x_all[idx], y_all[idx], main, tag=acts[0].tag, loss=weighted_ce)
+                pool.step(perm[i:i + bs], main, tag=acts[0].tag)  # client-size-weighted cross-entropy
         return [trainer.gradient(a, main.module) for a in acts]
 
     def share_gradients(self, grads: list[Gradient], weights: list[float], active: int) -> list[Gradient]:
@@ -178,6 +175,7 @@ class CyclePSL(PooledRound):
 
     name = "cyclepsl"
     description = "CycleSL + PSL: pooled feature resampling, frozen-server gradients, no aggregation"
+    tiers = ""  # each cut's features apart in the pool, every sample entering the server at its cut
     Params = CycleParams
 
     def keeps_global_client_model(self) -> bool:
@@ -194,6 +192,7 @@ class CycleSFL(PooledRound):
 
     name = "cyclesfl"
     description = "CycleSL + SFL: pooled feature resampling, frozen-server gradients, FedAvg of clients"
+    tiers = ""  # CyclePSL's pool by cut, then client parts and the server's overlap by block
     Params = CycleParams
 
     def run_round(self, rt, rnd, clients, rng):
@@ -207,6 +206,7 @@ class CycleSGLR(CyclePSL):
 
     name = "cyclesglr"
     description = "CycleSL + SGLR: pooled resampling, frozen-server gradients shared among active clients"
+    tiers = "it shares one gradient among the active clients, and clients of other cuts get gradients of other shapes"
     Params = CycleSGLRParams
     server_method = CycleServer.cycle_sglr_step
 
@@ -218,6 +218,7 @@ class SGLR(PooledRound):
 
     name = "sglr"
     description = "SGLR: server-side gradient averaging (variant cyclesl | original)"
+    tiers = "it shares one gradient among clients, and clients of other cuts get gradients of other shapes"
     Params = SGLRParams
 
     def keeps_global_client_model(self) -> bool:

@@ -210,6 +210,8 @@ class GAS(AsyncAlgorithm):
     per-label Gaussians, logit adjustment on the clients' gradients."""
 
     name = "gas"
+    tiers = ("its generator draws activations of one shape per label from one set of feature statistics; a "
+             "generator per cut is not built")
     u_shape = ("{name}'s server needs the labels: its per-label activation statistics generate activations of "
                "each label, and its logit adjustment reads the label distribution")
     description = "GAS: async SFL, activation/model buffers, generated activations, logit adjustment"

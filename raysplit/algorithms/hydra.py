@@ -41,6 +41,7 @@ from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
 from ..models.core import param_bytes
+from ..models.tiers import Entered
 from ..runtime import Batch, ClientRule, ModelSlot, ServerRule, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
 from ..runtime.messages import Gradient, StateMsg
@@ -106,13 +107,15 @@ class ConfidentServer(ServerRule):
         states = {c: st for p in parts for c, st in p.items()}
         if not states:
             states = {-1: None}
-        server = self.ctx.models.main.module
+        server, model = self.ctx.models.main.module, self.ctx.model
         pairs = []
         for c, st in sorted(states.items()):
-            client = copy.deepcopy(self.ctx.evaluation.client)
+            cut = model.cut_of(c) if c >= 0 else model.deepest  # tiered: each client's part at its own cut
+            client = copy.deepcopy(self.ctx.evaluation.client) if cut is None or c < 0 else \
+                model.client_part(c).to(self.ctx.device)
             if st is not None:
                 client.load_state_dict(st.tensors())
-            pairs.append((client, server))
+            pairs.append((client, server if cut is None else Entered(server, cut)))
         return self._confident(pairs)
 
     def ensure_heads(self, keys: list) -> None:
@@ -206,6 +209,8 @@ class Hydra(SFLV2):
     round (see the module docstring)."""
 
     name = "hydra"
+    tiers = ("its server splits again at algorithm.cut_b into a shared part and per-group heads; a shared part "
+             "entered at each client's cut is not built")
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
@@ -277,6 +282,7 @@ class SplitFedV3(PSL):
 
     name = "sflv3"
     u_shape = Algorithm.u_shape  # not built for it yet
+    tiers = ""  # PSL's training by block; each client's part paired with the server entered at its cut
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
     server_rule = ConfidentServer
@@ -296,6 +302,7 @@ class MultiHead(SFLV1):
     global-test inference by the most confident head (module docstring)."""
 
     name = "multihead"
+    tiers = ("its per-client server heads start at the one cut; heads entered at each client's cut are not built")
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies

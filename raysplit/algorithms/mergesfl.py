@@ -148,6 +148,8 @@ class MergeSFL(Algorithm):
     sizes regulated by the clients' speeds; FedAvg of the client models (module docstring)."""
 
     name = "mergesfl"
+    tiers = ("it merges the clients' activations of a step into one batch and mixes them by label; not built for "
+             "other cuts' shapes")
     u_shape = "{name}'s server merges the clients' features, with their labels, into one batch"
     description = ("MergeSFL: clients' activations merged into one server batch per step, speed-regulated batch "
                    "sizes, FedAvg")

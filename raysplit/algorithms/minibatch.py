@@ -14,6 +14,10 @@
   averaged. S2FL's adaptive split points are not implemented: GAS's code applies them only to its time model
   (each client charged the time of the cut closest to the median), not to training; here every client trains and
   is charged at the configured cut.
+
+Clients with their own cuts (``model.tiers``; MiniBatch-SFL, not S2FL): each cut's batches enter the server's
+model at that cut and the step's loss is the mean over every sample (the concatenated step's where there is one
+cut); client parts and the server's overlap are averaged by block (raysplit/runtime/tiered.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from .base import AlgorithmParams, SetupInfo, register
@@ -96,8 +99,7 @@ class MiniBatchServer(CycleServer):
         the concatenated activations."""
         ctx = self.ctx
         grads = [ctx.trainer.gradient(a, ctx.models.main.module) for a in acts]
-        x, y = torch.cat([a.x for a in acts]).detach(), torch.cat([a.y for a in acts])
-        ctx.trainer.step(x, y, ctx.models[key], tag=acts[0].tag)
+        ctx.trainer.pool(list(acts)).step_all(ctx.models[key], tag=acts[0].tag)  # tiered: each cut from its own
         return grads
 
 
@@ -116,6 +118,7 @@ class MiniBatchSFL(PooledRound):
 
     name = "minibatch_sfl"
     description = "MiniBatch-SFL: server steps on the concatenated batches of all participants, FedAvg"
+    tiers = ""  # each cut's batches enter the server there, their losses pooled by samples; blocks by block
     Params = MiniBatchParams
     server_rule = MiniBatchServer
 
@@ -142,6 +145,7 @@ class S2FL(MiniBatchSFL):
     """S2FL as GAS's code trains it (module docstring): label-balanced groups with server copies averaged."""
 
     name = "s2fl"
+    tiers = ("its server copies belong to label groups, not clients, so a copy's blocks have no one cut; not built")
     description = "S2FL: MiniBatch-SFL over label-balanced client groups, group server copies averaged"
     Params = S2FLParams
 

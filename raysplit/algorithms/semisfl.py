@@ -445,6 +445,8 @@ class SemiSFL(Algorithm):
     adaptive K_s."""
 
     name = "semisfl"
+    tiers = ("its teacher, projection head and feature queue are built on one cut's features; not built for other "
+             "cuts")
     u_shape = "{name}'s server trains supervised steps on its labelled data and pseudo-labels the clients' features"
     description = "Semi-SFL: labelled server, unlabelled clients, teacher pseudo-labels, clustering regularisation"
     Params = SemiSFLParams
@@ -495,6 +497,7 @@ class FedSwitchSL(SemiSFL):
     the paper's ablation and baseline, after FedSwitch's alternating teacher/student training)."""
 
     name = "fedswitch_sl"
+    tiers = "its teacher and feature streams are built on one cut's features; not built for other cuts"
     description = "FedSwitch-SL: Semi-SFL without clustering regularisation"
     Params = SemiParams  # no cluster_reg: the clustering regularisation is what it leaves out
 
@@ -505,6 +508,7 @@ class SupervisedOnly(SemiSFL):
     loss, views and EMA teacher), the clients' unlabelled data unused; evaluated with the teacher."""
 
     name = "supervised_only"
+    tiers = "Semi-SFL's server steps and streams are built on one cut's features; not built for other cuts"
     description = "supervised-only: the server trains on its labelled set alone (Semi-SFL's phase 1)"
     Params = SemiSFLParams
 
@@ -602,6 +606,7 @@ class SemiFL(Algorithm):
     averaged. Not implemented: SemiFL's static batch normalisation (the models here have no BN)."""
 
     name = "semifl"
+    tiers = "the whole model is on the clients: it has no cut"
     u_shape = "{name}'s server trains on its labelled data"
     description = "SemiFL: FL with the global model's pseudo-labels and mixup, labelled fine-tuning on the server"
     Params = SemiFLParams

@@ -6,7 +6,8 @@ the client started the round from, so that local updates on non-IID data drift l
 term is applied where SplitFed has client-side weights: the client part. Its gradient ``mu * (w - w_t)`` is added to
 the gradient the server sent back before each client step (the client rule's ``before_step``); the server copies, the
 FedAvg of the client parts and everything else are SplitFed V1's. ``mu = 0`` is SplitFed V1 exactly
-(tests/test_sflprox.py). The term's FLOPs (one multiply-add per weight) are not charged to the clock.
+(tests/test_sflprox.py). The term's FLOPs (one multiply-add per weight) are not charged to the clock. Clients
+with their own cuts: each pulls the blocks it holds (tests/test_tiers.py: ``mu = 0`` is tiered SplitFed V1).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class SplitFedProx(SFLV1):
 
     name = "sflv1_prox"
     u_shape = Algorithm.u_shape  # not built for it yet
+    tiers = ""  # the term pulls whatever blocks a client holds towards where they started
     description = "SplitFed V1 + FedProx: a proximal term mu/2 ||w - w_t||^2 pulls each client part to the global"
     Params = ProxParams
     client_rule = ProxRule

@@ -74,6 +74,7 @@ class PiPar(SFLV1):
     """PiPar: SplitFed V1's updates with a pipelined clock (module docstring)."""
 
     name = "pipar"
+    tiers = ""  # SplitFed V1's updates by block; its pipelined clock from each client's own stage times
     u_shape = "{name}'s pipelined clock models one exchange per step, not the U-shape's two"
     description = "PiPar: SplitFed with micro-batch pipelining (same updates, pipelined simulated time)"
     Params = PiParParams
@@ -116,6 +117,8 @@ class SplitGP(SFLV1):
     """SplitGP: SplitFed V1 with a local head and a local loss on every device (module docstring)."""
 
     name = "splitgp"
+    tiers = ("its clients' module is the client part with a local head built at the one cut (Ampere's auxiliary "
+             "network); not built for other cuts")
     u_shape = "{name}'s clients train their own classifier on their labels beside the server's"
     description = "SplitGP: SplitFed with a local head and lambda * local + (1 - lambda) * global device loss"
     Params = SplitGPParams
@@ -254,6 +257,8 @@ class SplitFedScaffold(SFLV1):
     """SplitFed V1 + SCAFFOLD's control variates on the device block (module docstring)."""
 
     name = "sflv1_scaffold"
+    tiers = ("its control variates are one device block's, averaged over every client; controls by block for "
+             "clients of other depths are not built")
     u_shape = Algorithm.u_shape  # not built for it yet
     description = "SplitFed + SCAFFOLD: control variates correct the device blocks' drift"
     Params = ScaffoldParams  # its own loop, one client after another: no batched copies

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from raysplit.data import DataSpec, to_tensor
 from raysplit.models import end_to_end
+from raysplit.models.tiers import entered
 
 
 class EvalTally:
@@ -42,21 +43,28 @@ def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_siz
 
 @torch.no_grad()
 def evaluate_own(parts: tuple[torch.nn.Module, torch.nn.Module], data, state_of: Callable[[int], dict],
-                 cids: list[int], server_state: dict, batch_size: int,
-                 device="cpu") -> tuple[np.ndarray, np.ndarray, float]:
+                 cids: list[int], server_state: dict, batch_size: int, device="cpu",
+                 client_of: Callable[[int], torch.nn.Module] | None = None,
+                 cut_of: Callable[[int], int | None] = lambda cid: None) -> tuple[np.ndarray, np.ndarray, float]:
     """Each of ``cids`` that ``data`` (a :class:`~raysplit.runtime.client.data.ClientData`) holds test samples of:
     its own test split through its own client model (``state_of(cid)``) and the server model ``server_state``;
-    ``parts``: fresh (client, server) modules to load them into, run on ``device``."""
+    ``parts``: fresh (client, server) modules to load them into, run on ``device``. Clients with their own cuts:
+    ``client_of(cid)`` a fresh client part of client ``cid``, the server entered at ``cut_of(cid)``."""
     client, server = (m.to(device) for m in parts)
     server.load_state_dict(server_state)
     client.eval(), server.eval()
     tally = EvalTally()
+    at_cut: dict = {}  # tiered: one fresh part per cut, loaded with each client's weights in turn
     for c in (int(c) for c in cids):
         idx = data.test_idx.get(c)
         if idx is None or len(idx) == 0:
             continue
-        client.load_state_dict(state_of(c))
-        predict_batches(data.x[idx], data.y[idx], data.spec, batch_size, end_to_end(client, server), tally, device)
+        if client_of is not None and cut_of(c) not in at_cut:
+            at_cut[cut_of(c)] = client_of(c).to(device).eval()
+        own = client if client_of is None else at_cut[cut_of(c)]
+        own.load_state_dict(state_of(c))
+        with entered(server, cut_of(c)):
+            predict_batches(data.x[idx], data.y[idx], data.spec, batch_size, end_to_end(own, server), tally, device)
     return tally.result()
 
 

@@ -125,6 +125,7 @@ class StateMsg:
     loss: float = float("nan")  # an asynchronous client's mean training loss over the job it just finished
     rejected: str = ""  # the client was dropped during the job that produced this model: the server ignores it
     epsilon: float | None = None  # privacy.defence noise: the epsilon the client has spent so far (a measurement)
+    held: dict | None = None  # a tiered partial sum: per key, the weight of the clients holding it (runtime/tiered.py)
 
     @classmethod
     def packed(cls, state: dict[str, torch.Tensor], **kw) -> StateMsg:

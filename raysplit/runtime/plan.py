@@ -17,7 +17,9 @@ class ModelFacts:
     """What a rule may know of the model: its name and builder options, what goes in (``inputs``: the dataset's
     :class:`~raysplit.data.DataSpec`), where it is cut (``cut``: the index of the first server block, None: the
     whole model on the clients; ``tail_cut``: a U-shaped split's tail) and the per-sample shape of what crosses the
-    cut (``cut_shape``; None without a cut)."""
+    cut (``cut_shape``; None without a cut). Clients with their own cuts (``cuts``): client ``i`` holds
+    ``blocks[:cuts[i]]``, the server ``blocks[cut:]`` with ``cut`` the shallowest, entered at each client's cut
+    (:class:`~raysplit.models.tiers.AtCuts`); ``cut_shape`` is then the shallowest cut's."""
 
     name: str
     options: dict
@@ -25,6 +27,16 @@ class ModelFacts:
     cut: int | None
     tail_cut: int | None = None
     cut_shape: tuple | None = None
+    cuts: tuple | None = None  # tiered (model.tiers, model.cut_budget): each client's cut; ``cut`` is the shallowest
+
+    def cut_of(self, cid: int) -> int | None:
+        """Client ``cid``'s cut where clients have their own (None: every client holds ``cut``)."""
+        return None if self.cuts is None else self.cuts[int(cid)]
+
+    @property
+    def deepest(self) -> int | None:
+        """The deepest client cut of a tiered split (None: not tiered)."""
+        return None if self.cuts is None else max(self.cuts)
 
     @property
     def num_classes(self) -> int:
@@ -33,6 +45,16 @@ class ModelFacts:
     @property
     def input_shape(self) -> tuple:
         return tuple(self.inputs.input_shape)
+
+    def client_part(self, cid: int) -> torch.nn.Module:
+        """A fresh client part of client ``cid`` (tiered: ``blocks[:cut_of(cid)]``; else :meth:`parts`' client)."""
+        return self.parts()[0] if self.cuts is None else self.part_at(self.cut_of(cid))
+
+    def part_at(self, cut: int) -> torch.nn.Module:
+        """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail)."""
+        from raysplit.models.tiers import client_part
+
+        return client_part(self.build(), cut, self.tail_cut)
 
     def build(self):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
@@ -47,6 +69,10 @@ class ModelFacts:
         model = self.build()
         if self.cut is None:
             return model, torch.nn.Identity()
+        if self.cuts is not None:  # tiered: every block a client holds, the server's from the shallowest cut on
+            from raysplit.models.tiers import tiered_parts
+
+            return tiered_parts(model, self.cuts, self.tail_cut)
         if self.tail_cut is not None:
             return model.split_u(self.cut, self.tail_cut)
         return model.split(self.cut)

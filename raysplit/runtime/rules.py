@@ -89,7 +89,9 @@ class ClientRule(Rule):
 
     def backward_pass(self, tag: Tag, out: torch.Tensor, g: torch.Tensor) -> int:
         """Back-propagate the server's gradient ``g`` of the activation ``out``; returns the FLOPs."""
-        return self.ctx.executor.backward([Backward(("bwd", tuple(out.shape)), out, g)])[0]
+        cut = self.ctx.model.cut_of(tag.client)  # tiered: clients of other cuts hold other blocks
+        key = ("bwd", tuple(out.shape)) + (() if cut is None else (cut,))
+        return self.ctx.executor.backward([Backward(key, out, g)])[0]
 
     def before_step(self, cid: int, slot: ModelSlot) -> None:
         """The gradients are in ``slot.module``; the optimizer steps next (after clipping)."""

@@ -148,8 +148,8 @@ class Executor:
         losses = losses.detach()
         return [(losses[i], fl) for i in range(len(modules))]
 
-    def forward_together(self, modules: list[torch.nn.Module],
-                         xs: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int]], Packed] | None:
+    def forward_together(self, modules: list[torch.nn.Module], xs: list[torch.Tensor],
+                         key_suffix: tuple = ()) -> tuple[list[tuple[torch.Tensor, int]], Packed] | None:
         """Several clients' forwards at once (modules of one architecture, inputs of one sample shape): parameters
         and buffers stacked, the forward vmapped; each module's buffers receive their new values (BatchNorm's running
         statistics). Batches of different sizes (MergeSFL's per-client batches) are padded with zeros to the largest
@@ -158,7 +158,7 @@ class Executor:
         padded rows get no gradient. Returns each client's (activation, FLOPs of its forward on its own batch,
         counted once per shape on a throwaway copy, as :meth:`forward` counts it) and the :class:`Packed` whose graph
         waits for their gradients; None where vmap refuses the model (remembered: the caller forwards them one at a
-        time)."""
+        time). ``key_suffix``: what the FLOP keys add (a tiered client's cut)."""
         if self.unpackable is not None:
             self.unpacked_steps += len(modules)
             return None
@@ -189,8 +189,8 @@ class Executor:
         outs = tuple(o if n == top else o[:n] for o, n in zip(out.unbind(0), sizes))
         fls, bfls = [], []
         for x, o in zip(xs, outs):
-            fls.append(self.flops.count(("fwd", tuple(x.shape)), lambda x=x: copy.deepcopy(base)(x)))
-            bkey = ("bwd", tuple(o.shape))
+            fls.append(self.flops.count(("fwd", tuple(x.shape)) + key_suffix, lambda x=x: copy.deepcopy(base)(x)))
+            bkey = ("bwd", tuple(o.shape)) + key_suffix
             if bkey not in self.flops:  # one client's backward alone, its forward run outside the count
                 y = copy.deepcopy(base)(x)
                 self.flops.count(bkey, lambda y=y: y.backward(torch.zeros_like(y)))

@@ -52,17 +52,18 @@ class PooledSteps:
                 x, y = steps.rule.inputs(tag, idx[i])
                 x = x.to(steps.executor.device)
                 if not own[i]:  # one at a time, as forward() runs it
-                    [done[i]] = steps.executor.forward([Forward(("fwd", tuple(x.shape)), encs[i], x)])
+                    [done[i]] = steps.executor.forward([Forward(steps.key("fwd", x, tag.client), encs[i], x)])
             xs.append(x)
             ys.append(y)
         ragged = ragged_ok(slots[flat[0][0].client].module)  # batches of different sizes padded into one pack
         shapes: dict[tuple, list[int]] = {}
         for i, x in enumerate(xs):
-            if own[i]:
-                shapes.setdefault(tuple(x.shape[1:] if ragged else x.shape), []).append(i)
-        for ii in shapes.values():
+            if own[i]:  # equal shapes of one cut pack (clients of other cuts hold other blocks)
+                cut = steps.cut_of(flat[i][0].client)
+                shapes.setdefault((tuple(x.shape[1:] if ragged else x.shape), cut), []).append(i)
+        for (_, cut), ii in shapes.items():
             packed = None if len(ii) < 2 else steps.executor.forward_together([encs[i] for i in ii],
-                                                                              [xs[i] for i in ii])
+                                                                              [xs[i] for i in ii], cut)
             for k, i in enumerate(ii):
                 if packed is not None:
                     done[i] = packed[0][k]
@@ -70,7 +71,7 @@ class PooledSteps:
                     continue
                 with steps.stream(flat[i][0]):  # one at a time, as forward() runs it (its inputs drawn again)
                     x = steps.rule.inputs(flat[i][0], idx[i])[0].to(steps.executor.device)
-                    [done[i]] = steps.executor.forward([Forward(("fwd", tuple(x.shape)), encs[i], x)])
+                    [done[i]] = steps.executor.forward([Forward(steps.key("fwd", x, tag.client), encs[i], x)])
         sent = iter([steps.send(tag, first.pop(tag.client) if tag.client in first else steps.meter.now(tag.client),
                                 x, y, *out) for (tag, _), x, y, out in zip(flat, xs, ys, done)])
         return [[next(sent) for _ in tags] for tags, _ in items]

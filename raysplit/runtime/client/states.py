@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from raysplit.models.tiers import block_key
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.optim import make_optimizer, set_lr
 from raysplit.runtime.spill import SpillStore
@@ -30,8 +31,12 @@ class ClientStates:
 
     def __init__(self, build: Callable[[], torch.nn.Module], init_state: dict, optimizer: dict, *,
                  persist: bool, state_bytes: int | None, spill_dir: str | None, changed: set[int],
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, cut_of: Callable[[int], int | None] | None = None,
+                 build_cut: Callable[[int], torch.nn.Module] | None = None):
         self.build = build
+        # tiered (clients with their own cuts): client cid's module is build_cut(cut_of(cid)), pooled by its cut; the
+        # global state holds every block a client holds (the deepest cut's), each client loads its own blocks
+        self.cut_of, self.build_cut = cut_of, build_cut
         self.device = device  # where ``build``'s modules are (None: not said)
         self.global_state = init_state
         self.optimizer = optimizer
@@ -40,25 +45,54 @@ class ClientStates:
         self.own = self.store.view("own")
         self.opt_state = self.store.view("opt")
         self.slots: dict[int, ModelSlot] = {}
-        self._pool: list[torch.nn.Module] = []
+        self._pools: dict[int | None, list[torch.nn.Module]] = {}
         self.changed = changed
 
-    def module(self) -> torch.nn.Module:
-        """A client module to load weights into (a pooled one where there is one); :meth:`give_back` it after."""
-        return self._pool.pop() if self._pool else self.build()
+    @property
+    def tiered(self) -> bool:
+        return self.cut_of is not None
+
+    def module(self, cid: int | None = None) -> torch.nn.Module:
+        """A client module to load weights into (client ``cid``'s where clients have their own cuts; a pooled one
+        where there is one); :meth:`give_back` it after."""
+        key = self.cut_of(cid) if self.tiered and cid is not None else None
+        pool = self._pools.get(key)
+        if pool:
+            return pool.pop()
+        return self.build_cut(key) if key is not None else self.build()
 
     def give_back(self, module: torch.nn.Module) -> None:
         """A module :meth:`module` lent, or one built alike, pooled for reuse (one on another device than the
         pool's, e.g. an attack's on the CPU beside a GPU host's, is not)."""
         p = next(module.parameters(), None)
         if p is None or self.device is None or p.device == self.device:
-            self._pool.append(module)
+            self._pools.setdefault(self._key(module), []).append(module)
+
+    def _key(self, module: torch.nn.Module) -> int | None:
+        if not self.tiered:
+            return None
+        return len(getattr(module, "head", module))  # a tiered client's head is blocks[:cut]: cut children
+
+    def held(self, cid: int, state: dict) -> dict:
+        """The part of ``state`` client ``cid`` holds: tiered, the entries of its blocks (a client part's key names
+        its block's index in the full model; a U-shaped tail every client holds); else all of it."""
+        if not self.tiered:
+            return state
+        cut = self.cut_of(cid)
+        return {k: v for k, v in state.items() if k.startswith("tail.") or block_key(k)[0] < cut}
+
+    def load(self, module: torch.nn.Module, weights: dict) -> None:
+        """``weights`` into ``module``: tiered, the blocks it holds of the global state's (every key it has)."""
+        if self.tiered:
+            keys = module.state_dict().keys()
+            weights = {k: weights[k] for k in keys}
+        module.load_state_dict(weights)
 
     def state_of(self, cid: int) -> dict:
         """Client ``cid``'s current weights: its slot's, its own, or the global ones."""
         if cid in self.slots:
             return self.slots[cid].module.state_dict()
-        return self.own.get(cid, self.global_state)
+        return self.held(cid, self.own.get(cid, self.global_state))
 
     def activate(self, cid: int, lr: float, state: dict | None = None) -> ModelSlot:
         """Client ``cid``'s slot: its own model (or the global one, or ``state``) in training mode, its optimizer
@@ -73,8 +107,8 @@ class ClientStates:
     def restore_slot(self, cid: int, weights: dict, optimizer_state: dict | None) -> ModelSlot:
         """Client ``cid``'s slot with these weights (in training mode) and optimizer state (None: a fresh
         optimizer); a checkpoint's active asynchronous jobs are restored so."""
-        module = self.module()
-        module.load_state_dict(weights)
+        module = self.module(cid)
+        self.load(module, weights)
         module.train()
         opt = make_optimizer(module.parameters(), self.optimizer)
         if optimizer_state is not None:
@@ -96,7 +130,7 @@ class ClientStates:
             st = slot.optimizer.state_dict()
             if st["state"]:
                 self.opt_state[cid] = copy.deepcopy(st)
-        self._pool.append(slot.module)
+        self._pools.setdefault(self._key(slot.module), []).append(slot.module)
 
     def install(self, state: dict, only: list[int] | None = None) -> None:
         """``state`` becomes the global client model (``only`` None; without ``persist_client_models`` the

@@ -42,6 +42,15 @@ class SplitSteps:
         """The random stream of a forward: per (client, round, step, stream), wherever the client is hosted."""
         return self.executor.seeded(tag.client, 0, tag.round, tag.step, zlib.crc32(tag.stream.encode()))
 
+    def cut_of(self, cid: int) -> tuple:
+        """``(cut,)`` of a client with its own cut (its FLOPs are counted per cut, its packs hold clients of one
+        cut); ``()`` where every client holds the same blocks."""
+        return (self.states.cut_of(cid),) if self.states.tiered else ()
+
+    def key(self, kind: str, x: torch.Tensor, cid: int) -> tuple:
+        """The FLOP key of a client computation: its kind, its input's shape and the client's cut (if its own)."""
+        return (kind, tuple(x.shape)) + self.cut_of(cid)
+
     def forward(self, tag: Tag, batch_size: int | None = None) -> Activation:
         """Client ``tag.client`` forwards its next batch; the graph waits here for the gradient for ``tag``."""
         cid, rule = tag.client, self.rule
@@ -53,7 +62,7 @@ class SplitSteps:
         with self.stream(tag):
             x, y = rule.inputs(tag, idx)  # x to the host's device: a rule's own inputs (views) may not be there
             x = x.to(self.executor.device)
-            [(out, fl)] = self.executor.forward([Forward(("fwd", tuple(x.shape)), rule.encoder(tag, slot), x)])
+            [(out, fl)] = self.executor.forward([Forward(self.key("fwd", x, cid), rule.encoder(tag, slot), x)])
         return self.send(tag, t_start, x, y, out, fl)
 
     def send(self, tag: Tag, t_start: float, x: torch.Tensor, y, out: torch.Tensor, fl: int) -> Activation:

@@ -4,7 +4,7 @@ the cost meter (bytes, and the time it takes on the client's link)."""
 
 from __future__ import annotations
 
-from raysplit.runtime import transport
+from raysplit.runtime import tiered, transport
 from raysplit.runtime.aggregation import weighted_sum
 from raysplit.runtime.client.data import ClientData
 from raysplit.runtime.client.states import ClientStates
@@ -26,8 +26,12 @@ class ModelTransfers:
             return None
         states = [self.states.state_of(c) for c, _ in mine]
         t = max(self.meter.charge_upload(c, transport.state_nbytes(st), "model") for (c, _), st in zip(mine, states))
-        acc = weighted_sum(states, [w for _, w in mine])
-        return StateMsg(transport.pack_state(acc), t_sent=t, weight=float(sum(w for _, w in mine)))
+        weights = [w for _, w in mine]
+        total = float(sum(weights))
+        if self.states.tiered:  # each client's own blocks: summed per key, with the weight holding each
+            acc, held = tiered.partial_sum(states, weights)
+            return StateMsg(transport.pack_state(acc), t_sent=t, weight=total, held=held)
+        return StateMsg(transport.pack_state(weighted_sum(states, weights)), t_sent=t, weight=total)
 
     def install(self, msg: StateMsg, receivers: list[int] | None = None, only: list[int] | None = None) -> None:
         """Install an aggregate: for all clients (``only`` None) or as the own model of the clients in ``only``.
@@ -38,7 +42,9 @@ class ModelTransfers:
         for c in (int(c) for c in receivers or []):
             if c in self.data:
                 if c in self.states.slots:
-                    self.states.slots[c].module.load_state_dict(state)
+                    self.states.load(self.states.slots[c].module, state)
+                if self.states.tiered:  # a client downloads its own blocks of the aggregate
+                    nb = transport.state_nbytes(self.states.held(c, state))
                 self.meter.charge_download(c, nb, msg.t_sent, "model")
 
     def send(self, cid: int) -> StateMsg:
@@ -52,5 +58,5 @@ class ModelTransfers:
         state = transport.unpack_state(msg.state)
         self.states.install(state, [cid])
         if cid in self.states.slots:
-            self.states.slots[cid].module.load_state_dict(state)
-        self.meter.charge_download(cid, transport.state_nbytes(state), msg.t_sent, "model")
+            self.states.load(self.states.slots[cid].module, state)
+        self.meter.charge_download(cid, transport.state_nbytes(self.states.held(cid, state)), msg.t_sent, "model")

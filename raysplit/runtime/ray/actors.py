@@ -288,8 +288,9 @@ def channel_bytes(server_host) -> int:
     streams, plus a margin for the rest of the message. A larger message still goes through (the channel grows
     itself); such a channel only cannot be torn down cleanly in Ray 2.60, and raysplit ends its graphs with their
     actors."""
-    shape, dtype = server_host.screen.form()
-    per_sample = int(math.prod(shape)) * np.dtype(dtype).itemsize + 8
+    cuts = server_host.plan.model.cuts  # tiered: the largest of the clients' activations
+    forms = [server_host.screen.form(c) for c in sorted(set(cuts))] if cuts else [server_host.screen.form()]
+    per_sample = max(int(math.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in forms) + 8
     state = sum(v.nbytes for v in server_host.rule.client_encoder().state_dict().values())
     return int(max(2 * per_sample * server_host.plan.sections.train.batch_size, 2 * state) + (1 << 20))
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from raysplit.errors import BadClientInput
-from raysplit.runtime import transport
+from raysplit.runtime import tiered, transport
 from raysplit.runtime.aggregation import finish_average
 from raysplit.runtime.contexts import server_context
 from raysplit.runtime.server.evaluation import ServerEvaluation
@@ -29,6 +29,7 @@ from raysplit.runtime.messages import Activation, Batch, StateMsg, Tag, batch_st
 from raysplit.runtime.optim import make_optimizer, set_lr
 from raysplit.runtime.plan import HostPlan, Progress
 from raysplit.runtime.rules import ServerRule, call_table
+from raysplit.models.tiers import entered
 from raysplit.runtime.server.screen import Screen
 from raysplit.runtime.server.models import ServerModels
 from raysplit.runtime.server.trainer import Trainer
@@ -64,9 +65,11 @@ class ServerHost:
         optimizer = s.server_optimizer
         self.deferred = Deferred()  # the round's checks of values on the device, read at its end (end_round)
         self.trainer = Trainer(s.train, s.clock, optimizer, s.train.rounds, self.device,
-                               before_step=lambda *a: self.rule.before_step(*a), deferred=self.deferred)
+                               before_step=lambda *a: self.rule.before_step(*a), deferred=self.deferred,
+                               cut_of=plan.model.cut_of)
         self.models = ServerModels(ModelSlot(server, make_optimizer(server.parameters(), optimizer)), self.trainer,
                                    optimizer, batch_copies=getattr(plan.method.params, "batched_copies", False),
+                                   cuts=plan.model.cuts,
                                    on_fork=lambda keys: self.rule.on_fork(keys),
                                    before_merge=lambda weights: self.rule.before_merge(weights))
         self.evaluation = ServerEvaluation(test, plan.model.inputs, s.eval.batch_size, self.device,
@@ -171,7 +174,13 @@ class ServerHost:
             raise BadClientInput(f"round {self.round}: every client of the round was dropped "
                                  f"(runtime.faults.on_bad_client: drop), nothing to aggregate: {self.screen.drops}")
         total = sum(p.weight for p in parts)
-        state = finish_average([p.state for p in parts], total, self.evaluation.client.state_dict())
+        if self.plan.model.cuts is not None:  # by block: the server's copy of the overlap is one of its holders
+            main = self.models.main.module
+            state, update = tiered.finish([(p.state, p.held) for p in parts], total, main.state_dict(),
+                                          self.evaluation.client.state_dict())
+            main.load_state_dict({**main.state_dict(), **update})
+        else:
+            state = finish_average([p.state for p in parts], total, self.evaluation.client.state_dict())
         return StateMsg(transport.pack_state(state), t_sent=max(p.t_sent for p in parts), weight=total)
 
     def get_state(self, key="main") -> StateMsg:
@@ -180,7 +189,8 @@ class ServerHost:
     # ---- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, client_state: StateMsg, key="main") -> tuple[np.ndarray, np.ndarray, float]:
         """The given client model's encoder (:meth:`client_encoder`) and ``models[key]`` on the global test set."""
-        return self.evaluation.evaluate(client_state.tensors(), self.models[key].module)
+        with entered(self.models[key].module, self.plan.model.deepest):  # tiered: the deepest client's blocks
+            return self.evaluation.evaluate(client_state.tensors(), self.models[key].module)
 
     def end_round(self) -> dict:
         """The round's numbers; first its deferred checks (the activations' screen and the steps' finite checks, in

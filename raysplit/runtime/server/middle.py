@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from raysplit.models.tiers import entered
 from raysplit.runtime import transport
 from raysplit.runtime.messages import Activation, Batch, Gradient, MiddleOut, Tag, TailGradient
 
@@ -25,7 +26,11 @@ class Middle:
         b = Batch.of(act, self.device)
         x = b.x.requires_grad_(True)
         kind = "main" if key == "main" else "copy"
-        z, fl = self.trainer.flops.run(("middle_fwd", kind, tuple(x.shape)), lambda: self.models[key].module(x))
+        cut = self.trainer.cut_of(b.tag.client)  # tiered: the middle entered at the client's cut
+        module = self.models[key].module
+        with entered(module, cut):
+            z, fl = self.trainer.flops.run(("middle_fwd", kind, tuple(x.shape)) + (() if cut is None else (cut,)),
+                                           lambda: module(x))
         self.trainer.charge(fl, b.t_sent)
         self.kept[b.tag] = (x, z)
         self.trainer.tally.busy_wall += time.perf_counter() - t_wall
@@ -47,7 +52,9 @@ class Middle:
             slot.optimizer.zero_grad(set_to_none=True)
             z.backward(g)
 
-        _, fl = self.trainer.flops.run(("middle_bwd", kind, tuple(x.shape)), backward)
+        cut = self.trainer.cut_of(back.tag.client)
+        _, fl = self.trainer.flops.run(("middle_bwd", kind, tuple(x.shape)) + (() if cut is None else (cut,)),
+                                       backward)
         self.trainer.settle(back.loss, fl, slot.module, [slot.optimizer], tag=back.tag, ready_at=back.t_sent,
                             record=False)
         self.trainer.tally.busy_wall += time.perf_counter() - t_wall

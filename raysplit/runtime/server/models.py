@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from raysplit.runtime import batched
+from raysplit.runtime import batched, tiered
 from raysplit.runtime.aggregation import average_optimizer_states, average_states
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.messages import Batch, Gradient
@@ -27,9 +27,10 @@ class ServerModels:
     ``batch_copies``: ``algorithm.batched_copies``; ``on_fork(keys)`` and ``before_merge(weights)``: the server
     rule's hooks."""
 
-    def __init__(self, main: ModelSlot, trainer, optimizer, *, batch_copies: bool = False,
+    def __init__(self, main: ModelSlot, trainer, optimizer, *, batch_copies: bool = False, cuts=None,
                  on_fork: Callable = lambda keys: None, before_merge: Callable = lambda weights: None):
         self._slots: dict = {"main": main}
+        self.cuts = cuts  # tiered: each client's cut; copies merge by block (runtime/tiered.py)
         self.trainer, self.optimizer_section = trainer, optimizer
         self.batch_copies = batch_copies
         self.on_fork, self.before_merge = on_fork, before_merge
@@ -79,13 +80,21 @@ class ServerModels:
     def merge(self, weights: dict) -> None:
         """Replace the main server model by the weighted average of the copies (which are dropped). The copies'
         optimizer states (momentum, Adam moments) are averaged with the same weights, so one copy merges back
-        exactly (SFLV1 with one client equals SFLV2). The rule's ``before_merge`` first."""
+        exactly (SFLV1 with one client equals SFLV2). The rule's ``before_merge`` first. Clients with their own cuts:
+        by block (:func:`~raysplit.runtime.tiered.merge_copies`)."""
         self.before_merge(weights)
         keys = list(weights)
         w = [weights[k] for k in keys]
-        avg = average_states([self._slots[k].module.state_dict() for k in keys], w)
-        self._slots["main"].module.load_state_dict(avg)
-        merged = average_optimizer_states([self._slots[k].optimizer.state_dict() for k in keys], w)
+        main = self._slots["main"]
+        if self.cuts is not None:  # a copy trained the blocks from its client's cut on only
+            copies = {k: self._slots[k].module for k in keys}
+            main_opt = main.optimizer.state_dict()
+            main.module.load_state_dict(tiered.merge_copies(main.module, copies, weights, self.cuts))
+            merged = tiered.merge_optimizer_states(main.module, main_opt, {k: self._slots[k].optimizer.state_dict()
+                                                                           for k in keys}, weights, self.cuts)
+        else:
+            main.module.load_state_dict(average_states([self._slots[k].module.state_dict() for k in keys], w))
+            merged = average_optimizer_states([self._slots[k].optimizer.state_dict() for k in keys], w)
         if merged is not None:
             self._slots["main"].optimizer.load_state_dict(merged)
         for k in keys:

@@ -30,7 +30,7 @@ class Screen:
         self.plan, self.encoder, self.device = plan, encoder, device
         self.deferred = deferred
         self.on_bad_client = plan.sections.runtime.faults.on_bad_client
-        self._form: tuple | None = None
+        self._forms: dict[int | None, tuple] = {}
         self._varargs: dict[str, bool] = {}
         self.dropped: dict[int, str] = {}
         self.drops: dict[int, str] = {}
@@ -40,10 +40,11 @@ class Screen:
         if not self.plan.method.asynchronous:  # under events a client stays dropped until its job ends
             self.dropped.clear()
 
-    def form(self) -> tuple[tuple, np.dtype]:
-        """Per-sample shape and dtype of what the client part (``encoder()``) sends, probed once on zeros."""
-        if self._form is None:
-            enc = self.encoder()
+    def form(self, cut: int | None = None) -> tuple[tuple, np.dtype]:
+        """Per-sample shape and dtype of what the client part (``encoder()``) sends, probed once on zeros; ``cut``:
+        a tiered client's, whose part is the encoder's first ``cut`` blocks."""
+        if cut not in self._forms:
+            enc = self.encoder() if cut is None else getattr(self.encoder(), "head", self.encoder())[:cut]
             mode = enc.training
             enc.eval()
             with torch.no_grad():
@@ -51,8 +52,8 @@ class Screen:
                 kind = torch.long if model.inputs.kind == "tokens" else torch.float32  # token ids: integers
                 out = enc(torch.zeros((2, *model.input_shape), dtype=kind, device=self.device))
             enc.train(mode)
-            self._form = (tuple(out.shape[1:]), np.dtype(transport.dtype_name(out)))
-        return self._form
+            self._forms[cut] = (tuple(out.shape[1:]), np.dtype(transport.dtype_name(out)))
+        return self._forms[cut]
 
     def check(self, act: Activation, rnd: int | None) -> str:
         """'' if ``act`` may be used; otherwise why not (:func:`activation_fault`; ``rnd``: the round it must
@@ -61,7 +62,7 @@ class Screen:
         c = act.tag.client
         if c in self.dropped:
             return self.dropped[c]
-        shape, dtype = self.form()
+        shape, dtype = self.form(self.plan.model.cut_of(c))
         why = activation_form_fault(act, shape, dtype, self.plan.model.num_classes, rnd)
         if not why and screens_nonfinite(self.plan):
             x = act.x

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from raysplit.clock import FlopCache
+from raysplit.models.tiers import entered
 from raysplit.runtime import transport
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.screening import LOSS, Deferred, check_loss
@@ -68,7 +69,9 @@ class Tally:
 
 class Trainer:
     """The server's step arithmetic (module docstring). ``train``/``clock``: the typed sections; ``optimizer``: the
-    server's optimizer section; ``before_step(module, optimizers, tag)``: the server rule's hook; ``deferred``: the
+    server's optimizer section; ``cut_of(cid)``: a client's own cut where clients have their own (the server's
+    model is entered there for its batches, and its FLOPs are counted per cut); ``before_step(module, optimizers,
+    tag)``: the server rule's hook; ``deferred``: the
     host's checks read at the round's end (:class:`~raysplit.runtime.screening.Deferred`), where a step's finite
     check goes (None: each loss is read as it is made).
 
@@ -76,8 +79,10 @@ class Trainer:
     checked at the round's end), a gradient is the tensor itself, its norm a tensor in the tally."""
 
     def __init__(self, train, clock_section, optimizer, rounds: int, device: torch.device,
-                 before_step: Callable | None = None, deferred: Deferred | None = None):
+                 before_step: Callable | None = None, deferred: Deferred | None = None,
+                 cut_of: Callable[[int], int | None] = lambda cid: None):
         self.train_section, self.optimizer_section, self.rounds = train, optimizer, rounds
+        self.cut_of = cut_of  # tiered: a client's cut, where the server's model is entered for its batches
         self.device = device
         self.deferred = deferred
         self.clock = ServerClock(clock_section)
@@ -145,6 +150,12 @@ class Trainer:
         tag = tag if tag is not None else Tag(-1, self.round, step or 0)
         return self._run(x, y, module, optimizers, loss, ready_at, tag, record=True, where=where, kind="step")
 
+    def pool(self, batches: list[Batch]):
+        """The batches' samples pooled for steps on them (:class:`~raysplit.runtime.server.pool.Pool`)."""
+        from raysplit.runtime.server.pool import Pool
+
+        return Pool(self, batches)
+
     def train(self, b: Batch, model, *more_optimizers, loss: Callable | None = None) -> Gradient:
         """One training step on a client's batch from its arrival on (:meth:`step`); the client's gradient."""
         x = b.x.requires_grad_(True)
@@ -176,7 +187,9 @@ class Trainer:
             out.backward()
             return out
 
-        out, fl = self.flops.run(self.flop_key(kind, module, x), step)
+        cut = self.cut_of(tag.client) if tag.client >= 0 else None
+        with entered(module, cut):
+            out, fl = self.flops.run(self.flop_key(kind, module, x) + (() if cut is None else (cut,)), step)
         lv = self.settle(out.detach(), fl, module, optimizers, tag=tag, ready_at=ready_at, record=record,
                          where=where)
         self.tally.busy_wall += time.perf_counter() - t_wall
