@@ -244,7 +244,7 @@ def main() -> int:
               f"{'-' if w[0] is None else f'{max(w):.1e}'} |", flush=True)
     if not a.no_ray:
         ray.shutdown()
-    save(a.tag, {"args": vars(a), "results": results, "load_before": load0, "load_after": load(),
+    save(a.tag, {"args": vars(a), "results": results, "load_before": load0, "load_at_end": load(),
                  "time": time.strftime("%Y-%m-%d %H:%M")})
     return 0
 
