@@ -24,8 +24,10 @@ from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.algorithms.base import config_error
 from raysplit.clock import ClockConfig, HomogeneousClock
 from raysplit.data.partition import DirichletPartition, PartitionConfig
+from raysplit.data.text import TextConfig
 from raysplit.errors import ConfigError
 from raysplit.label_privacy import LabelAttackConfig, LabelDefenceConfig, NoLabelAttack, NoLabelDefence
+from raysplit.models.causal_lm import LMConfig
 from raysplit.privacy import AttackConfig, DefenceConfig, NoAttack, NoDefence
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -93,6 +95,9 @@ class DataConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the dataset's loader "
                                     "(e.g. label: coarse), checked against its signature (docs/config.md lists "
                                     "them)")
+    text: TextConfig | None = Field(default=None, description="text for a language model (model.lm): corpus, "
+                                    "tokenizer, context length; data.partition's natural is by source (building "
+                                    "blocks only: no method runs it yet)")
 
     @model_validator(mode="before")
     @classmethod
@@ -121,6 +126,9 @@ class ModelConfig(_Strict):
                                        "(splitnn, psl, sflv1, sflv2)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model's builder "
                                     "(e.g. cifar_stem), checked against its signature (docs/config.md lists them)")
+    lm: LMConfig | None = Field(default=None, description="a decoder language model from transformers (gpt2, "
+                                "llama), random or from a local directory, with its adapters (building blocks "
+                                "only: no method runs it yet)")
 
     @model_validator(mode="before")
     @classmethod
