@@ -14,8 +14,10 @@ import torch
 
 from raysplit.config import validate
 from raysplit.data.datasets import DatasetNotFoundError
-from raysplit.data.text import (FORTUNES_DIR, TextConfig, causal_blocks, load_corpus, load_fortunes,
-                                load_text_files, load_tokenizer, partition_documents, split_documents, train_bpe)
+from raysplit.data.partition import IidPartition, NaturalPartition
+from raysplit.data.text import (FORTUNES_DIR, TextConfig, TokenizerConfig, causal_blocks, load_corpus, load_fortunes,
+                                load_text_files, load_text_partitioned, load_tokenizer, partition_documents,
+                                split_documents, train_bpe)
 from raysplit.errors import ConfigError
 from raysplit.lm_metrics import evaluate_lm, lm_loss, token_nll
 from raysplit.models import (AdapterConfig, HiddenStates, LMConfig, Tokens, build_causal_lm, greedy_generate,
@@ -276,11 +278,53 @@ def test_fortunes_sources_split_and_partition(tmp_path):
         load_fortunes(str(tmp_path / "f"), ["delta"])
 
 
-@pytest.mark.skipif(not (FORTUNES_DIR and __import__("os").path.isfile(f"{FORTUNES_DIR}/riddles")),
+def test_a_runs_text_is_blocks_per_client_with_a_saved_tokenizer(tmp_path):
+    text = TextConfig(root=str(_fake_fortunes(tmp_path / "f")), context_length=8, test_fraction=0.2,
+                      tokenizer=TokenizerConfig(vocab_size=300))
+    data = load_text_partitioned(text, NaturalPartition(name="natural"), 3, 0.25, seed=0, save_dir=str(tmp_path / "r"))
+    assert (tmp_path / "r" / "tokenizer.json").is_file() and data.spec.kind == "tokens"
+    assert data.spec.input_shape == (8,) and data.spec.num_classes == data.tokenizer.vocab_size
+    assert data.x_train.dtype == np.int64 and data.x_train.shape[1] == 8 and len(data.x_test) > 0
+    for c, (train, test) in enumerate(zip(data.train_idx, data.test_idx)):
+        assert len(train) and set(data.y_train[np.concatenate([train, test])]) == {c}  # natural: a source each
+    again = load_text_partitioned(text, NaturalPartition(name="natural"), 3, 0.25, seed=0)
+    assert np.array_equal(again.x_train, data.x_train) and np.array_equal(again.x_test, data.x_test)
+    iid = load_text_partitioned(text, IidPartition(name="iid"), 2, 0.0, seed=1)
+    assert sum(map(len, iid.train_idx)) == len(iid.x_train)
+    with pytest.raises(ConfigError, match=r"data\.text\.context_length=64: clients \[.*\] hold less text"):
+        load_text_partitioned(text.model_copy(update={"context_length": 64}), IidPartition(name="iid"), 3, 0.0, 0)
+    with pytest.raises(ConfigError, match=r"kind=pretrained needs data\.text\.tokenizer\.path or model\.lm\.pretrained"):
+        load_text_partitioned(text.model_copy(update={"tokenizer": TokenizerConfig(kind="pretrained")}),
+                              IidPartition(name="iid"), 2, 0.0, 0)
+
+
+@pytest.mark.skipif(not __import__("os").path.isfile(f"{FORTUNES_DIR}/riddles"),
                     reason="Debian's fortunes-min is not installed (scripts/setup.sh installs it)")
-def test_the_installed_fortunes_corpus():
+def test_the_installed_fortunes_train_a_split_model():
+    """The parts together on the real corpus: fortunes-min's three categories, natural partition, a BPE, a tiny
+    GPT-2 split after block1; a few full fine-tuning steps on one client's blocks lower the held-out perplexity."""
     corpus = load_corpus(TextConfig(categories=["fortunes", "literature", "riddles"]))
     assert corpus.source_names == ["fortunes", "literature", "riddles"] and len(corpus.documents) > 100
+    text = TextConfig(categories=["fortunes", "literature", "riddles"], context_length=32,
+                      tokenizer=TokenizerConfig(vocab_size=400))
+    data = load_text_partitioned(text, NaturalPartition(name="natural"), 3, 0.1, seed=0)
+    torch.manual_seed(0)
+    model = build_causal_lm(LMConfig(family="gpt2", layers=2, width=32, heads=4, max_positions=32,
+                                     adapter=AdapterConfig(kind="full")), vocab_size=data.tokenizer.vocab_size)
+    check_tokenizer_vocab(model, data.tokenizer.vocab_size)
+    client, server = model.split("block1")
+    held_out = [torch.as_tensor(data.x_test[:64])]
+    before = evaluate_lm(compose([client, server]), held_out)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train = torch.as_tensor(data.x_train[data.train_idx[0]])
+    for step in range(15):
+        ids = train[(step * 8) % len(train):][:8]
+        optimizer.zero_grad()
+        lm_loss(server(client(ids)), ids).backward()
+        optimizer.step()
+    after = evaluate_lm(compose([client, server]), held_out)
+    assert after["tokens"] == before["tokens"] == len(held_out[0]) * 31
+    assert after["perplexity"] < 0.5 * before["perplexity"], (before, after)
 
 
 def test_user_text_and_jsonl_files(tmp_path):

@@ -28,21 +28,24 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from raysplit.errors import ConfigError
 
-from .datasets import DatasetNotFoundError
-from .partition import partition
+from .datasets import DatasetNotFoundError, DataSpec
+from .partition import client_train_test_split, partition
 
 __all__ = [
     "FORTUNES_DIR",
     "TextConfig",
     "TextCorpus",
+    "TextData",
     "TextTokenizer",
     "TokenizerConfig",
     "causal_blocks",
     "load_corpus",
     "load_fortunes",
+    "load_text_partitioned",
     "load_text_files",
     "partition_documents",
     "split_documents",
+    "text_tokenizer",
     "train_bpe",
     "load_tokenizer",
 ]
@@ -316,3 +319,96 @@ def causal_blocks(token_lists: Sequence[Sequence[int]], context_length: int, eos
         flat.append(eos_id)
     n = len(flat) // context_length
     return np.asarray(flat[: n * context_length], dtype=np.int64).reshape(n, context_length)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run's text, partitioned
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TextData:
+    """A run's text as it would train on it, in the arrays a token dataset already has: ``x_train`` ``(N,
+    context_length)`` int64 blocks of every client (client ``c``'s are ``train_idx[c]``, its own test split
+    ``test_idx[c]``), ``x_test`` the blocks of the held-out documents; ``y_*`` the source index of each block (for
+    partition statistics: a block's tokens are its labels). ``spec.num_classes`` is the tokenizer's vocabulary."""
+
+    spec: DataSpec
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    train_idx: list[np.ndarray]
+    test_idx: list[np.ndarray]
+    tokenizer: TextTokenizer
+    source_names: list[str]
+    provenance: dict
+
+
+def _blocks_of(corpus: TextCorpus, docs: np.ndarray, tokenizer: TextTokenizer, context_length: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of ``docs`` source by source (a block never mixes two sources) and each block's source."""
+    xs, ys = [np.zeros((0, context_length), np.int64)], [np.zeros(0, np.int64)]
+    for k in np.unique(corpus.sources[docs]):
+        mine = docs[corpus.sources[docs] == k]
+        blocks = causal_blocks(tokenizer.encode_batch([corpus.documents[i] for i in mine]), context_length,
+                               tokenizer.eos_id)
+        xs.append(blocks)
+        ys.append(np.full(len(blocks), k, np.int64))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def text_tokenizer(config: TextConfig, train_texts: Sequence[str], *, pretrained: str | None = None,
+                   save_dir: str | None = None) -> TextTokenizer:
+    """``data.text.tokenizer``'s tokenizer: the pretrained one (``path``, else the model's directory
+    ``pretrained``), or a BPE trained on ``train_texts`` and saved in ``path`` or ``save_dir``."""
+    tok = config.tokenizer
+    if tok.kind == "pretrained":
+        where = tok.path or pretrained
+        if where is None:
+            raise ConfigError("data.text.tokenizer.kind=pretrained needs data.text.tokenizer.path or "
+                              "model.lm.pretrained")
+        return load_tokenizer(where, "data.text.tokenizer.path" if tok.path else "model.lm.pretrained")
+    return train_bpe(train_texts, tok.vocab_size, tok.path or save_dir)
+
+
+def load_text_partitioned(text: TextConfig, partition_config, num_clients: int, client_test_fraction: float,
+                          seed: int, *, pretrained: str | None = None, save_dir: str | None = None) -> TextData:
+    """The corpus of ``text``, its documents split into training and held-out ones (``text.test_fraction`` per
+    source), the training documents partitioned over ``num_clients`` (``partition_config``: the ``data.partition``
+    section; natural is by source), the tokenizer (a trained BPE sees the training documents of every client,
+    pooled: a central step, as SplitLoRA's shared vocabulary is), then each client's documents cut into blocks
+    and split into its train and test blocks (``client_test_fraction``). ``seed``: the run's."""
+    corpus = load_corpus(text)
+    train_docs, test_docs = split_documents(corpus, text.test_fraction, np.random.default_rng([seed, 5]))
+    rng = np.random.default_rng([seed, 1])
+    try:
+        parts = partition_documents(corpus, train_docs, partition_config.name, num_clients, rng,
+                                    **partition_config.params())
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"data.partition: {exc}") from None
+    tokenizer = text_tokenizer(text, [corpus.documents[i] for i in train_docs], pretrained=pretrained,
+                               save_dir=save_dir)
+    xs, ys, owners = [], [], []
+    for c, docs in enumerate(parts):
+        x, y = _blocks_of(corpus, docs, tokenizer, text.context_length)
+        xs.append(x)
+        ys.append(y)
+        owners.append(np.full(len(x), c, np.int64))
+    empty = [c for c, x in enumerate(xs) if len(x) == 0]
+    if empty:
+        raise ConfigError(f"data.text.context_length={text.context_length}: clients {empty[:10]} hold less text "
+                          f"than one block; lower it or data.num_clients")
+    x_train, y_train, owner = np.concatenate(xs), np.concatenate(ys), np.concatenate(owners)
+    x_test, y_test = _blocks_of(corpus, test_docs, tokenizer, text.context_length)
+    by_client = [np.flatnonzero(owner == c) for c in range(num_clients)]
+    train_idx, test_idx = client_train_test_split(by_client, client_test_fraction, rng)
+    spec = DataSpec(name=corpus.name, kind="tokens", input_shape=(text.context_length,),
+                    num_classes=tokenizer.vocab_size)
+    provenance = {"name": corpus.name, "files": list(corpus.files), "sources": len(corpus.source_names),
+                  "documents": len(corpus.documents), "tokenizer": tokenizer.source,
+                  "partition": {"name": partition_config.name, **partition_config.params(),
+                                "num_clients": num_clients},
+                  "train_blocks": int(len(x_train)), "test_blocks": int(len(x_test)), "seed": seed}
+    return TextData(spec, x_train, y_train, x_test, y_test, train_idx, test_idx, tokenizer, corpus.source_names,
+                    provenance)
