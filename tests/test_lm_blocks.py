@@ -1,6 +1,6 @@
 """Language-model building blocks (issue 71, items 1, 3, 4 and 6's metrics): tiny GPT-2 and Llama models (2 blocks,
 width 32, vocabulary 100), their cuts and payload, local directories, LoRA adapters, text data, tokenizers,
-perplexity and greedy generation. No Ray, no MLflow, no network."""
+perplexity and generation. No Ray, no MLflow, no network."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from raysplit.data.text import (FORTUNES_DIR, TextConfig, TokenizerConfig, causa
                                 split_documents, train_bpe)
 from raysplit.errors import ConfigError
 from raysplit.lm_metrics import evaluate_lm, lm_loss, token_nll
-from raysplit.models import (AdapterConfig, HiddenStates, LMConfig, Tokens, build_causal_lm, greedy_generate,
+from raysplit.models import (AdapterConfig, HiddenStates, LMConfig, Tokens, build_causal_lm, generate,
                              load_trainable_state, trainable_state)
 from raysplit.models.causal_lm import (check_context_length, check_tokenizer_vocab, compose, resolve_lm_cut,
                                        save_base_pretrained)
@@ -77,6 +77,8 @@ def test_the_cut_payload_is_hidden_states_with_mask_and_positions(family):
     assert payload.nbytes() == 2 * CONTEXT * 32 * 4 + 2 * (2 * CONTEXT * 8)
     received = payload.received()
     assert received.hidden.requires_grad and received.hidden.is_leaf
+    moved = payload.detach().to("cpu")
+    assert not moved.hidden.requires_grad and all(torch.equal(a, b) for a, b in zip(moved.tensors(), payload.tensors()))
 
 
 def test_a_cut_outside_the_blocks_names_the_key(family):
@@ -232,12 +234,12 @@ def test_perplexity_is_exp_of_the_mean_token_nll():
     assert int(n) == 2 * 7
 
 
-def test_greedy_generation_through_the_split_equals_the_whole_model(family):
+def test_generation_through_the_split_equals_the_whole_model(family):
     model = built(tiny(family))
     prompt = batch(rows=2, length=5)
     client, server = model.split("embed")
-    split_out = greedy_generate([client, server], prompt, 6, context_length=8)
-    whole_out = greedy_generate([model], prompt, 6, context_length=8)
+    split_out = generate([client, server], prompt, 6, context_length=8)
+    whole_out = generate([model], prompt, 6, context_length=8)
     assert split_out.shape == (2, 11) and torch.equal(split_out, whole_out)
     ids = prompt
     with torch.no_grad():
@@ -245,6 +247,13 @@ def test_greedy_generation_through_the_split_equals_the_whole_model(family):
             ids = torch.cat([ids, model.hf_model(input_ids=ids[:, -8:]).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(split_out, ids)
     assert not model.training
+    def sampled(seed, **kw):
+        return generate([client, server], prompt, 6, context_length=8, temperature=1.0,
+                        generator=torch.Generator().manual_seed(seed), **kw)
+    assert torch.equal(sampled(3), sampled(3)) and torch.equal(sampled(3, top_k=1), split_out)
+    assert not torch.equal(sampled(3), sampled(4))
+    eos = int(split_out[0, 5])  # the first token greedy makes for row 0: every later one is eos
+    assert (generate([model], prompt, 6, context_length=8, eos_id=eos)[0, 5:] == eos).all()
 
 
 # --------------------------------------------------------------------------------------------------------- text

@@ -53,7 +53,7 @@ from .causal_lm import (
     LMConfig,
     Tokens,
     build_causal_lm,
-    greedy_generate,
+    generate,
 )
 
 # Importing the model modules registers their models.
@@ -71,7 +71,7 @@ __all__ = [
     "Tokens",
     "apply_adapters",
     "build_causal_lm",
-    "greedy_generate",
+    "generate",
     "load_trainable_state",
     "trainable_state",
     "MODELS",

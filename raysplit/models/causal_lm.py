@@ -49,7 +49,7 @@ __all__ = [
     "check_context_length",
     "check_tokenizer_vocab",
     "compose",
-    "greedy_generate",
+    "generate",
     "resolve_lm_cut",
     "save_base_pretrained",
 ]
@@ -131,6 +131,12 @@ class HiddenStates:
     def nbytes(self) -> int:
         """Bytes on the wire: the three tensors' elements times their element sizes."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def detach(self) -> "HiddenStates":
+        return HiddenStates(*(t.detach() for t in self.tensors()))
+
+    def to(self, device: torch.device | str) -> "HiddenStates":
+        return HiddenStates(*(t.to(device) for t in self.tensors()))
 
     def received(self) -> "HiddenStates":
         """The payload as the receiving side starts from it: ``hidden`` detached and a leaf that requires grad
@@ -397,7 +403,7 @@ def check_tokenizer_vocab(model: CausalLM, tokenizer_vocab: int, source: str = "
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Running parts in order; greedy generation
+# Running parts in order; generation
 # ----------------------------------------------------------------------------------------------------------------
 def compose(parts: Sequence[nn.Module]):
     """``x -> parts[-1](... parts[0](x))``: a split model's parts in the order its payloads travel (client,
@@ -410,12 +416,17 @@ def compose(parts: Sequence[nn.Module]):
 
 
 @torch.no_grad()
-def greedy_generate(parts: Sequence[nn.Module], prompt_ids: torch.Tensor, max_new_tokens: int, *,
-                    context_length: int, eos_id: int | None = None) -> torch.Tensor:
-    """Greedy continuation of ``prompt_ids`` ``(B, T)`` through a split model's ``parts`` (see :func:`compose`):
-    each step runs the last ``context_length`` tokens through every part (no key/value cache: every part sees
-    exactly what a training step sends) and appends the most likely token. Rows that produced ``eos_id`` keep
-    producing it. Train/eval flags are set to eval and restored. Returns ``(B, T + max_new_tokens)``."""
+def generate(parts: Sequence[nn.Module], prompt_ids: torch.Tensor, max_new_tokens: int, *, context_length: int,
+             eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """A continuation of ``prompt_ids`` ``(B, T)`` through a split model's ``parts`` (see :func:`compose`): each
+    step runs the last ``context_length`` tokens through every part (no key/value cache: every part sees exactly
+    what a training step sends, and the client keeps its tokens in a U-shape) and appends one token: the most
+    likely (``temperature`` 0, greedy) or one drawn from the softmax of ``logits / temperature``, restricted to
+    the ``top_k`` most likely where given, with ``generator``. Rows that produced ``eos_id`` keep producing it.
+    Train/eval flags are set to eval and restored. Returns ``(B, T + max_new_tokens)``."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     flags = [(m, m.training) for part in parts for m in part.modules()]
     for part in parts:
         part.eval()
@@ -424,8 +435,15 @@ def greedy_generate(parts: Sequence[nn.Module], prompt_ids: torch.Tensor, max_ne
         ids = prompt_ids
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         for _ in range(int(max_new_tokens)):
-            logits = run(Tokens(ids[:, -context_length:]))
-            nxt = logits[:, -1].argmax(-1)
+            logits = run(Tokens(ids[:, -context_length:]))[:, -1].float()
+            if top_k is not None:
+                kth = logits.topk(min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if temperature == 0:
+                nxt = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
             if eos_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
                 done = done | (nxt == eos_id)
