@@ -68,6 +68,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.label_privacy import ushape_spec
     from raysplit.privacy import privacy_spec
 
+    given = [key for key, section in (("model.lm", cfg.model.lm), ("data.text", cfg.data.text)) if section is not None]
+    if given:  # not silently a run of model.name on data.dataset
+        raise ConfigError(f"{' and '.join(given)}: language models are building blocks so far (raysplit.models."
+                          "causal_lm, raysplit.data.text); no method runs them yet (issue 71)")
     alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
     spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg.data,
                                                                                                     cfg.seed)

@@ -104,6 +104,10 @@ def test_an_unknown_family_names_the_key():
     cfg = validate({"algorithm": {"name": "splitnn"}, "model": {"lm": {"family": "llama", "adapter": {"rank": 4}}},
                     "data": {"text": {"context_length": 32}}})
     assert cfg.model.lm.adapter.rank == 4 and cfg.data.text.context_length == 32
+    from raysplit.experiment import prepare
+
+    with pytest.raises(ConfigError, match=r"model\.lm and data\.text: language models are building blocks so far"):
+        prepare(cfg)  # a run does not quietly train model.name on data.dataset instead
 
 
 # ------------------------------------------------------------------------------------------ local directories
@@ -302,7 +306,8 @@ def test_a_runs_text_is_blocks_per_client_with_a_saved_tokenizer(tmp_path):
     assert sum(map(len, iid.train_idx)) == len(iid.x_train)
     with pytest.raises(ConfigError, match=r"data\.text\.context_length=64: clients \[.*\] hold less text"):
         load_text_partitioned(text.model_copy(update={"context_length": 64}), IidPartition(name="iid"), 3, 0.0, 0)
-    with pytest.raises(ConfigError, match=r"kind=pretrained needs data\.text\.tokenizer\.path or model\.lm\.pretrained"):
+    with pytest.raises(ConfigError, match=r"kind=pretrained needs data\.text\.tokenizer\.path or "
+                                          r"model\.lm\.pretrained"):
         load_text_partitioned(text.model_copy(update={"tokenizer": TokenizerConfig(kind="pretrained")}),
                               IidPartition(name="iid"), 2, 0.0, 0)
 
@@ -369,7 +374,8 @@ def test_a_bpe_is_trained_saved_and_loaded(tmp_path):
 def test_a_tokenizer_larger_than_the_vocabulary_names_the_key(tmp_path):
     model = built(tiny("llama"))
     tok = train_bpe(["some words to learn from", "and more words"], 300)
-    with pytest.raises(ConfigError, match=r"model\.lm\.vocab_size: the trained BPE has 2[0-9]{2} tokens but the model's vocabulary is 100"):
+    with pytest.raises(ConfigError, match=r"model\.lm\.vocab_size: the trained BPE has 2[0-9]{2} tokens but the "
+                                          r"model's vocabulary is 100"):
         check_tokenizer_vocab(model, tok.vocab_size, "the trained BPE")
     torch.manual_seed(0)
     sized = build_causal_lm(LMConfig(family="llama", layers=1, width=32, heads=4), vocab_size=tok.vocab_size)
