@@ -151,6 +151,9 @@ def test_a_missing_or_malformed_directory_is_one_error_naming_it(tmp_path):
     (empty / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ConfigError, match=r"holds a 'bert' model; known families: gpt2, llama"):
         build_causal_lm(LMConfig(pretrained=str(empty)))
+    built(tiny("gpt2")).hf_model.config.to_json_file(str(empty / "config.json"))  # a good config, bad weights
+    with pytest.raises(ConfigError, match=rf"model\.lm\.pretrained: cannot load the model in '{empty}'"):
+        build_causal_lm(LMConfig(pretrained=str(empty)))
 
 
 def test_nothing_makes_a_network_call(tmp_path, monkeypatch):
