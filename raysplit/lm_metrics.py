@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_nll", "lm_loss", "evaluate_lm"]
+__all__ = ["token_nll", "lm_loss", "evaluate_lm", "lm_eval_metrics"]
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -49,3 +49,19 @@ def evaluate_lm(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterab
         raise ValueError("evaluate_lm: no tokens to evaluate")
     loss = float(total) / int(count)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(count)}
+
+
+def lm_eval_metrics(targets, predictions, nll_sum: float) -> dict:
+    """A run's evaluation of a language model from the runtime's evaluation loop (every next token of the test
+    blocks: ``targets``, the most likely tokens ``predictions``, the summed NLL): ``loss`` (per token),
+    ``perplexity`` (``exp`` of it), ``next_token_accuracy`` and ``tokens``. No per-label metrics: the labels are a
+    vocabulary."""
+    import numpy as np
+
+    targets, predictions = np.asarray(targets), np.asarray(predictions)
+    n = len(targets)
+    if n == 0:
+        raise ValueError("lm_eval_metrics: no tokens to evaluate")
+    loss = float(nll_sum) / n
+    return {"loss": loss, "perplexity": math.exp(loss),
+            "next_token_accuracy": float((targets == predictions).mean()), "tokens": n}

@@ -14,7 +14,10 @@ named after the last block on the client (``embed``: the client keeps only the e
 What crosses a cut is a :class:`HiddenStates` payload: the hidden states plus the attention mask and the positions
 that the next decoder layer needs (each layer rebuilds its 4-D causal mask and, for Llama, its rotary embeddings
 from them, as the unsplit model does once before its first layer). :meth:`HiddenStates.nbytes` is what the
-``comm/*`` counters would charge.
+``comm/*`` counters would charge. A run (``experiment.prepare``) builds the model ``fixed_length``: its text is
+fixed-length blocks without padding, so the hidden-states tensor alone crosses the cut (the mask all ones, the
+positions ``0 .. T-1``, recomputed by the next block) and the runtime's one-tensor path carries it; the payload
+is kept for padded inputs, which no run makes yet.
 
 Tied embeddings (GPT-2's default) share one parameter between ``embed`` and ``head``; in a U-shaped split both are
 on the client, in a plain split the LM head's weight is the embedding table the client also holds.
@@ -156,29 +159,50 @@ def _as_tokens(x: Tokens | torch.Tensor) -> Tokens:
     return x.filled()
 
 
-class GPT2Embed(nn.Module):
+def _payload(x: HiddenStates | torch.Tensor, what: str) -> HiddenStates:
+    """``x`` as a :class:`HiddenStates`: a bare hidden-states tensor ``(B, T, D)`` (a fixed-length model's cut)
+    gets the mask and positions of an unpadded block (all ones; ``0 .. T-1`` in every row)."""
+    if isinstance(x, HiddenStates):
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} takes HiddenStates or a hidden-states tensor, got {type(x).__name__}")
+    b, t = x.shape[0], x.shape[1]
+    positions = torch.arange(t, device=x.device).unsqueeze(0).expand(b, -1)
+    return HiddenStates(x, torch.ones((b, t), dtype=torch.long, device=x.device), positions)
+
+
+class _Embed(nn.Module):
+    """An embedding block: its output is the :class:`HiddenStates` payload, or the hidden tensor alone in a
+    fixed-length model (``fixed_length``, set by :class:`CausalLM`; not a module attribute of the state)."""
+
+    fixed_length = False
+
+    def _out(self, hidden: torch.Tensor, t: Tokens) -> HiddenStates | torch.Tensor:
+        return hidden if self.fixed_length else HiddenStates(hidden, t.attention_mask, t.positions)
+
+
+class GPT2Embed(_Embed):
     """GPT-2's token and learned position embeddings, then embedding dropout (``GPT2Model.forward``'s prologue)."""
 
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, x: Tokens | torch.Tensor) -> HiddenStates:
+    def forward(self, x: Tokens | torch.Tensor) -> HiddenStates | torch.Tensor:
         t = _as_tokens(x)
-        hidden = self.drop(self.wte(t.input_ids) + self.wpe(t.positions))
-        return HiddenStates(hidden, t.attention_mask, t.positions)
+        return self._out(self.drop(self.wte(t.input_ids) + self.wpe(t.positions)), t)
 
 
-class LlamaEmbed(nn.Module):
+class LlamaEmbed(_Embed):
     """Llama's token embeddings (its positions are rotary, applied inside each layer)."""
 
     def __init__(self, embed_tokens: nn.Embedding):
         super().__init__()
         self.embed_tokens = embed_tokens
 
-    def forward(self, x: Tokens | torch.Tensor) -> HiddenStates:
+    def forward(self, x: Tokens | torch.Tensor) -> HiddenStates | torch.Tensor:
         t = _as_tokens(x)
-        return HiddenStates(self.embed_tokens(t.input_ids), t.attention_mask, t.positions)
+        return self._out(self.embed_tokens(t.input_ids), t)
 
 
 def _causal_mask(config, hidden: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor):
@@ -205,7 +229,9 @@ class DecoderBlock(nn.Module):
         self.rotary = rotary  # Llama's rotary embedding (buffers only), shared by the blocks
         self.hf_config = config  # the library config (not a module): its attention kernel and mask rules
 
-    def forward(self, x: HiddenStates) -> HiddenStates:
+    def forward(self, x: HiddenStates | torch.Tensor) -> HiddenStates | torch.Tensor:
+        if isinstance(x, torch.Tensor):  # a fixed-length model's cut: the hidden tensor in, the hidden tensor out
+            return self.forward(_payload(x, "a decoder block")).hidden
         if not isinstance(x, HiddenStates):
             raise TypeError(f"a decoder block takes HiddenStates, got {type(x).__name__}")
         mask = _causal_mask(self.hf_config, x.hidden, x.attention_mask, x.positions)
@@ -225,18 +251,22 @@ class LMHead(nn.Module):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
-    def forward(self, x: HiddenStates) -> torch.Tensor:
-        if not isinstance(x, HiddenStates):
-            raise TypeError(f"the head block takes HiddenStates, got {type(x).__name__}")
-        return self.lm_head(self.norm(x.hidden))
+    def forward(self, x: HiddenStates | torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(_payload(x, "the head block").hidden))
 
 
 class CausalLM(SplitModel):
     """A :class:`SplitModel` over a ``transformers`` causal LM: blocks ``embed``, ``block1`` .. ``blockN``,
     ``head``; ``model(ids)`` returns the logits. ``hf_model`` is the library's model (the same modules, outside
-    this module tree); ``family``, ``max_positions`` and ``vocab_size`` describe it."""
+    this module tree); ``family``, ``max_positions`` and ``vocab_size`` describe it.
 
-    def __init__(self, hf_model: nn.Module, family: str):
+    ``fixed_length``: the input is fixed-length blocks without padding (what :mod:`raysplit.data.text` makes), so
+    what crosses a cut is the hidden-states tensor ``(B, T, D)`` alone: its mask is all ones and its positions
+    ``0 .. T-1``, which the next block recomputes (the runtime's one-tensor activation path carries it, and its
+    bytes are the hidden states'). Off, the blocks pass the :class:`HiddenStates` payload, kept for padded inputs
+    (the runtime does not carry it yet). The weights and their names are the same either way."""
+
+    def __init__(self, hf_model: nn.Module, family: str, *, fixed_length: bool = False):
         cfg = hf_model.config
         if family == "gpt2":
             body = hf_model.transformer
@@ -257,6 +287,16 @@ class CausalLM(SplitModel):
         self.family = family
         self.max_positions = max_positions
         self.default_cut = self.resolve_cut("block1" if len(self.blocks) > 3 else "embed")
+        self.fixed_length = fixed_length
+        self.blocks[0].fixed_length = fixed_length
+
+    @staticmethod
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch: ``y`` is the token blocks ``(B, T)`` themselves, the loss the mean
+        next-token cross-entropy (:func:`raysplit.lm_metrics.lm_loss`)."""
+        from raysplit.lm_metrics import lm_loss
+
+        return lm_loss(logits, y)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -332,13 +372,13 @@ def _load_pretrained(config: LMConfig) -> tuple[nn.Module, str]:
     return hf_model, family
 
 
-def build_causal_lm(config: LMConfig, *, vocab_size: int | None = None) -> CausalLM:
+def build_causal_lm(config: LMConfig, *, vocab_size: int | None = None, fixed_length: bool = False) -> CausalLM:
     """The model of ``config`` with its adapters applied (:func:`~raysplit.models.adapters.apply_adapters`).
 
     From a local directory when ``config.pretrained`` is set (its vocabulary is its own), else random initial
     weights of ``config``'s sizes with ``config.vocab_size`` or, when that is null, ``vocab_size`` (the
-    tokenizer's). Seeding (``torch.manual_seed``) is the caller's job. Errors are :class:`ConfigError` naming the
-    key at fault.
+    tokenizer's). ``fixed_length``: see :class:`CausalLM`. Seeding (``torch.manual_seed``) is the caller's job.
+    Errors are :class:`ConfigError` naming the key at fault.
     """
     from .adapters import apply_adapters
 
@@ -357,7 +397,7 @@ def build_causal_lm(config: LMConfig, *, vocab_size: int | None = None) -> Causa
         hf_model = AutoModelForCausalLM.from_config(_hf_config(config, int(size)),
                                                     attn_implementation=config.attention)
         family = config.family
-    model = CausalLM(hf_model, family)
+    model = CausalLM(hf_model, family, fixed_length=fixed_length)
     apply_adapters(model, config.adapter)
     return model
 

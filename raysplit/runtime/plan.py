@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,10 @@ class ModelFacts:
     """What a rule may know of the model: its name and builder options, what goes in (``inputs``: the dataset's
     :class:`~raysplit.data.DataSpec`), where it is cut (``cut``: the index of the first server block, None: the
     whole model on the clients; ``tail_cut``: a U-shaped split's tail) and the per-sample shape of what crosses the
-    cut (``cut_shape``; None without a cut)."""
+    cut (``cut_shape``; None without a cut). ``lm``: a language model's ``model.lm`` section
+    (:class:`~raysplit.models.causal_lm.LMConfig`; None: a model of the zoo), built on every side from it and the
+    tokenizer's vocabulary (``inputs.num_classes``) as a fixed-length model (what crosses the cut is the hidden
+    states tensor)."""
 
     name: str
     options: dict
@@ -25,6 +29,27 @@ class ModelFacts:
     cut: int | None
     tail_cut: int | None = None
     cut_shape: tuple | None = None
+    lm: Any = None  # raysplit.models.causal_lm.LMConfig
+
+    @property
+    def language_model(self) -> bool:
+        return self.lm is not None
+
+    @property
+    def label_shape(self) -> tuple:
+        """A sample's labels: one class (``()``), or a language model's token block (its input shape)."""
+        return self.input_shape if self.lm is not None else ()
+
+    @property
+    def loss(self):
+        """The training loss ``loss(logits, y)``: mean cross-entropy over the labels (image and character
+        models), a language model's mean next-token cross-entropy over its token blocks
+        (:func:`raysplit.lm_metrics.lm_loss`)."""
+        if self.lm is None:
+            return F.cross_entropy
+        from raysplit.lm_metrics import lm_loss
+
+        return lm_loss
 
     @property
     def num_classes(self) -> int:
@@ -37,6 +62,10 @@ class ModelFacts:
     def build(self):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
         :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net)."""
+        if self.lm is not None:
+            from raysplit.models.causal_lm import build_causal_lm
+
+            return build_causal_lm(self.lm, vocab_size=self.num_classes, fixed_length=True)
         from raysplit.models import build_model
 
         return build_model(self.name, self.num_classes, self.input_shape, **self.options)

@@ -84,7 +84,7 @@ class ClientHost:
                                    state_bytes=int(spill.client_state_mb * 2**20) if spill.client_state_mb else None,
                                    spill_dir=spill.spill_dir, changed=self.changed)
         self.cut = ClientCut(plan.privacy)
-        self.executor = Executor(s.seed, device, rt.pack_clients)
+        self.executor = Executor(s.seed, device, rt.pack_clients, plan.model.loss)
         self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
                      if plan.ushape is not None else None)  # U-shaped: the labels stay here
         rule = lambda: self.rule  # noqa: E731 - the components call the rule made last
@@ -147,7 +147,7 @@ class ClientHost:
         """Each client's own test split through its own client model and the given server model."""
         return evaluate_own(self.plan.parts(), self.data, self.states.state_of, cids,
                             transport.unpack_state(server_state.state), self.plan.sections.eval.batch_size,
-                            self.executor.device)
+                            self.executor.device, self.plan.model.language_model)
 
     def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
         """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""
