@@ -96,8 +96,8 @@ class DataConfig(_Strict):
                                     "(e.g. label: coarse), checked against its signature (docs/config.md lists "
                                     "them)")
     text: TextConfig | None = Field(default=None, description="text for a language model (model.lm): corpus, "
-                                    "tokenizer, context length; data.partition's natural is by source (building "
-                                    "blocks only: no method runs it yet)")
+                                    "tokenizer, context length; data.partition's natural is by source; set "
+                                    "with model.lm (data.dataset is then unused)")
 
     @model_validator(mode="before")
     @classmethod
@@ -127,8 +127,8 @@ class ModelConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model's builder "
                                     "(e.g. cifar_stem), checked against its signature (docs/config.md lists them)")
     lm: LMConfig | None = Field(default=None, description="a decoder language model from transformers (gpt2, "
-                                "llama), random or from a local directory, with its adapters (building blocks "
-                                "only: no method runs it yet)")
+                                "llama), random or from a local directory, with its adapters; trains on data.text "
+                                "(model.name is then unused; splitnn, psl, sflv1, sflv2 and others)")
 
     @model_validator(mode="before")
     @classmethod

@@ -106,8 +106,9 @@ def test_an_unknown_family_names_the_key():
     assert cfg.model.lm.adapter.rank == 4 and cfg.data.text.context_length == 32
     from raysplit.experiment import prepare
 
-    with pytest.raises(ConfigError, match=r"model\.lm and data\.text: language models are building blocks so far"):
-        prepare(cfg)  # a run does not quietly train model.name on data.dataset instead
+    half = validate({"algorithm": {"name": "splitnn"}, "model": {"lm": {"family": "llama"}}})
+    with pytest.raises(ConfigError, match=r"model\.lm is set but data\.text is not"):
+        prepare(half)  # a run does not quietly train the language model on data.dataset instead
 
 
 # ------------------------------------------------------------------------------------------ local directories

@@ -206,6 +206,7 @@ class Hydra(SFLV2):
     round (see the module docstring)."""
 
     name = "hydra"
+    class_labels = "{name} needs a class label per sample: its server heads train on label groups"
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
@@ -296,6 +297,7 @@ class MultiHead(SFLV1):
     global-test inference by the most confident head (module docstring)."""
 
     name = "multihead"
+    class_labels = "{name} needs a class label per sample: its server heads train on label groups"
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies
