@@ -386,3 +386,19 @@ def test_a_tokenizer_larger_than_the_vocabulary_names_the_key(tmp_path):
     check_tokenizer_vocab(sized, tok.vocab_size)
     ids = torch.as_tensor(causal_blocks(tok.encode_batch(["some words to learn from"] * 4), 8, tok.eos_id))
     assert compose(sized.split("embed"))(ids).shape == (len(ids), 8, tok.vocab_size)
+
+
+def test_lora_on_a_module_a_block_holds_directly_trains_through_the_blocks():
+    """peft replaces the LM head (held by the head block, not inside a decoder layer) with its LoRA layer: the
+    blocks run the adapted module, so its adapters are the model's and take a gradient."""
+    cfg = LMConfig(family="gpt2", layers=1, width=16, heads=2, max_positions=8,
+                   adapter=AdapterConfig(target_modules=["c_attn", "lm_head"]))
+    model = build_causal_lm(cfg, vocab_size=50)
+    assert model.blocks[-1].lm_head is model.hf_model.lm_head
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(n.startswith("blocks.2.lm_head.lora_B") for n in names), names
+    ids = torch.randint(0, 50, (2, 8))
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    grad = dict(model.named_parameters())["blocks.2.lm_head.lora_B.default.weight"].grad
+    assert grad is not None and grad.abs().sum() > 0

@@ -61,6 +61,7 @@ def apply_adapters(model, config: AdapterConfig) -> None:
     lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                       target_modules=targets, fan_in_fan_out=model.family == "gpt2", bias="none")
     inject_adapter_in_model(lora, hf_model)
+    model.refresh_blocks()  # a replaced module the blocks held directly (the LM head, the embeddings)
     for name, p in hf_model.named_parameters():
         p.requires_grad_("lora_" in name)
 

@@ -86,6 +86,7 @@ class LMConfig(BaseModel):
     adapter: AdapterConfig = Field(default=AdapterConfig(), description="what trains: LoRA adapters (peft) or "
                                    "every weight")
 
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, v: str | None) -> str | None:
@@ -268,21 +269,9 @@ class CausalLM(SplitModel):
 
     def __init__(self, hf_model: nn.Module, family: str, *, fixed_length: bool = False):
         cfg = hf_model.config
-        if family == "gpt2":
-            body = hf_model.transformer
-            blocks: list[tuple[str, nn.Module]] = [("embed", GPT2Embed(body.wte, body.wpe, body.drop))]
-            blocks += [(f"block{i + 1}", DecoderBlock(layer, cfg)) for i, layer in enumerate(body.h)]
-            blocks.append(("head", LMHead(body.ln_f, hf_model.lm_head)))
-            max_positions = int(cfg.n_positions)
-        else:
-            body = hf_model.model
-            blocks = [("embed", LlamaEmbed(body.embed_tokens))]
-            blocks += [(f"block{i + 1}", DecoderBlock(layer, cfg, body.rotary_emb))
-                       for i, layer in enumerate(body.layers)]
-            blocks.append(("head", LMHead(body.norm, hf_model.lm_head)))
-            max_positions = int(cfg.max_position_embeddings)
-        super().__init__(blocks, name=family, input_kind="tokens", vocab_size=int(cfg.vocab_size),
-                         input_shape=(max_positions,))
+        max_positions = int(cfg.n_positions if family == "gpt2" else cfg.max_position_embeddings)
+        super().__init__(_library_blocks(hf_model, family), name=family, input_kind="tokens",
+                         vocab_size=int(cfg.vocab_size), input_shape=(max_positions,))
         object.__setattr__(self, "hf_model", hf_model)
         self.family = family
         self.max_positions = max_positions
@@ -290,13 +279,27 @@ class CausalLM(SplitModel):
         self.fixed_length = fixed_length
         self.blocks[0].fixed_length = fixed_length
 
-    @staticmethod
-    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The training loss of a batch: ``y`` is the token blocks ``(B, T)`` themselves, the loss the mean
-        next-token cross-entropy (:func:`raysplit.lm_metrics.lm_loss`)."""
-        from raysplit.lm_metrics import lm_loss
+    def refresh_blocks(self) -> None:
+        """The blocks over the library model's modules as they are now: after ``peft`` replaced some (a LoRA
+        layer in place of the LM head or the embeddings the blocks held), so that the blocks run the adapted
+        ones."""
+        for i, (_, block) in enumerate(_library_blocks(self.hf_model, self.family)):
+            self.blocks[i] = block
+        self.blocks[0].fixed_length = self.fixed_length
 
-        return lm_loss(logits, y)
+
+def _library_blocks(hf_model: nn.Module, family: str) -> list[tuple[str, nn.Module]]:
+    """``embed``, ``block1`` .. ``blockN``, ``head`` over the library model's own modules."""
+    cfg = hf_model.config
+    if family == "gpt2":
+        body = hf_model.transformer
+        blocks: list[tuple[str, nn.Module]] = [("embed", GPT2Embed(body.wte, body.wpe, body.drop))]
+        blocks += [(f"block{i + 1}", DecoderBlock(layer, cfg)) for i, layer in enumerate(body.h)]
+        return blocks + [("head", LMHead(body.ln_f, hf_model.lm_head))]
+    body = hf_model.model
+    blocks = [("embed", LlamaEmbed(body.embed_tokens))]
+    blocks += [(f"block{i + 1}", DecoderBlock(layer, cfg, body.rotary_emb)) for i, layer in enumerate(body.layers)]
+    return blocks + [("head", LMHead(body.norm, hf_model.lm_head))]
 
 
 # ----------------------------------------------------------------------------------------------------------------
