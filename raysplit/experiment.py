@@ -79,6 +79,32 @@ def language_model_section(cfg: ExperimentConfig, alg) -> "object | None":
     return lm
 
 
+def lm_tail_cut(lm, model, cut: int | None, tail_cut, alg):
+    """A language model's ``model.tail_cut``: U-shaped by default (``model.lm.split``), the head and the loss on
+    the client after the last decoder block unless ``model.tail_cut`` names another; None for a plain split or a
+    method without a cut (FedAvg: the whole model and the text stay on the clients). A method that cannot run
+    U-shaped, or a cut that leaves the server no block, is one error saying how to send the text instead."""
+    if cut is None:
+        return None
+    if lm.split == "plain":
+        if tail_cut is not None:
+            raise ConfigError(f"model.tail_cut={tail_cut!r} makes the split U-shaped but model.lm.split=plain; "
+                              f"set model.lm.split=u_shaped or model.tail_cut=null")
+        return None
+    why = ("model.lm.split=u_shaped (the default: a language model's tokens are its labels and stay on the "
+           "clients)")
+    if alg.u_shape:
+        raise ConfigError(f"{why}: {alg.u_shape.format(name=alg.name)}; set model.lm.split=plain to send the text "
+                          f"to the server")
+    if tail_cut is not None:
+        return tail_cut
+    last = len(model.blocks) - 1  # the cut after the last decoder block: the head alone is the tail
+    if cut >= last:
+        raise ConfigError(f"{why}: model.cut={model.block_names[cut - 1]!r} leaves the server no block before the "
+                          f"head; cut earlier or set model.lm.split=plain")
+    return last
+
+
 def _text_inputs(cfg: ExperimentConfig, lm):
     """A language model's data and model (``prepare``'s text branch): the blocks of ``data.text`` partitioned
     over the clients, the labels of a block its tokens (the partition statistics count blocks per source), and the
@@ -132,7 +158,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         want = cfg.model.cut if cfg.model.cut is not None else MODELS[cfg.model.name].default_cut
     num_clients = len(train_idx)
     cut, client, server = alg.split_model(model, want)
-    ushape, u_client, u_server = ushape_spec(model, cut, cfg.model.tail_cut, cfg.privacy, alg.name, alg.u_shape,
+    tail_cut = cfg.model.tail_cut if lm is None else lm_tail_cut(lm, model, cut, cfg.model.tail_cut, alg)
+    ushape, u_client, u_server = ushape_spec(model, cut, tail_cut, cfg.privacy, alg.name, alg.u_shape,
                                              getattr(alg.params, "batched_copies", False), spec_d.num_classes)
     if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
         client, server = u_client, u_server

@@ -41,6 +41,7 @@ def test_a_local_run_logs_falling_perplexity(tmp_path, mlflow_uri):
     assert len(ppl) == 3 and ppl[-1] < ppl[0] < 300 * 1.5  # from about the vocabulary's size, falling
     assert final["eval/loss"] == pytest.approx(float(torch.tensor(ppl[-1]).log()), rel=1e-6)
     assert final["eval/tokens"] > 0 and final["comm/bytes_up"] > 0 and final["compute/client_flops"] > 0
+    assert final["comm/bytes_up_labels"] == 0 and final["comm/bytes_down_middle"] > 0  # U-shaped: the text stays
     assert not [k for k in final if k.startswith("eval/label_acc") or k in ("eval/accuracy", "eval/f1_macro")]
 
 
@@ -55,10 +56,11 @@ def test_a_ray_run_equals_the_local_run(ray_session, tmp_path, mlflow_uri):
     assert "eval/perplexity" in local
 
 
-def test_splitnn_with_one_client_is_centralised_training(tmp_path):
-    """One client, full-batch plain SGD, LoRA: after 2 rounds of 3 steps the client part (embeddings, block1)
-    and the server part (block2, head) equal the unsplit model trained 6 steps on the client's blocks with the
-    next-token loss, to float rounding; the frozen base did not move."""
+@pytest.mark.parametrize("split", ["u_shaped", "plain"])
+def test_splitnn_with_one_client_is_centralised_training(tmp_path, split):
+    """One client, full-batch plain SGD, LoRA: after 2 rounds of 3 steps the client's blocks (embeddings, block1;
+    U-shaped also the head) and the server's (block2; plain also the head) equal the unsplit model trained 6
+    steps on the client's blocks with the next-token loss, to float rounding; the frozen base did not move."""
     from raysplit.lm_metrics import lm_loss
     from raysplit.models.causal_lm import CausalLM
     from raysplit.runtime import transport
@@ -66,24 +68,32 @@ def test_splitnn_with_one_client_is_centralised_training(tmp_path):
     cfg = lm_config(tmp_path, None, **{"algorithm.name": "splitnn", "data.num_clients": 1, "train.batch_size": 4096,
                                        "train.local_steps": 3, "train.rounds": 2, "train.optimizer.name": "sgd",
                                        "train.optimizer.lr": 0.5, "train.participation.count": 1,
-                                       "runtime.backend": "local", "tracking.enabled": False})
+                                       "model.lm.split": split, "runtime.backend": "local",
+                                       "tracking.enabled": False})
     client, server, p, _ = run_rounds(cfg)
     facts = p.inputs.plan.model
     model = facts.build()
     assert isinstance(model, CausalLM) and facts.loss is lm_loss
-    head, tail = model.split(facts.cut)
+    assert facts.tail_cut == (len(model.blocks) - 1 if split == "u_shaped" else None)  # the head on the client
     init_c, init_s = transport.unpack_state(p.inputs.client_init), transport.unpack_state(p.inputs.server_init)
-    head.load_state_dict(init_c)
-    tail.load_state_dict(init_s)
+    if split == "u_shaped":
+        head, middle, tail = model.split3(facts.cut, facts.tail_cut)
+        client_part = torch.nn.ModuleDict({"head": head, "tail": tail})
+        run = lambda x: tail(middle(head(x)))  # noqa: E731
+    else:
+        client_part, middle = model.split(facts.cut)
+        run = lambda x: middle(client_part(x))  # noqa: E731
+    client_part.load_state_dict(init_c)
+    middle.load_state_dict(init_s)
     x = torch.as_tensor(p.inputs.train_data["x"][p.inputs.train_idx[0]])
     trainable = [prm for prm in model.parameters() if prm.requires_grad]
     assert trainable and all("lora_" in n for n, prm in model.named_parameters() if prm.requires_grad)
     opt = torch.optim.SGD(trainable, lr=cfg.train.optimizer.lr)
     for _ in range(6):
         opt.zero_grad()
-        lm_loss(tail(head(x)), x).backward()
+        lm_loss(run(x), x).backward()
         opt.step()
-    for got, part, init in ((client, head, init_c), (server, tail, init_s)):
+    for got, part, init in ((client, client_part, init_c), (server, middle, init_s)):
         want = part.state_dict()
         assert set(got) == set(want)
         for k, v in want.items():
@@ -127,3 +137,15 @@ def test_the_quickstart_runs_a_round():
                        "tracking.enabled": False, "tracking.progress": False})
     final = run_experiment(cfg)
     assert 1 < final["eval/perplexity"] < 1.5 * 512 and final["eval/tokens"] > 1000
+
+
+def test_a_method_that_cannot_run_u_shaped_says_how_to_send_the_text(tmp_path):
+    cfg = lm_config(tmp_path, None, **{"algorithm.name": "sflv3", "runtime.backend": "local",
+                                       "tracking.enabled": False})
+    with pytest.raises(ConfigError, match=r"model\.lm\.split=u_shaped \(the default: .*\): .*sflv3.*; set "
+                                          r"model\.lm\.split=plain to send the text to the server"):
+        run_experiment(cfg)
+    with pytest.raises(ConfigError, match=r"model\.tail_cut='block1' makes the split U-shaped but "
+                                          r"model\.lm\.split=plain"):
+        run_experiment(lm_config(tmp_path, None, **{"model.lm.split": "plain", "model.tail_cut": "block1",
+                                                    "runtime.backend": "local", "tracking.enabled": False}))

@@ -85,7 +85,11 @@ class LMConfig(BaseModel):
     attention: Literal["sdpa", "eager"] = Field(default="sdpa", description="transformers' attention kernel")
     adapter: AdapterConfig = Field(default=AdapterConfig(), description="what trains: LoRA adapters (peft) or "
                                    "every weight")
-
+    split: Literal["u_shaped", "plain"] = Field(default="u_shaped", description="u_shaped: the client keeps the "
+                                                "embeddings, the blocks up to model.cut and the head with the loss "
+                                                "(model.tail_cut null: the last block; the tokens, which are the "
+                                                "labels, never leave it); plain: the server holds the head and "
+                                                "receives the token blocks as labels, so it sees the text")
 
     @field_validator("family")
     @classmethod
