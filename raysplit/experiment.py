@@ -65,7 +65,8 @@ def cut_shape(model, cut: int | None, data_spec) -> tuple | None:
 
 def language_model_section(cfg: ExperimentConfig, alg) -> "object | None":
     """The run's ``model.lm`` section (None: a model of the zoo), checked: a language model needs ``data.text``
-    and a method that runs without class labels (``Algorithm.class_labels``), and ``data.text`` needs one."""
+    and a method whose steps take one (``Algorithm.language_model``: why not; asynchronous methods not yet), and
+    ``data.text`` needs one."""
     lm, text = cfg.model.lm, cfg.data.text
     if lm is None and text is None:
         return None
@@ -73,9 +74,12 @@ def language_model_section(cfg: ExperimentConfig, alg) -> "object | None":
         given, missing = ("model.lm", "data.text") if text is None else ("data.text", "model.lm")
         raise ConfigError(f"{given} is set but {missing} is not: a language model trains on text (data.text) and "
                           f"text trains a language model (model.lm)")
-    if alg.class_labels:
+    if alg.language_model:
         raise ConfigError(f"algorithm={alg.name} cannot train a language model (model.lm): "
-                          f"{alg.class_labels.format(name=alg.name)}; a token block has no single class")
+                          f"{alg.language_model.format(name=alg.name)}")
+    if alg.driver.asynchronous:
+        raise ConfigError(f"algorithm={alg.name} cannot train a language model (model.lm): the event loop predicts "
+                          f"client clocks from messages of class-labelled samples (not built for token blocks yet)")
     return lm
 
 

@@ -103,12 +103,19 @@ def test_splitnn_with_one_client_is_centralised_training(tmp_path, split):
     assert any(not torch.equal(client[k], init_c[k]) for k in client if "lora_B" in k)  # the adapters trained
 
 
-@pytest.mark.parametrize("method", ["gas", "hydra"])
-def test_a_method_that_needs_class_labels_is_refused_naming_it(tmp_path, method):
+@pytest.mark.parametrize("method, why", [("gas", "needs a class label per sample"),
+                                         ("hydra", "needs a class label per sample"),
+                                         ("semisfl", "needs a class label per sample"),
+                                         ("mergesfl", "needs a class label per sample"),
+                                         ("sflv3", "over class logits"), ("cyclesfl", "over class logits"),
+                                         ("fedbuff", "the event loop predicts")])
+def test_a_method_that_needs_class_labels_is_refused_naming_it(tmp_path, method, why):
+    """One error naming the method and why, before the text is read (nor any actor started)."""
+    labelled = {"data.n_labeled": 10} if method == "semisfl" else {}  # its config check asks for a labelled set
     cfg = lm_config(tmp_path, None, **{"algorithm.name": method, "runtime.backend": "local",
-                                       "tracking.enabled": False})
-    with pytest.raises(ConfigError, match=rf"algorithm={method} cannot train a language model \(model\.lm\): "
-                                          rf"{method} needs a class label per sample"):
+                                       "tracking.enabled": False, **labelled})
+    with pytest.raises(ConfigError, match=rf"^algorithm={method} cannot train a language model \(model\.lm\): "
+                                          rf".*{why}"):
         run_experiment(cfg)
 
 
@@ -140,12 +147,22 @@ def test_the_quickstart_runs_a_round():
 
 
 def test_a_method_that_cannot_run_u_shaped_says_how_to_send_the_text(tmp_path):
-    cfg = lm_config(tmp_path, None, **{"algorithm.name": "sflv3", "runtime.backend": "local",
-                                       "tracking.enabled": False})
-    with pytest.raises(ConfigError, match=r"model\.lm\.split=u_shaped \(the default: .*\): .*sflv3.*; set "
+    cfg = lm_config(tmp_path, None, **{"algorithm.name": "sglr", "runtime.backend": "local",
+                                       "data.test_fraction": 0.2, "tracking.enabled": False})
+    with pytest.raises(ConfigError, match=r"model\.lm\.split=u_shaped \(the default: .*\): .*sglr.*; set "
                                           r"model\.lm\.split=plain to send the text to the server"):
         run_experiment(cfg)
     with pytest.raises(ConfigError, match=r"model\.tail_cut='block1' makes the split U-shaped but "
                                           r"model\.lm\.split=plain"):
         run_experiment(lm_config(tmp_path, None, **{"model.lm.split": "plain", "model.tail_cut": "block1",
                                                     "runtime.backend": "local", "tracking.enabled": False}))
+
+
+def test_sflv1_u_shaped_trains_what_fedavg_trains(tmp_path):
+    """SFLV1 (per-client server copies averaged with the client parts) is FedAvg of the whole model: the same
+    perplexity after a round, to float rounding; both run on a language model."""
+    over = {"runtime.backend": "local", "tracking.enabled": False, "train.rounds": 1, "train.local_steps": 2}
+    sflv1 = run_experiment(lm_config(tmp_path / "a", None, **over, **{"algorithm.name": "sflv1"}))
+    fedavg = run_experiment(lm_config(tmp_path / "b", None, **over, **{"algorithm.name": "fedavg"}))
+    assert sflv1["eval/perplexity"] == pytest.approx(fedavg["eval/perplexity"], rel=1e-5)
+    assert sflv1["comm/bytes_down_middle"] > 0 and "comm/bytes_down_middle" not in fedavg

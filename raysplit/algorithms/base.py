@@ -79,8 +79,8 @@ class Algorithm(Checkpointed):
     u_shape: ClassVar[str] = ("a U-shaped split is built for the plain split step of splitnn, psl, sflv1 and sflv2; "
                               "{name} changes its steps in ways it does not cover yet")
     # why a language model (model.lm: its labels are its tokens, no class per sample) is refused ("" where it
-    # runs one); {name}: the method's
-    class_labels: ClassVar[str] = ""
+    # runs one: the method's steps take the model's loss); {name}: the method's
+    language_model: ClassVar[str] = ""
     driver: ClassVar[type] = RoundDriver
 
     def __init__(self, params: AlgorithmParams, cfg):

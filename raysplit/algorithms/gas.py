@@ -210,7 +210,7 @@ class GAS(AsyncAlgorithm):
     per-label Gaussians, logit adjustment on the clients' gradients."""
 
     name = "gas"
-    class_labels = "{name} needs a class label per sample: its server generates activations from per-label statistics"
+    language_model = "{name} needs a class label per sample: its server generates activations from per-label statistics"
     u_shape = ("{name}'s server needs the labels: its per-label activation statistics generate activations of "
                "each label, and its logit adjustment reads the label distribution")
     description = "GAS: async SFL, activation/model buffers, generated activations, logit adjustment"

@@ -206,7 +206,7 @@ class Hydra(SFLV2):
     round (see the module docstring)."""
 
     name = "hydra"
-    class_labels = "{name} needs a class label per sample: its server heads train on label groups"
+    language_model = "{name} needs a class label per sample: its server heads train on label groups"
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
@@ -278,6 +278,8 @@ class SplitFedV3(PSL):
 
     name = "sflv3"
     u_shape = Algorithm.u_shape  # not built for it yet
+    language_model = ("{name} infers by the most confident client per sample over class logits (not built for "
+                      "token blocks yet)")
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
     server_rule = ConfidentServer
@@ -297,7 +299,7 @@ class MultiHead(SFLV1):
     global-test inference by the most confident head (module docstring)."""
 
     name = "multihead"
-    class_labels = "{name} needs a class label per sample: its server heads train on label groups"
+    language_model = "{name} needs a class label per sample: its server heads train on label groups"
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies

@@ -148,7 +148,7 @@ class MergeSFL(Algorithm):
     sizes regulated by the clients' speeds; FedAvg of the client models (module docstring)."""
 
     name = "mergesfl"
-    class_labels = "{name} needs a class label per sample: its server mixes the clients' labels"
+    language_model = "{name} needs a class label per sample: its server mixes the clients' labels"
     u_shape = "{name}'s server merges the clients' features, with their labels, into one batch"
     description = ("MergeSFL: clients' activations merged into one server batch per step, speed-regulated batch "
                    "sizes, FedAvg")

@@ -445,7 +445,7 @@ class SemiSFL(Algorithm):
     adaptive K_s."""
 
     name = "semisfl"
-    class_labels = "{name} needs a class label per sample: its server pseudo-labels the clients' features"
+    language_model = "{name} needs a class label per sample: its server pseudo-labels the clients' features"
     u_shape = "{name}'s server trains supervised steps on its labelled data and pseudo-labels the clients' features"
     description = "Semi-SFL: labelled server, unlabelled clients, teacher pseudo-labels, clustering regularisation"
     Params = SemiSFLParams
@@ -603,7 +603,7 @@ class SemiFL(Algorithm):
     averaged. Not implemented: SemiFL's static batch normalisation (the models here have no BN)."""
 
     name = "semifl"
-    class_labels = "{name} needs a class label per sample: its server pseudo-labels the clients' data"
+    language_model = "{name} needs a class label per sample: its server pseudo-labels the clients' data"
     u_shape = "{name}'s server trains on its labelled data"
     description = "SemiFL: FL with the global model's pseudo-labels and mixup, labelled fine-tuning on the server"
     Params = SemiFLParams
