@@ -24,8 +24,10 @@ from raysplit.algorithms import AlgorithmParams, algorithm_params, get_algorithm
 from raysplit.algorithms.base import config_error
 from raysplit.clock import ClockConfig, HomogeneousClock
 from raysplit.data.partition import DirichletPartition, PartitionConfig
+from raysplit.data.text import TextConfig
 from raysplit.errors import ConfigError
 from raysplit.label_privacy import LabelAttackConfig, LabelDefenceConfig, NoLabelAttack, NoLabelDefence
+from raysplit.models.causal_lm import LMConfig
 from raysplit.privacy import AttackConfig, DefenceConfig, NoAttack, NoDefence
 
 __all__ = ["ConfigError", "ExperimentConfig", "apply_overrides", "dump", "flatten", "load_config", "validate"]
@@ -93,6 +95,9 @@ class DataConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the dataset's loader "
                                     "(e.g. label: coarse), checked against its signature (docs/config.md lists "
                                     "them)")
+    text: TextConfig | None = Field(default=None, description="text for a language model (model.lm): corpus, "
+                                    "tokenizer, context length; data.partition's natural is by source; set "
+                                    "with model.lm (data.dataset is then unused)")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,6 +157,9 @@ class ModelConfig(_Strict):
                                                            "clients (clock profile FLOP/s) to the deepest cuts (speed)")
     cut_budget: CutBudgetConfig | None = Field(default=None, description="instead of tiers: each client gets the "
                                                "deepest cut its clock profile affords under a compute budget")
+    lm: LMConfig | None = Field(default=None, description="a decoder language model from transformers (gpt2, "
+                                "llama), random or from a local directory, with its adapters; trains on data.text "
+                                "(model.name is then unused; splitnn, psl, sflv1, sflv2 and others)")
 
     @model_validator(mode="before")
     @classmethod

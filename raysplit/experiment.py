@@ -5,6 +5,7 @@ checkpoint, and finish. What is recorded and logged lives in ``reporting.py``; t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -85,6 +86,79 @@ def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles
     return cuts
 
 
+def language_model_section(cfg: ExperimentConfig, alg) -> "object | None":
+    """The run's ``model.lm`` section (None: a model of the zoo), checked: a language model needs ``data.text``
+    and a method whose steps take one (``Algorithm.language_model``: why not; asynchronous methods not yet), and
+    ``data.text`` needs one."""
+    lm, text = cfg.model.lm, cfg.data.text
+    if lm is None and text is None:
+        return None
+    if lm is None or text is None:
+        given, missing = ("model.lm", "data.text") if text is None else ("data.text", "model.lm")
+        raise ConfigError(f"{given} is set but {missing} is not: a language model trains on text (data.text) and "
+                          f"text trains a language model (model.lm)")
+    if alg.language_model:
+        raise ConfigError(f"algorithm={alg.name} cannot train a language model (model.lm): "
+                          f"{alg.language_model.format(name=alg.name)}")
+    if alg.driver.asynchronous:
+        raise ConfigError(f"algorithm={alg.name} cannot train a language model (model.lm): the event loop predicts "
+                          f"client clocks from messages of class-labelled samples (not built for token blocks yet)")
+    return lm
+
+
+def lm_tail_cut(lm, model, cut: int | None, tail_cut, alg):
+    """A language model's ``model.tail_cut``: U-shaped by default (``model.lm.split``), the head and the loss on
+    the client after the last decoder block unless ``model.tail_cut`` names another; None for a plain split or a
+    method without a cut (FedAvg: the whole model and the text stay on the clients). A method that cannot run
+    U-shaped, or a cut that leaves the server no block, is one error saying how to send the text instead."""
+    if cut is None:
+        return None
+    if lm.split == "plain":
+        if tail_cut is not None:
+            raise ConfigError(f"model.tail_cut={tail_cut!r} makes the split U-shaped but model.lm.split=plain; "
+                              f"set model.lm.split=u_shaped or model.tail_cut=null")
+        return None
+    why = ("model.lm.split=u_shaped (the default: a language model's tokens are its labels and stay on the "
+           "clients)")
+    if alg.u_shape:
+        raise ConfigError(f"{why}: {alg.u_shape.format(name=alg.name)}; set model.lm.split=plain to send the text "
+                          f"to the server")
+    if tail_cut is not None:
+        return tail_cut
+    last = len(model.blocks) - 1  # the cut after the last decoder block: the head alone is the tail
+    if cut >= last:
+        raise ConfigError(f"{why}: model.cut={model.block_names[cut - 1]!r} leaves the server no block before the "
+                          f"head; cut earlier or set model.lm.split=plain")
+    return last
+
+
+def _text_inputs(cfg: ExperimentConfig, lm):
+    """A language model's data and model (``prepare``'s text branch): the blocks of ``data.text`` partitioned
+    over the clients, the labels of a block its tokens (the partition statistics count blocks per source), and the
+    model built fixed-length (what crosses the cut is the hidden states tensor) from ``model.lm`` and the
+    tokenizer's vocabulary, checked against the context length and the tokenizer."""
+    from raysplit.data import partition_counts
+    from raysplit.data.text import load_text_partitioned
+    from raysplit.models.causal_lm import build_causal_lm, check_context_length, check_tokenizer_vocab
+
+    if cfg.data.n_labeled:
+        raise ConfigError(f"data.n_labeled={cfg.data.n_labeled}: a language model's text has no labelled set")
+    text = load_text_partitioned(cfg.data.text, cfg.data.partition, cfg.data.num_clients, cfg.data.test_fraction,
+                                 cfg.seed, pretrained=lm.pretrained)
+    torch.manual_seed(cfg.seed)
+    model = build_causal_lm(lm, vocab_size=text.spec.num_classes, fixed_length=True)
+    check_context_length(model, cfg.data.text.context_length)
+    check_tokenizer_vocab(model, text.tokenizer.vocab_size, text.tokenizer.source)
+    spec = text.spec if model.vocab_size == text.spec.num_classes else dataclasses.replace(
+        text.spec, num_classes=model.vocab_size)  # the model's vocabulary: what every side builds
+    counts = partition_counts(text.train_idx, np.asarray(text.y_train), len(text.source_names))
+    files = text.provenance["files"]
+    dataset = {**text.provenance, "source": os.path.commonpath(files) if len(files) > 1 else "".join(files),
+               "train_samples": int(len(text.x_train)), "test_samples": int(len(text.x_test))}  # the run's input
+    return (spec, text.x_train, text.x_train, text.x_test, text.x_test, text.train_idx, text.test_idx, {},
+            dataset, counts, model)
+
+
 def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.data import load_partitioned, partition_counts, partition_summary
     from raysplit.models import MODELS, build_model
@@ -92,26 +166,35 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysplit.privacy import privacy_spec
 
     alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
-    spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg.data,
-                                                                                                    cfg.seed)
+    lm = language_model_section(cfg, alg)
+    if lm is not None:
+        if cfg.model.tiers is not None or cfg.model.cut_budget is not None:
+            raise ConfigError("model.tiers/model.cut_budget with model.lm: clients with their own cuts are not built "
+                              "for language models yet (one model.cut for every client)")
+        spec_d, x_tr, y_tr, x_te, y_te, train_idx, test_idx, labeled_data, dataset, counts, model = _text_inputs(
+            cfg, lm)
+        want = cfg.model.cut if cfg.model.cut is not None else model.default_cut
+    else:
+        spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg.data,
+                                                                                                        cfg.seed)
+        counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
+        if cfg.model.name not in MODELS:
+            raise ConfigError(f"unknown model.name {cfg.model.name!r}; registered: {', '.join(sorted(MODELS))}")
+        torch.manual_seed(cfg.seed)
+        try:
+            model = build_model(cfg.model.name, spec_d.num_classes, tuple(spec_d.input_shape), **cfg.model.options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model: cannot build {cfg.model.name!r} for {cfg.data.dataset}: {e}") from None
+        want = cfg.model.cut if cfg.model.cut is not None else MODELS[cfg.model.name].default_cut
     num_clients = len(train_idx)
-    counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
-
-    if cfg.model.name not in MODELS:
-        raise ConfigError(f"unknown model.name {cfg.model.name!r}; registered: {', '.join(sorted(MODELS))}")
-    torch.manual_seed(cfg.seed)
-    try:
-        model = build_model(cfg.model.name, spec_d.num_classes, tuple(spec_d.input_shape), **cfg.model.options)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model: cannot build {cfg.model.name!r} for {cfg.data.dataset}: {e}") from None
     profiles = cfg.clock.draw(num_clients, np.random.default_rng([cfg.seed, 2]))
-    cuts = client_cuts_of(cfg, alg, model, num_clients, profiles)  # None: one cut for every client
-    want = cfg.model.cut if cfg.model.cut is not None else MODELS[cfg.model.name].default_cut
+    cuts = None if lm is not None else client_cuts_of(cfg, alg, model, num_clients, profiles)  # None: one cut
     if cuts is not None:
         want, cuts = (cuts[0], None) if len(set(cuts)) == 1 else (min(cuts), cuts)  # one tier: today's run
     cut, client, server = alg.split_model(model, want)
-    ushape, u_client, u_server = ushape_spec(model, max(cuts) if cuts else cut, cfg.model.tail_cut, cfg.privacy,
-                                             alg.name, alg.u_shape, getattr(alg.params, "batched_copies", False),
+    tail_cut = cfg.model.tail_cut if lm is None else lm_tail_cut(lm, model, cut, cfg.model.tail_cut, alg)
+    ushape, u_client, u_server = ushape_spec(model, max(cuts) if cuts else cut, tail_cut, cfg.privacy, alg.name,
+                                             alg.u_shape, getattr(alg.params, "batched_copies", False),
                                              spec_d.num_classes)
     if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
         client, server = u_client, u_server
@@ -140,7 +223,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         sections=Sections(train=cfg.train, eval=cfg.eval, clock=cfg.clock, runtime=cfg.runtime, seed=cfg.seed),
         model=ModelFacts(name=cfg.model.name, options=dict(cfg.model.options), inputs=spec_d, cut=cut,
                          tail_cut=ushape.tail_cut if ushape is not None else None,
-                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts),
+                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts, lm=lm),
         method=Method(params=alg.params, setup=alg.host_setup(), client_rule=alg.client_rule,
                       server_rule=alg.server_rule, persist_client_models=not alg.keeps_global_client_model(),
                       asynchronous=alg.driver.asynchronous),

@@ -80,6 +80,7 @@ def mean_std(values) -> tuple[float, float]:
 GROUPED = {
     "accuracy": "eval/accuracy", "best_accuracy": "eval/best_accuracy", "f1_macro": "eval/f1_macro",
     "mcc": "eval/mcc", "loss": "eval/loss", "performance_gap": "eval/performance_gap",
+    "perplexity": "eval/perplexity", "next_token_accuracy": "eval/next_token_accuracy", "tokens": "eval/tokens",
     "backward_transfer": "eval/backward_transfer", "rounds_to_target": "eval/rounds_to_target",
     "train_loss": "train/loss", "grad_norm_mean": "train/grad_norm_mean", "grad_norm_std": "train/grad_norm_std",
     "dropped_clients": "train/dropped_clients",

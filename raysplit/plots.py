@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 
 
 def plot_curves(history: dict[str, list[tuple[int, float]]], path: str, title: str = "") -> None:
-    keys = [k for k in ("accuracy", "loss", "train_loss", "f1_macro") if history.get(k)]
+    keys = [k for k in ("accuracy", "perplexity", "loss", "train_loss", "f1_macro") if history.get(k)]
     fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 3.2))
     axes = np.atleast_1d(axes)
     for ax, k in zip(axes, keys):

@@ -119,9 +119,14 @@ def evaluation_clients(cfg, num_test_clients: int, participants: list[int]) -> l
 
 
 def evaluate(rt, prepared, global_handle, clients) -> dict:
-    """Classification metrics of the algorithm's evaluation (``Algorithm.evaluate``) in the run's eval mode."""
+    """Classification metrics of the algorithm's evaluation (``Algorithm.evaluate``) in the run's eval mode; a
+    language model's per-token loss and perplexity (:func:`raysplit.lm_metrics.lm_eval_metrics`)."""
     who = evaluation_clients(prepared.cfg, len(prepared.inputs.test_idx), clients)
     y, p, loss = prepared.algorithm.evaluate(rt, prepared.eval_mode, global_handle, who)
+    if prepared.inputs.plan.model.language_model:
+        from raysplit.lm_metrics import lm_eval_metrics
+
+        return lm_eval_metrics(y, p, loss)
     return M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
 
 
@@ -252,6 +257,10 @@ class Reporter:
     def _evaluation(self, rnd: int, rt, global_handle, participants) -> dict:
         hist = self.hist
         ev = evaluate(rt, self.prepared, global_handle, participants)
+        if "perplexity" in ev:  # a language model: no per-label metrics (its labels are a vocabulary)
+            for k in ("loss", "perplexity"):
+                hist.add(k, rnd, ev[k])
+            return ev
         la = ev.pop("label_accuracy")
         hist.rounds.append(rnd)
         hist.label_acc.append(la.tolist())

@@ -211,8 +211,8 @@ def test_no_import_cycle_whatever_is_imported_first():
         assert proc.returncode == 0 and "ok" in out, (m, err[-2000:])
 
 
-@pytest.mark.parametrize("layer", ["raysplit.models", "raysplit.data", "raysplit.metrics", "raysplit.losses",
-                                   "raysplit.gaussian", "raysplit.privacy"])
+@pytest.mark.parametrize("layer", ["raysplit.models", "raysplit.data", "raysplit.metrics", "raysplit.lm_metrics",
+                                   "raysplit.losses", "raysplit.gaussian", "raysplit.privacy"])
 def test_building_blocks_import_neither_ray_nor_mlflow(layer):
     """design.md: building blocks know neither Ray nor MLflow (nor Tune): nothing they import at module level, in
     raysplit or directly, is one of those."""

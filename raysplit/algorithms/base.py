@@ -79,6 +79,9 @@ class Algorithm(Checkpointed):
     # why a U-shaped split (model.tail_cut) is refused for it ("" where it runs U-shaped); {name}: the method's
     u_shape: ClassVar[str] = ("a U-shaped split is built for the plain split step of splitnn, psl, sflv1 and sflv2; "
                               "{name} changes its steps in ways it does not cover yet")
+    # why a language model (model.lm: its labels are its tokens, no class per sample) is refused ("" where it
+    # runs one: the method's steps take the model's loss); {name}: the method's
+    language_model: ClassVar[str] = ""
     driver: ClassVar[type] = RoundDriver
     # why clients with their own cuts (model.tiers, model.cut_budget) are refused for it ("" where it takes them); a
     # class's own word only (:meth:`tiers_refused`): a subclass changes its parent's steps, so it says so again

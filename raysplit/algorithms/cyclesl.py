@@ -174,6 +174,8 @@ class CyclePSL(PooledRound):
     """CycleSL on PSL: one server model trained on the pooled features; client models are not aggregated."""
 
     name = "cyclepsl"
+    language_model = ("{name}'s server epochs weigh a cross-entropy per sample over class logits (the "
+                      "next-token loss is not built into them yet)")
     description = "CycleSL + PSL: pooled feature resampling, frozen-server gradients, no aggregation"
     tiers = ""  # each cut's features apart in the pool, every sample entering the server at its cut
     Params = CycleParams
@@ -191,6 +193,8 @@ class CycleSFL(PooledRound):
     """CycleSL on SFL: CyclePSL's round, then FedAvg of the client models (to all clients by default)."""
 
     name = "cyclesfl"
+    language_model = ("{name}'s server epochs weigh a cross-entropy per sample over class logits (the "
+                      "next-token loss is not built into them yet)")
     description = "CycleSL + SFL: pooled feature resampling, frozen-server gradients, FedAvg of clients"
     tiers = ""  # CyclePSL's pool by cut, then client parts and the server's overlap by block
     Params = CycleParams

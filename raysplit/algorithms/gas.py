@@ -212,6 +212,7 @@ class GAS(AsyncAlgorithm):
     name = "gas"
     tiers = ("its generator draws activations of one shape per label from one set of feature statistics; a "
              "generator per cut is not built")
+    language_model = "{name} needs a class label per sample: its server generates activations from per-label statistics"
     u_shape = ("{name}'s server needs the labels: its per-label activation statistics generate activations of "
                "each label, and its logit adjustment reads the label distribution")
     description = "GAS: async SFL, activation/model buffers, generated activations, logit adjustment"

@@ -211,6 +211,7 @@ class Hydra(SFLV2):
     name = "hydra"
     tiers = ("its server splits again at algorithm.cut_b into a shared part and per-group heads; a shared part "
              "entered at each client's cut is not built")
+    language_model = "{name} needs a class label per sample: its server heads train on label groups"
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "Hydra: SFLV2 with per-group server heads averaged every round (Algorithm 2 grouping)"
     Params = HydraParams
@@ -283,6 +284,8 @@ class SplitFedV3(PSL):
     name = "sflv3"
     u_shape = Algorithm.u_shape  # not built for it yet
     tiers = ""  # PSL's training by block; each client's part paired with the server entered at its cut
+    language_model = ("{name} infers by the most confident client per sample over class logits (not built for "
+                      "token blocks yet)")
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
     server_rule = ConfidentServer
@@ -303,6 +306,7 @@ class MultiHead(SFLV1):
 
     name = "multihead"
     tiers = ("its per-client server heads start at the one cut; heads entered at each client's cut are not built")
+    language_model = "{name} needs a class label per sample: its server heads train on label groups"
     u_shape = "{name}'s server heads train on the labels of their label groups"
     description = "MultiHead: FedAvg'd part-1, per-client server heads never averaged, confident inference"
     Params = AlgorithmParams  # its own loop, one client after another: no batched copies

@@ -150,6 +150,7 @@ class MergeSFL(Algorithm):
     name = "mergesfl"
     tiers = ("it merges the clients' activations of a step into one batch and mixes them by label; not built for "
              "other cuts' shapes")
+    language_model = "{name} needs a class label per sample: its server mixes the clients' labels"
     u_shape = "{name}'s server merges the clients' features, with their labels, into one batch"
     description = ("MergeSFL: clients' activations merged into one server batch per step, speed-regulated batch "
                    "sizes, FedAvg")

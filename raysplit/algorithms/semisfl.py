@@ -447,6 +447,7 @@ class SemiSFL(Algorithm):
     name = "semisfl"
     tiers = ("its teacher, projection head and feature queue are built on one cut's features; not built for other "
              "cuts")
+    language_model = "{name} needs a class label per sample: its server pseudo-labels the clients' features"
     u_shape = "{name}'s server trains supervised steps on its labelled data and pseudo-labels the clients' features"
     description = "Semi-SFL: labelled server, unlabelled clients, teacher pseudo-labels, clustering regularisation"
     Params = SemiSFLParams
@@ -607,6 +608,7 @@ class SemiFL(Algorithm):
 
     name = "semifl"
     tiers = "the whole model is on the clients: it has no cut"
+    language_model = "{name} needs a class label per sample: its server pseudo-labels the clients' data"
     u_shape = "{name}'s server trains on its labelled data"
     description = "SemiFL: FL with the global model's pseudo-labels and mixup, labelled fine-tuning on the server"
     Params = SemiFLParams

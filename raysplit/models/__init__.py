@@ -23,6 +23,10 @@ mobilenet_v3_large     3x32x32          features.0..features.16 pool classifier 
 resnet18 / resnet101   3x32x32          stem layer1.0 .. layer4.N head; aliases layer1..layer4      layer1
 =====================  ===============  ==========================================================  ============
 
+Language models (:mod:`.causal_lm`, not in the registry above: built from a ``model.lm`` section with
+:func:`build_causal_lm`): GPT-2 and Llama from ``transformers``, blocks ``embed block1 .. blockN head``, a
+:class:`HiddenStates` payload at the cut, LoRA adapters through ``peft`` (:mod:`.adapters`).
+
 Nothing here imports Ray or MLflow.
 """
 
@@ -42,6 +46,16 @@ from .core import (
     register_model,
 )
 
+from .adapters import AdapterConfig, apply_adapters, load_trainable_state, trainable_state
+from .causal_lm import (
+    CausalLM,
+    HiddenStates,
+    LMConfig,
+    Tokens,
+    build_causal_lm,
+    generate,
+)
+
 # Importing the model modules registers their models.
 from . import small as _small  # noqa: F401,E402
 from . import gas as _gas  # noqa: F401,E402
@@ -50,6 +64,16 @@ from . import mobilenets as _mobilenets  # noqa: F401,E402
 from . import vit as _vit  # noqa: F401,E402
 
 __all__ = [
+    "AdapterConfig",
+    "CausalLM",
+    "HiddenStates",
+    "LMConfig",
+    "Tokens",
+    "apply_adapters",
+    "build_causal_lm",
+    "generate",
+    "load_trainable_state",
+    "trainable_state",
     "MODELS",
     "LastStepLSTM",
     "ModelInfo",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,10 @@ class ModelFacts:
     whole model on the clients; ``tail_cut``: a U-shaped split's tail) and the per-sample shape of what crosses the
     cut (``cut_shape``; None without a cut). Clients with their own cuts (``cuts``): client ``i`` holds
     ``blocks[:cuts[i]]``, the server ``blocks[cut:]`` with ``cut`` the shallowest, entered at each client's cut
-    (:class:`~raysplit.models.tiers.AtCuts`); ``cut_shape`` is then the shallowest cut's."""
+    (:class:`~raysplit.models.tiers.AtCuts`); ``cut_shape`` is then the shallowest cut's. ``lm``: a language
+    model's ``model.lm`` section (:class:`~raysplit.models.causal_lm.LMConfig`; None: a model of the zoo), built on
+    every side from it and the tokenizer's vocabulary (``inputs.num_classes``) as a fixed-length model (what crosses
+    the cut is the hidden states tensor)."""
 
     name: str
     options: dict
@@ -28,6 +32,7 @@ class ModelFacts:
     tail_cut: int | None = None
     cut_shape: tuple | None = None
     cuts: tuple | None = None  # tiered (model.tiers, model.cut_budget): each client's cut; ``cut`` is the shallowest
+    lm: Any = None  # raysplit.models.causal_lm.LMConfig
 
     def cut_of(self, cid: int) -> int | None:
         """Client ``cid``'s cut where clients have their own (None: every client holds ``cut``)."""
@@ -37,6 +42,27 @@ class ModelFacts:
     def deepest(self) -> int | None:
         """The deepest client cut of a tiered split (None: not tiered)."""
         return None if self.cuts is None else max(self.cuts)
+
+
+    @property
+    def language_model(self) -> bool:
+        return self.lm is not None
+
+    @property
+    def label_shape(self) -> tuple:
+        """A sample's labels: one class (``()``), or a language model's token block (its input shape)."""
+        return self.input_shape if self.lm is not None else ()
+
+    @property
+    def loss(self):
+        """The training loss ``loss(logits, y)``: mean cross-entropy over the labels (image and character
+        models), a language model's mean next-token cross-entropy over its token blocks
+        (:func:`raysplit.lm_metrics.lm_loss`)."""
+        if self.lm is None:
+            return F.cross_entropy
+        from raysplit.lm_metrics import lm_loss
+
+        return lm_loss
 
     @property
     def num_classes(self) -> int:
@@ -59,6 +85,10 @@ class ModelFacts:
     def build(self):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
         :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net)."""
+        if self.lm is not None:
+            from raysplit.models.causal_lm import build_causal_lm
+
+            return build_causal_lm(self.lm, vocab_size=self.num_classes, fixed_length=True)
         from raysplit.models import build_model
 
         return build_model(self.name, self.num_classes, self.input_shape, **self.options)

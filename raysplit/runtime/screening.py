@@ -114,9 +114,11 @@ def _size(a) -> int:
     return a.nelement() if isinstance(a, torch.Tensor) else int(a.size)
 
 
-def activation_form_fault(act: Activation, shape: tuple, dtype, num_classes: int, rnd: int | None) -> str:
+def activation_form_fault(act: Activation, shape: tuple, dtype, num_classes: int, rnd: int | None,
+                          label_shape: tuple = ()) -> str:
     """What is wrong with an activation's form ('' if nothing): everything :func:`activation_fault` checks but
-    its values; nothing is read from a device (labels are host memory)."""
+    its values; nothing is read from a device (labels are host memory). ``label_shape``: a sample's labels (a
+    language model's: its token block)."""
     x, y = act.x, np.asarray(act.y)
     if rnd is not None and act.tag.round != rnd:
         return f"tagged with round {act.tag.round}, the server is serving round {rnd}"
@@ -127,7 +129,7 @@ def activation_form_fault(act: Activation, shape: tuple, dtype, num_classes: int
     if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != tuple(shape) or x.shape[0] == 0:
         return f"activation shape {tuple(x.shape)}, expected (batch, {', '.join(map(str, shape))})"
     if y.size:
-        if y.shape != (x.shape[0],) or y.dtype.kind not in "iu":
+        if y.shape != (x.shape[0], *label_shape) or y.dtype.kind not in "iu":
             return f"labels of shape {y.shape} and dtype {y.dtype} for a batch of {x.shape[0]}"
         if y.min() < 0 or y.max() >= num_classes:
             return f"labels out of range [0, {num_classes}): min {y.min()}, max {y.max()}"

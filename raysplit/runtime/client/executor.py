@@ -77,9 +77,12 @@ class Packed:
 
 class Executor:
     """Runs client computations on ``device`` one client at a time and counts their FLOPs; ``seed``: the run's,
-    from which each client's random streams are drawn."""
+    from which each client's random streams are drawn; ``loss(out, y)``: the model's training loss
+    (:attr:`~raysplit.runtime.plan.ModelFacts.loss`)."""
 
-    def __init__(self, seed: int, device: torch.device = torch.device("cpu"), pack: bool | str = False):
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu"), pack: bool | str = False,
+                 loss: Callable = F.cross_entropy):
+        self.loss = loss
         self.device = device
         self.flops = FlopCache()
         self.seed = seed
@@ -132,7 +135,7 @@ class Executor:
             self.unpacked_steps += len(modules)
             return None
         try:
-            losses, _ = copies_backward(modules, torch.stack(xs), torch.stack(ys))
+            losses, _ = copies_backward(modules, torch.stack(xs), torch.stack(ys), self.loss)
         except RuntimeError as e:
             if not vmap_refused(e):
                 raise
@@ -141,7 +144,7 @@ class Executor:
             return None
 
         def one():
-            F.cross_entropy(copy.deepcopy(modules[0])(xs[0]), ys[0]).backward()
+            self.loss(copy.deepcopy(modules[0])(xs[0]), ys[0]).backward()
 
         fl = self.flops.count(key, one)
         self.packed_steps += len(modules)

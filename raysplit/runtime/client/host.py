@@ -87,7 +87,7 @@ class ClientHost:
                                    cut_of=plan.model.cut_of if plan.model.cuts is not None else None,
                                    build_cut=lambda cut: plan.model.part_at(cut).to(device))
         self.cut = ClientCut(plan.privacy)
-        self.executor = Executor(s.seed, device, rt.pack_clients)
+        self.executor = Executor(s.seed, device, rt.pack_clients, plan.model.loss)
         self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
                      if plan.ushape is not None else None)  # U-shaped: the labels stay here
         rule = lambda: self.rule  # noqa: E731 - the components call the rule made last
@@ -151,7 +151,8 @@ class ClientHost:
         return evaluate_own(self.plan.parts(), self.data, self.states.state_of, cids,
                             transport.unpack_state(server_state.state), self.plan.sections.eval.batch_size,
                             self.executor.device, client_of=self.plan.model.client_part
-                            if self.plan.model.cuts is not None else None, cut_of=self.plan.model.cut_of)
+                            if self.plan.model.cuts is not None else None, cut_of=self.plan.model.cut_of,
+                            language_model=self.plan.model.language_model)
 
     def reconstruction(self, cids: list[int], rnd: int, global_state: StateMsg | None = None) -> dict[int, dict]:
         """``privacy.attack`` against the clients of ``cids`` this host holds (:func:`reconstruction_attack`)."""

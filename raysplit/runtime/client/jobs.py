@@ -4,7 +4,6 @@ local steps, leave)."""
 from __future__ import annotations
 
 import numpy as np
-import torch.nn.functional as F
 
 from raysplit.runtime import transport
 from raysplit.runtime.state import ModelSlot
@@ -80,7 +79,7 @@ class LocalJobs:
 
         def fwd_bwd():
             slot.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(slot.module(x), y)
+            loss = self.executor.loss(slot.module(x), y)
             loss.backward()
             return loss
 

@@ -27,7 +27,6 @@ import zlib
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from raysplit.label_privacy import UShapeSpec, defend_gradient, leak_scores
 from raysplit.runtime import transport
@@ -67,7 +66,7 @@ class ClientTail:
 
         def tail():
             slot.optimizer.zero_grad(set_to_none=True)  # the head's gradients follow in backward, then one step
-            loss = F.cross_entropy(slot.module.tail(z), y)
+            loss = executor.loss(slot.module.tail(z), y)
             loss.backward()
             return loss
 

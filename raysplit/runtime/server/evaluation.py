@@ -17,11 +17,13 @@ class ServerEvaluation:
     test set (``test``: ``{"x", "y"}`` as stored), the module a client's model is loaded into to encode it
     (``client``, a fresh client part; a rule whose clients hold more than the client part installs its own with
     :meth:`replace_client`) and the one evaluation loop over it (:meth:`predict`). ``encoder()``: the module whose
-    output a client sends (the server rule's ``client_encoder``)."""
+    output a client sends (the server rule's ``client_encoder``); ``language_model``: the loop tallies next
+    tokens (:func:`~raysplit.runtime.evaluation.predict_batches`)."""
 
     def __init__(self, test: dict, data_spec: DataSpec, batch_size: int, device, client: torch.nn.Module,
-                 encoder: Callable[[], torch.nn.Module] | None = None):
+                 encoder: Callable[[], torch.nn.Module] | None = None, language_model: bool = False):
         self.x, self.y = test["x"], test["y"]
+        self.language_model = language_model
         self.data_spec, self.batch_size, self.device = data_spec, batch_size, device
         self.client = client
         self.encoder = encoder or (lambda: self.client)
@@ -32,9 +34,12 @@ class ServerEvaluation:
         self.client = module
 
     def predict(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, np.ndarray, float]:
-        """The global test set through ``logits``: labels, predictions and the summed cross-entropy."""
-        tally = predict_batches(self.x, self.y, self.data_spec, self.batch_size, logits, EvalTally(), self.device)
-        return np.asarray(self.y), tally.result()[1], tally.loss
+        """The global test set through ``logits``: labels, predictions and the summed cross-entropy (a language
+        model's: its next tokens)."""
+        tally = predict_batches(self.x, self.y, self.data_spec, self.batch_size, logits, EvalTally(), self.device,
+                                self.language_model)
+        ys, preds, loss = tally.result()
+        return (ys if self.language_model else np.asarray(self.y)), preds, loss
 
     @torch.no_grad()
     def evaluate(self, client_state: dict, server: torch.nn.Module) -> tuple[np.ndarray, np.ndarray, float]:

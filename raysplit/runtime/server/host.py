@@ -66,14 +66,15 @@ class ServerHost:
         self.deferred = Deferred()  # the round's checks of values on the device, read at its end (end_round)
         self.trainer = Trainer(s.train, s.clock, optimizer, s.train.rounds, self.device,
                                before_step=lambda *a: self.rule.before_step(*a), deferred=self.deferred,
-                               cut_of=plan.model.cut_of)
+                               cut_of=plan.model.cut_of, loss=plan.model.loss)
         self.models = ServerModels(ModelSlot(server, make_optimizer(server.parameters(), optimizer)), self.trainer,
                                    optimizer, batch_copies=getattr(plan.method.params, "batched_copies", False),
                                    cuts=plan.model.cuts,
                                    on_fork=lambda keys: self.rule.on_fork(keys),
                                    before_merge=lambda weights: self.rule.before_merge(weights))
         self.evaluation = ServerEvaluation(test, plan.model.inputs, s.eval.batch_size, self.device,
-                                           client.to(self.device), encoder=lambda: self.rule.client_encoder())
+                                           client.to(self.device), encoder=lambda: self.rule.client_encoder(),
+                                           language_model=plan.model.language_model)
         self.client_init = StateMsg(client_init_state)  # the client part as the run started (a message)
         self.labeled = labeled or {}  # the server's own labelled set (data.n_labeled; semi-supervised methods)
         self.middle = Middle(self.trainer, self.models, self.device) if plan.ushape is not None else None

@@ -11,7 +11,6 @@ from collections import Counter, defaultdict
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from raysplit.runtime import batched, tiered
 from raysplit.runtime.aggregation import average_optimizer_states, average_states
@@ -144,7 +143,7 @@ class ServerModels:
         x = torch.stack([a.x for a in acts])
         y = torch.stack([a.y for a in acts])
         try:
-            losses, gx = batched.copies_backward(modules, x, y)
+            losses, gx = batched.copies_backward(modules, x, y, self.trainer.loss)
         except RuntimeError as e:
             if not batched.vmap_refused(e):
                 raise
@@ -155,7 +154,7 @@ class ServerModels:
 
         def per_copy():
             xi = x[0].detach().clone().requires_grad_(True)
-            F.cross_entropy(copy.deepcopy(modules[0])(xi), y[0]).backward()
+            self.trainer.loss(copy.deepcopy(modules[0])(xi), y[0]).backward()
 
         fl = self.trainer.flops.count(self.trainer.flop_key("step", modules[0], x[0]), per_copy)
         self.trainer.tally.busy_wall += time.perf_counter() - t_wall

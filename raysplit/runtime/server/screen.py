@@ -63,7 +63,8 @@ class Screen:
         if c in self.dropped:
             return self.dropped[c]
         shape, dtype = self.form(self.plan.model.cut_of(c))
-        why = activation_form_fault(act, shape, dtype, self.plan.model.num_classes, rnd)
+        why = activation_form_fault(act, shape, dtype, self.plan.model.num_classes, rnd,
+                                    self.plan.model.label_shape)
         if not why and screens_nonfinite(self.plan):
             x = act.x
             if isinstance(x, torch.Tensor) and self.on_bad_client == "fail" and self.deferred is not None:

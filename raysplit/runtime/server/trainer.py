@@ -73,14 +73,16 @@ class Trainer:
     model is entered there for its batches, and its FLOPs are counted per cut); ``before_step(module, optimizers,
     tag)``: the server rule's hook; ``deferred``: the
     host's checks read at the round's end (:class:`~raysplit.runtime.screening.Deferred`), where a step's finite
-    check goes (None: each loss is read as it is made).
+    check goes (None: each loss is read as it is made); ``loss(out, y)``: the model's training loss
+    (:attr:`~raysplit.runtime.plan.ModelFacts.loss`), what a step computes unless the caller gives its own.
 
     Nothing here reads the device per step: a loss stays a 0-d tensor (returned, tallied, sent with the gradient,
     checked at the round's end), a gradient is the tensor itself, its norm a tensor in the tally."""
 
     def __init__(self, train, clock_section, optimizer, rounds: int, device: torch.device,
                  before_step: Callable | None = None, deferred: Deferred | None = None,
-                 cut_of: Callable[[int], int | None] = lambda cid: None):
+                 cut_of: Callable[[int], int | None] = lambda cid: None, loss: Callable = F.cross_entropy):
+        self.loss = loss
         self.train_section, self.optimizer_section, self.rounds = train, optimizer, rounds
         self.cut_of = cut_of  # tiered: a client's cut, where the server's model is entered for its batches
         self.device = device
@@ -141,7 +143,7 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor, model, *more_optimizers, loss: Callable | None = None,
              ready_at: float = 0.0, step: int | None = None, tag: Tag | None = None, where: str | None = None) -> float:
         """One training step of ``model`` (a :class:`ModelSlot`, or a module whose ``more_optimizers`` step) on
-        ``x`` and ``y``: forward, ``loss(out, y)`` (default mean cross-entropy), backward, the finite check,
+        ``x`` and ``y``: forward, ``loss(out, y)`` (default the model's), backward, the finite check,
         :meth:`settle` (clipping, the rule's ``before_step``, the optimizer steps, the FLOPs on the clock from
         ``ready_at`` on). ``tag``: the client's step it serves, or ``step``: the number of a server-only step of the
         round (a step with neither is the round's step 0 of the server); ``where``: how a non-finite loss names it.
@@ -163,7 +165,7 @@ class Trainer:
         return self.answer(b, x.grad, lv)
 
     def gradient(self, b: Batch, module: torch.nn.Module, loss: Callable | None = None) -> Gradient:
-        """The frozen pass: the client's gradient of ``loss`` (default mean cross-entropy) at its batch through
+        """The frozen pass: the client's gradient of ``loss`` (default the model's) at its batch through
         ``module``, whose parameters take no gradient and do not step, charged from the batch's arrival on; the
         loss is not a training loss (not logged, not checked)."""
         x = b.x.detach().clone().requires_grad_(True)
@@ -178,7 +180,7 @@ class Trainer:
 
     def _run(self, x, y, module, optimizers, loss, ready_at, tag, *, record, where, kind) -> torch.Tensor:
         t_wall = time.perf_counter()
-        loss_fn = loss or F.cross_entropy
+        loss_fn = loss or self.loss
 
         def step():
             for opt in optimizers:

@@ -1,0 +1,414 @@
+"""Text for causal language models: corpora by source, tokenizers, fixed-length blocks and their partitions.
+
+* **Corpora** (:class:`TextCorpus`: documents, each with the source it came from). The default, which installs
+  offline on a fresh Debian machine, is the ``fortunes`` packages (``apt-get install fortunes-min fortunes``):
+  every category file under ``/usr/share/games/fortunes`` is a source, every ``%``-separated entry a document. The
+  user's own files: ``.txt`` (one document per non-empty line; the file is the source) or ``.jsonl`` (one JSON
+  object per line with a text field and an optional client field naming the source).
+* **Tokenizers** (:class:`TextTokenizer`): a pretrained directory's own (``tokenizer.json``, or GPT-2's
+  ``vocab.json`` + ``merges.txt``) or a byte-level BPE trained with ``tokenizers`` on the training split and saved.
+* **Blocks**: a client's documents, tokenized, joined by the end-of-text token and cut into blocks of
+  ``context_length`` tokens (the remainder shorter than a block is dropped), as ``transformers``' causal-LM
+  examples group texts. A block is both the input and, shifted by one, the labels.
+* **Partitions** over documents: ``iid``, ``dirichlet`` (over sources: the source is the label the existing
+  partitioners see) and ``natural`` (each client holds whole sources).
+
+Nothing here downloads; no Ray, no MLflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from raysplit.errors import ConfigError
+
+from .datasets import DatasetNotFoundError, DataSpec
+from .partition import client_train_test_split, partition
+
+__all__ = [
+    "FORTUNES_DIR",
+    "TextConfig",
+    "TextCorpus",
+    "TextData",
+    "TextTokenizer",
+    "TokenizerConfig",
+    "causal_blocks",
+    "load_corpus",
+    "load_fortunes",
+    "load_text_partitioned",
+    "load_text_files",
+    "partition_documents",
+    "split_documents",
+    "text_tokenizer",
+    "train_bpe",
+    "load_tokenizer",
+]
+
+#: Where Debian's fortune packages install their category files.
+FORTUNES_DIR = "/usr/share/games/fortunes"
+#: The end-of-text token a trained BPE reserves (id 0), GPT-2's spelling.
+END_OF_TEXT = "<|endoftext|>"
+
+
+class TokenizerConfig(BaseModel):
+    """``data.text.tokenizer``: the pretrained model's own, or a BPE trained on the training split."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    kind: Literal["pretrained", "bpe"] = Field(default="bpe", description="pretrained: the tokenizer in "
+                                               "model.lm.pretrained (or `path`); bpe: byte-level BPE trained on "
+                                               "the training split")
+    vocab_size: int = Field(default=512, ge=260, description="bpe: vocabulary size (256 bytes, the end-of-text "
+                            "token and the merges)")
+    path: str | None = Field(default=None, description="pretrained: a directory or tokenizer.json (null: "
+                             "model.lm.pretrained); bpe: where the trained tokenizer is saved")
+
+
+class TextConfig(BaseModel):
+    """``data.text``: a text corpus for a language model, cut into fixed-length causal-LM blocks."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    corpus: Literal["fortunes", "files"] = Field(default="fortunes", description="fortunes: Debian's fortune "
+                                                 "packages, one source per category; files: `paths`")
+    root: str | None = Field(default=None, description="fortunes: the directory of category files (null: "
+                             f"{FORTUNES_DIR})")
+    categories: list[str] | None = Field(default=None, description="fortunes: the categories read (null: all)")
+    paths: list[str] = Field(default_factory=list, description="files: .txt (a document per line) or .jsonl "
+                             "files")
+    text_field: str = Field(default="text", description="jsonl: the field holding a document")
+    client_field: str = Field(default="client", description="jsonl: the optional field naming a document's "
+                              "source (the natural partition's client)")
+    context_length: int = Field(default=64, ge=2, description="tokens per block (at most the model's positions)")
+    test_fraction: float = Field(default=0.1, ge=0, lt=1, description="documents held out per source for "
+                                 "evaluation")
+    tokenizer: TokenizerConfig = Field(default=TokenizerConfig(), description="how text becomes token ids")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Corpora
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TextCorpus:
+    """Documents with the index of their source in ``source_names``."""
+
+    name: str
+    documents: list[str]
+    sources: np.ndarray  # int64, one per document
+    source_names: list[str]
+    files: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.sources = np.asarray(self.sources, dtype=np.int64)
+        if len(self.sources) != len(self.documents):
+            raise ValueError("one source per document")
+
+    def __repr__(self) -> str:
+        return f"TextCorpus({self.name!r}, documents={len(self.documents)}, sources={len(self.source_names)})"
+
+
+def _corpus(name: str, docs_by_source: dict[str, list[str]], files: Sequence[str]) -> TextCorpus:
+    names = [s for s, docs in docs_by_source.items() if docs]
+    documents: list[str] = []
+    sources: list[int] = []
+    for k, s in enumerate(names):
+        documents += docs_by_source[s]
+        sources += [k] * len(docs_by_source[s])
+    return TextCorpus(name, documents, np.asarray(sources, dtype=np.int64), names, tuple(files))
+
+
+def load_fortunes(root: str | None = None, categories: Sequence[str] | None = None) -> TextCorpus:
+    """Debian's fortunes: each category file is a source, each ``%``-separated entry a document.
+
+    Only plain category files are read (not the ``.dat`` indexes, not the ``.u8`` links, not the ``off/``
+    folder). A missing directory or category is a :class:`DatasetNotFoundError` saying how to install it."""
+    d = Path(root or FORTUNES_DIR)
+    how_to = ("  * on Debian/Ubuntu: `apt-get install fortunes-min fortunes` (scripts/setup.sh does it), or point "
+              "data.text.root at a folder of fortune files (entries separated by lines holding only '%')")
+    files = sorted(p for p in d.glob("*") if p.is_file() and not p.is_symlink() and not p.suffix) if d.is_dir() else []
+    if not files:
+        raise DatasetNotFoundError("fortunes", [str(d)], how_to)
+    if categories is not None:
+        by_name = {p.name: p for p in files}
+        unknown = [c for c in categories if c not in by_name]
+        if unknown:
+            raise DatasetNotFoundError("fortunes", [str(d / c) for c in unknown],
+                                       how_to + f"\n  * categories here: {', '.join(sorted(by_name))}")
+        files = [by_name[c] for c in categories]
+    docs: dict[str, list[str]] = {}
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        entries, current = [], []
+        for line in text.splitlines():
+            if line.strip() == "%":
+                entries.append("\n".join(current).strip())
+                current = []
+            else:
+                current.append(line)
+        entries.append("\n".join(current).strip())
+        docs[p.name] = [e for e in entries if e]
+    return _corpus("fortunes", docs, [str(p) for p in files])
+
+
+def load_text_files(paths: Sequence[str], *, text_field: str = "text", client_field: str = "client") -> TextCorpus:
+    """The user's files: ``.txt`` (a document per non-empty line, the file's name is its source) or ``.jsonl``
+    (an object per line: ``text_field`` the document, ``client_field``, if present, its source; else the file's
+    name). A missing file or a bad line is a ``ConfigError`` naming ``data.text.paths``, the file and the line."""
+    if not paths:
+        raise ConfigError("data.text.paths is empty: give .txt or .jsonl files (data.text.corpus: files)")
+    docs: dict[str, list[str]] = {}
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"data.text.paths: {str(p)!r} is not a file")
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            if p.suffix == ".jsonl":
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"data.text.paths: {str(p)}:{n} is not JSON ({exc.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                    raise ConfigError(f"data.text.paths: {str(p)}:{n} has no string field {text_field!r} "
+                                      "(data.text.text_field)")
+                source = str(obj.get(client_field, p.stem))
+                docs.setdefault(source, []).append(obj[text_field])
+            else:
+                docs.setdefault(p.stem, []).append(line.strip())
+    return _corpus("files", docs, [str(Path(p).expanduser().resolve()) for p in paths])
+
+
+def load_corpus(config: TextConfig) -> TextCorpus:
+    """The corpus ``config`` names."""
+    if config.corpus == "fortunes":
+        return load_fortunes(config.root, config.categories)
+    return load_text_files(config.paths, text_field=config.text_field, client_field=config.client_field)
+
+
+def split_documents(corpus: TextCorpus, test_fraction: float, rng: np.random.Generator
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Train and test document indices: ``round(test_fraction * n)`` documents of each source held out (so
+    every source is in both where it has two documents or more)."""
+    train, test = [], []
+    for k in range(len(corpus.source_names)):
+        idx = rng.permutation(np.flatnonzero(corpus.sources == k))
+        n_test = int(round(test_fraction * len(idx))) if len(idx) > 1 else 0
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)).astype(np.int64), np.sort(np.concatenate(test)).astype(np.int64)
+
+
+def partition_documents(corpus: TextCorpus, doc_idx: np.ndarray, name: str, num_clients: int,
+                        rng: np.random.Generator, **params) -> list[np.ndarray]:
+    """Document indices (into ``corpus``) per client. ``natural``: whole sources per client, source ``k`` (in
+    corpus order, among those in ``doc_idx``) to client ``k mod num_clients``, so no source is split or dropped;
+    needs ``num_clients`` <= the sources. ``iid``, ``dirichlet`` and the other label partitioners run on the
+    documents with their source as the label (``dirichlet``: a Dirichlet over sources per client)."""
+    doc_idx = np.asarray(doc_idx, dtype=np.int64)
+    labels = corpus.sources[doc_idx]
+    if name == "natural":
+        present = np.unique(labels)
+        if num_clients > len(present):
+            raise ConfigError(f"data.num_clients={num_clients} but the natural partition has {len(present)} "
+                              f"sources ({corpus.name}); lower it or use iid / dirichlet")
+        owner = {int(s): j % num_clients for j, s in enumerate(present)}
+        return [np.sort(doc_idx[[owner[int(s)] == c for s in labels]]) for c in range(num_clients)]
+    return [doc_idx[p] for p in partition(name, labels, num_clients, rng, **params)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------------------------
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the end-of-text id blocks are joined by; ``vocab_size`` counts every id
+    it can produce (added tokens included)."""
+
+    def __init__(self, tokenizer, eos_id: int, source: str):
+        self.tokenizer = tokenizer
+        self.eos_id = int(eos_id)
+        self.source = source
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(e.ids) for e in self.tokenizer.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def save(self, path: str | Path) -> Path:
+        """``tokenizer.json`` in directory ``path`` (created); the file's path."""
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(d / "tokenizer.json"))
+        return d / "tokenizer.json"
+
+
+def train_bpe(texts: Sequence[str], vocab_size: int, save_dir: str | Path | None = None) -> TextTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenizer and decoder) trained on ``texts`` with ``tokenizers``; id 0 is
+    ``<|endoftext|>``. Saved as ``save_dir/tokenizer.json`` when ``save_dir`` is given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[END_OF_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    out = TextTokenizer(tok, tok.token_to_id(END_OF_TEXT), "bpe")
+    if save_dir is not None:
+        out.source = str(out.save(save_dir))
+    return out
+
+
+def load_tokenizer(path: str | Path, key: str = "data.text.tokenizer.path") -> TextTokenizer:
+    """A saved tokenizer: ``tokenizer.json`` (a file, or in directory ``path``) or GPT-2's ``vocab.json`` +
+    ``merges.txt``. The end-of-text id is ``<|endoftext|>``'s, else ``</s>``'s, else the directory's
+    ``config.json`` ``eos_token_id``. Local files only; a missing one is a ``ConfigError`` naming ``key``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    p = Path(path).expanduser()
+    d = p if p.is_dir() else p.parent
+    if p.is_file() and p.suffix == ".json":
+        try:
+            tok = Tokenizer.from_file(str(p))
+        except Exception as exc:
+            raise ConfigError(f"{key}: cannot read tokenizer {str(p)!r}: {exc}") from None
+    elif (d / "tokenizer.json").is_file():
+        try:
+            tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as exc:
+            raise ConfigError(f"{key}: cannot read tokenizer {str(d / 'tokenizer.json')!r}: {exc}") from None
+    elif (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        tok = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        raise ConfigError(f"{key}: no tokenizer at {str(p)!r} (tokenizer.json, or vocab.json and merges.txt)")
+    eos = next((tok.token_to_id(t) for t in (END_OF_TEXT, "</s>") if tok.token_to_id(t) is not None), None)
+    if eos is None and (d / "config.json").is_file():
+        eos = json.loads((d / "config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        raise ConfigError(f"{key}: the tokenizer at {str(p)!r} has no end-of-text token ({END_OF_TEXT} or </s>)")
+    return TextTokenizer(tok, int(eos), str(p))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Blocks
+# ----------------------------------------------------------------------------------------------------------------
+def causal_blocks(token_lists: Sequence[Sequence[int]], context_length: int, eos_id: int) -> np.ndarray:
+    """Documents' token ids joined, each followed by ``eos_id``, cut into ``(N, context_length)`` int64 blocks;
+    the tail shorter than a block is dropped."""
+    if context_length < 2:
+        raise ConfigError(f"data.text.context_length={context_length}: a block needs at least 2 tokens")
+    flat: list[int] = []
+    for ids in token_lists:
+        flat.extend(ids)
+        flat.append(eos_id)
+    n = len(flat) // context_length
+    return np.asarray(flat[: n * context_length], dtype=np.int64).reshape(n, context_length)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run's text, partitioned
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TextData:
+    """A run's text as it would train on it, in the arrays a token dataset already has: ``x_train`` ``(N,
+    context_length)`` int64 blocks of every client (client ``c``'s are ``train_idx[c]``, its own test split
+    ``test_idx[c]``), ``x_test`` the blocks of the held-out documents; ``y_*`` the source index of each block (for
+    partition statistics: a block's tokens are its labels). ``spec.num_classes`` is the tokenizer's vocabulary."""
+
+    spec: DataSpec
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    train_idx: list[np.ndarray]
+    test_idx: list[np.ndarray]
+    tokenizer: TextTokenizer
+    source_names: list[str]
+    provenance: dict
+
+
+def _blocks_of(corpus: TextCorpus, docs: np.ndarray, tokenizer: TextTokenizer, context_length: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of ``docs`` source by source (a block never mixes two sources) and each block's source."""
+    xs, ys = [np.zeros((0, context_length), np.int64)], [np.zeros(0, np.int64)]
+    for k in np.unique(corpus.sources[docs]):
+        mine = docs[corpus.sources[docs] == k]
+        blocks = causal_blocks(tokenizer.encode_batch([corpus.documents[i] for i in mine]), context_length,
+                               tokenizer.eos_id)
+        xs.append(blocks)
+        ys.append(np.full(len(blocks), k, np.int64))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def text_tokenizer(config: TextConfig, train_texts: Sequence[str], *, pretrained: str | None = None,
+                   save_dir: str | None = None) -> TextTokenizer:
+    """``data.text.tokenizer``'s tokenizer: the pretrained one (``path``, else the model's directory
+    ``pretrained``), or a BPE trained on ``train_texts`` and saved in ``path`` or ``save_dir``."""
+    tok = config.tokenizer
+    if tok.kind == "pretrained":
+        where = tok.path or pretrained
+        if where is None:
+            raise ConfigError("data.text.tokenizer.kind=pretrained needs data.text.tokenizer.path or "
+                              "model.lm.pretrained")
+        return load_tokenizer(where, "data.text.tokenizer.path" if tok.path else "model.lm.pretrained")
+    return train_bpe(train_texts, tok.vocab_size, tok.path or save_dir)
+
+
+def load_text_partitioned(text: TextConfig, partition_config, num_clients: int, client_test_fraction: float,
+                          seed: int, *, pretrained: str | None = None, save_dir: str | None = None) -> TextData:
+    """The corpus of ``text``, its documents split into training and held-out ones (``text.test_fraction`` per
+    source), the training documents partitioned over ``num_clients`` (``partition_config``: the ``data.partition``
+    section; natural is by source), the tokenizer (a trained BPE sees the training documents of every client,
+    pooled: a central step, as SplitLoRA's shared vocabulary is), then each client's documents cut into blocks
+    and split into its train and test blocks (``client_test_fraction``). ``seed``: the run's."""
+    corpus = load_corpus(text)
+    train_docs, test_docs = split_documents(corpus, text.test_fraction, np.random.default_rng([seed, 5]))
+    rng = np.random.default_rng([seed, 1])
+    try:
+        parts = partition_documents(corpus, train_docs, partition_config.name, num_clients, rng,
+                                    **partition_config.params())
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"data.partition: {exc}") from None
+    tokenizer = text_tokenizer(text, [corpus.documents[i] for i in train_docs], pretrained=pretrained,
+                               save_dir=save_dir)
+    xs, ys, owners = [], [], []
+    for c, docs in enumerate(parts):
+        x, y = _blocks_of(corpus, docs, tokenizer, text.context_length)
+        xs.append(x)
+        ys.append(y)
+        owners.append(np.full(len(x), c, np.int64))
+    empty = [c for c, x in enumerate(xs) if len(x) == 0]
+    if empty:
+        raise ConfigError(f"data.text.context_length={text.context_length}: clients {empty[:10]} hold less text "
+                          f"than one block; lower it or data.num_clients")
+    x_train, y_train, owner = np.concatenate(xs), np.concatenate(ys), np.concatenate(owners)
+    x_test, y_test = _blocks_of(corpus, test_docs, tokenizer, text.context_length)
+    by_client = [np.flatnonzero(owner == c) for c in range(num_clients)]
+    train_idx, test_idx = client_train_test_split(by_client, client_test_fraction, rng)
+    spec = DataSpec(name=corpus.name, kind="tokens", input_shape=(text.context_length,),
+                    num_classes=tokenizer.vocab_size)
+    provenance = {"name": corpus.name, "files": list(corpus.files), "sources": len(corpus.source_names),
+                  "documents": len(corpus.documents), "tokenizer": tokenizer.source,
+                  "partition": {"name": partition_config.name, **partition_config.params(),
+                                "num_clients": num_clients},
+                  "train_blocks": int(len(x_train)), "test_blocks": int(len(x_test)), "seed": seed}
+    return TextData(spec, x_train, y_train, x_test, y_test, train_idx, test_idx, tokenizer, corpus.source_names,
+                    provenance)
