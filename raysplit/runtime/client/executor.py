@@ -24,6 +24,7 @@ from torch.func import functional_call, stack_module_state
 
 from raysplit.clock import FlopCache
 from raysplit.runtime.batched import copies_backward, vmap_refused
+from raysplit.runtime.devices import seed_generators
 from raysplit.runtime.screening import Deferred
 
 
@@ -106,7 +107,7 @@ class Executor:
         """Client computations draw from a generator seeded per (client, salt), so their randomness (dropout,
         augmentation) does not depend on which worker hosts the client or what ran before on it."""
         with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
-            torch.manual_seed(int(np.random.default_rng([self.seed, 0xC11, cid, *salt]).integers(2**62)))
+            seed_generators(int(np.random.default_rng([self.seed, 0xC11, cid, *salt]).integers(2**62)), self.device)
             yield
 
     def forward(self, work: list[Forward]) -> list[tuple[torch.Tensor, int]]:
