@@ -212,6 +212,27 @@ def per_step(low: dict, high: dict, arm: str, clients: int) -> dict:
             "excess_s": {str(k): v for k, v in ex.items()}}
 
 
+def profile(method: str, steps: int, clients: int) -> int:
+    """Where the local backend's time per step goes: cProfile over 5 rounds (after 2 to warm up)."""
+    import cProfile
+    import pstats
+
+    torch.set_num_threads(1)
+    arm = (EventRounds if method == "gas" else RaysplitRounds)(make_cfg(method, "local", steps, clients))
+    for _ in range(2):
+        arm.round()
+    prof = cProfile.Profile()
+    prof.enable()
+    done = sum(int(arm.round() or clients * steps) for _ in range(5))
+    prof.disable()
+    st = pstats.Stats(prof)
+    print(f"{method}: {st.total_calls} function calls in {done} client steps ({st.total_calls / done:.0f} a step), "
+          f"{st.total_tt:.2f} s under the profiler")
+    st.sort_stats("tottime").print_stats(15)
+    arm.rt.shutdown()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["sflv2", "sflv1", "psl", "gas"])
@@ -221,7 +242,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true", help="the local backend only")
     ap.add_argument("--tag", default="step_cost")
+    ap.add_argument("--profile", metavar="METHOD", help="instead: profile the local arm of METHOD (cProfile, the "
+                    "larger --steps, 5 rounds after 2) and print its function calls and the top 15 by own time")
     a = ap.parse_args()
+    if a.profile:
+        return profile(a.profile, max(a.steps), a.clients)
     if not a.no_ray:
         import ray
 
