@@ -188,7 +188,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         want = cfg.model.cut if cfg.model.cut is not None else MODELS[cfg.model.name].default_cut
     num_clients = len(train_idx)
     profiles = cfg.clock.draw(num_clients, np.random.default_rng([cfg.seed, 2]))
-    cuts = None if lm is not None else client_cuts_of(cfg, alg, model, num_clients, profiles)  # None: one cut
+    cuts = client_cuts_of(cfg, alg, model, num_clients, profiles)  # None: one cut for every client
     if cuts is not None:
         want, cuts = (cuts[0], None) if len(set(cuts)) == 1 else (min(cuts), cuts)  # one tier: today's run
     cut, client, server = alg.split_model(model, want)

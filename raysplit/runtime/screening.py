@@ -9,7 +9,6 @@ travelled between processes)."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Callable
 
@@ -18,7 +17,7 @@ import torch
 
 from raysplit.runtime import transport
 from raysplit.errors import BadClientInput
-from raysplit.runtime.messages import Activation, Gradient, Tag
+from raysplit.runtime.messages import Activation, Tag
 
 
 class NonFiniteLossError(RuntimeError):
@@ -106,8 +105,11 @@ def nonfinite_words(bad: int, size: int) -> str:
     return f"{bad} of {size} values are NaN or inf" if bad else ""
 
 
-def _nonfinite(a) -> str:
-    return nonfinite_words(int(nonfinite_count(a)), _size(a))
+def nonfinite_fault(a, what: str) -> str:
+    """``a``'s NaN/inf screen read now ('' if none; else ``"<what>: N of M values are NaN or inf"``): the
+    immediate screen, where the host must decide at once or the values are host memory."""
+    bad = int(nonfinite_count(a))
+    return f"{what}: {nonfinite_words(bad, _size(a))}" if bad else ""
 
 
 def _size(a) -> int:
@@ -143,7 +145,7 @@ def activation_fault(act: Activation, shape: tuple, dtype: np.dtype, num_classes
     the batch (an empty label array is allowed: labels kept on the client) or lie outside ``[0, num_classes)``,
     non-finite values (when ``finite``: read now, where a tensor's are on a device)."""
     why = activation_form_fault(act, shape, dtype, num_classes, rnd)
-    return why or (finite and _nonfinite(act.x) and "activation: " + _nonfinite(act.x))
+    return why or (nonfinite_fault(act.x, "activation") if finite else "")
 
 
 def gradient_form_fault(g, out: torch.Tensor) -> str:
@@ -159,7 +161,7 @@ def gradient_form_fault(g, out: torch.Tensor) -> str:
 
 def gradient_fault(g, out: torch.Tensor, finite: bool = True) -> str:
     """What is wrong with a gradient arriving at a client for its activation ``out`` ('' if nothing)."""
-    return gradient_form_fault(g, out) or (finite and _nonfinite(g) and "gradient: " + _nonfinite(g))
+    return gradient_form_fault(g, out) or (nonfinite_fault(g, "gradient") if finite else "")
 
 
 def defer_nonfinite(deferred: Deferred, a, what: str, raises: Callable[[str], Exception],

@@ -25,10 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-def block_of(key: str) -> int:
-    """The block index of a part's state key (``"3.body.0.weight"`` -> 3)."""
-    return int(key.split(".", 1)[0])
+from raysplit.models.tiers import block_key
 
 
 def partial_sum(states: list[dict], weights: list[float]) -> tuple[dict, dict]:
@@ -51,7 +48,6 @@ def finish(partials: list[tuple[dict, dict]], total: float, server: dict, like: 
     server's keys that clients hold too (the overlap; a U-shaped client's ``head.<block>`` entry is the server's
     ``<block>``), to be loaded into the server's model. A key that no client
     holds and the server does not either is an error."""
-    from raysplit.models.tiers import block_key
 
     out: dict[str, torch.Tensor] = {}
     update: dict[str, torch.Tensor] = {}
@@ -78,7 +74,7 @@ def merge_copies(main: torch.nn.Module, copies: dict, weights: dict, cuts) -> di
     a block none of them trained keeps the main model's value. The main model's state, merged."""
     out = {}
     for k, v in main.state_dict().items():
-        b = block_of(k)
+        b = block_key(k)[0]
         trained = [c for c in weights if cuts[int(c)] <= b]
         if not trained:
             out[k] = v
@@ -100,7 +96,7 @@ def merge_optimizer_states(main: torch.nn.Module, main_state: dict, copy_states:
     names = [n for n, _ in main.named_parameters()]
     merged = copy.deepcopy(first)
     for pid in merged["state"]:
-        b = block_of(names[pid])
+        b = block_key(names[pid])[0]
         trained = [c for c in weights if cuts[int(c)] <= b]
         if not trained:
             merged["state"][pid] = copy.deepcopy(main_state["state"].get(pid, merged["state"][pid]))

@@ -13,7 +13,7 @@ from raysplit.runtime import transport
 from raysplit.runtime.client.executor import Forward
 from raysplit.runtime.screening import bad_input
 from raysplit.runtime.messages import Activation, Gradient, Tag
-from raysplit.runtime.screening import (GRADIENT, defer_nonfinite, gradient_form_fault, nonfinite_count, nonfinite_words,
+from raysplit.runtime.screening import (GRADIENT, defer_nonfinite, gradient_form_fault, nonfinite_fault,
                                         screens_nonfinite, where_of)
 
 
@@ -151,9 +151,7 @@ class SplitSteps:
                             lambda w: bad_input(where_of(tag), f"rejected by the client: {w}"),
                             (tag.round, tag.step, GRADIENT))
             return ""
-        bad = int(nonfinite_count(g))
-        size = g.nelement() if isinstance(g, torch.Tensor) else int(g.size)
-        return "gradient: " + nonfinite_words(bad, size) if bad else ""
+        return nonfinite_fault(g, "gradient")
 
     def _apply(self, grad: Gradient) -> float:
         tag, cid = grad.tag, grad.tag.client

@@ -11,8 +11,8 @@ import torch
 
 from raysplit.runtime import transport
 from raysplit.runtime.messages import Activation, Gradient, Tag
-from raysplit.runtime.screening import (ACTIVATION, Deferred, activation_form_fault, bad_input, defer_nonfinite, nonfinite_count,
-                                        nonfinite_words, screens_nonfinite, where_of)
+from raysplit.runtime.screening import (ACTIVATION, Deferred, activation_form_fault, bad_input, defer_nonfinite, nonfinite_fault,
+                                        screens_nonfinite, where_of)
 
 
 class Screen:
@@ -73,9 +73,7 @@ class Screen:
                                 lambda w: bad_input(where_of(tag), f"activation rejected by the server: {w}"),
                                 (tag.round, tag.step, ACTIVATION))
             else:  # read now: the client is dropped from this step on, or the values are in host memory
-                bad = int(nonfinite_count(x))
-                why = ("activation: " + nonfinite_words(bad, x.nelement() if isinstance(x, torch.Tensor)
-                                                       else int(x.size))) if bad else ""
+                why = nonfinite_fault(x, "activation")
         if not why:
             return ""
         if self.on_bad_client == "fail":
