@@ -10,6 +10,7 @@ trains on the same batches with the same optimizer."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -92,7 +93,9 @@ def fake_pretrained(d: Path, family: str, texts: list[str], layers: int) -> str:
 
 @pytest.fixture
 def no_network(monkeypatch):
-    """Every internet socket refused (local ones, such as Ray's, are not touched)."""
+    """Every internet socket refused (local ones, such as Ray's, are not touched); the hub's offline switch
+    unset, so that the run must set it itself."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     real = socket.socket.connect
 
     def connect(sock, address):
@@ -126,6 +129,7 @@ def test_a_paper_scale_config_runs_a_round_on_fake_files(name, tmp_path, no_netw
     assert cfg.model.lm.family == family and cfg.data.text.tokenizer.kind == "pretrained"
     final = run_experiment(cfg)
     assert 1 < final["eval/perplexity"] < 1.5 * 300 and final["eval/tokens"] > 0
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"  # the run set it before transformers loaded the directory
     if name.startswith("splitlora"):  # the authors' split: the server holds the head (and receives the targets)
         assert cfg.model.lm.split == "plain" and "comm/bytes_down_middle" not in final
     else:  # U-shaped: the middle's output comes back to the client, which keeps the head and the tokens
