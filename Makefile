@@ -12,7 +12,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-ray-run bench-gpu gpu-bundle rehearse-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
-	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-table flower-venv doc-figures check-docs check-docs-full \
+	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-lm-tokens bench-table flower-venv doc-figures check-docs check-docs-full \
 	check-results claims check-claims config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
@@ -120,6 +120,12 @@ bench-numpy-torch:
 # Ray <= 1 ms.
 bench-step-cost:
 	cd benchmarks && ../$(PY) step_cost.py --methods sflv2 sflv1 psl gas --steps 10 40 --rounds 7 --warmup 2
+
+# Issue 71, Targets: tokens per second training a GPT-2 (6 blocks of width 256, context 128) with LoRA, SFLV1 with one
+# client (U-shaped) on the local backend and over Ray, against a plain single-process peft loop on the same batches
+# (about 4 minutes on 2 cores). Targets: local within 1.1x of the plain loop, Ray within 1.3x.
+bench-lm-tokens:
+	$(PY) benchmarks/lm_tokens.py --steps 6 --repeats 7 --warmup 1
 
 # The table of current figures at the top of benchmarks/RESULTS.md: refresh benchmarks/figures.yaml from
 # benchmarks/out/*.json where an entry names its JSON, then rewrite the table (make check-results checks it).
