@@ -304,8 +304,9 @@ class Reporter:
         seed = int(np.random.SeedSequence([gen.seed, rnd]).generate_state(1)[0])  # a draw per round, by the seed
         settings = {"max_new_tokens": gen.max_new_tokens, "greedy": gen.mode == "greedy",
                     "temperature": gen.temperature, "top_k": gen.top_k, "seed": seed}
-        outputs = rt.generate(client, [p.prompt for p in text.prompts], text.tokenizer, settings,
-                              global_handle if self.prepared.eval_mode == "global" else None)
+        outputs = rt.get(rt.client(client).generate(  # on the worker hosting the client (ClientHost.generate)
+            rt.server.get_state(), [p.prompt for p in text.prompts], text.tokenizer, settings,
+            global_handle if self.prepared.eval_mode == "global" else None))
         out: dict = {}
         if self.cfg.data.text.corpus == "e2e":
             from raysplit.lm_metrics import generation_scores
