@@ -145,9 +145,7 @@ def test_leaf_shakespeare_is_each_roles_lines_stitched_with_leafs_test_held_out(
 
 
 def test_a_missing_or_malformed_leaf_file_names_it(tmp_path):
-    from raysplit.data.datasets import DatasetNotFoundError
-
-    with pytest.raises(DatasetNotFoundError, match="shakespeare"):
+    with pytest.raises(ConfigError, match=r"data.text.root: dataset 'shakespeare' not found(.|\n)*nowhere"):
         load_shakespeare_text(str(tmp_path / "nowhere"))
     root = write_leaf_shakespeare(tmp_path / "leaf")
     bad = next((root / "shakespeare" / "data" / "test").glob("*.json"))

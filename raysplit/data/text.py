@@ -328,15 +328,15 @@ def _stitched(xs: list, ys: list, where: str) -> list[str]:
 def load_shakespeare_text(root: str | None = None) -> TextCorpus:
     """LEAF Shakespeare as text (module docstring): each user's windows stitched into documents, the user (a
     play's speaking role) their source, the documents of LEAF's test files held out. Files are found and read
-    as :func:`raysplit.data.datasets.load_shakespeare` does; a malformed one is a ``ConfigError`` naming
-    ``data.text.root`` and the file."""
+    as :func:`raysplit.data.datasets.load_shakespeare` does; none found, or a malformed one, is a ``ConfigError``
+    naming ``data.text.root`` (and the file, or every place looked at)."""
     from .datasets import _LEAF_HOWTO, _leaf_load, _root
 
     try:
         train, test = _leaf_load(root, "shakespeare", _LEAF_HOWTO.format(
             name="shakespeare", args="-s niid --sf 0.2 -k 0 -t sample --tf 0.9",
             dest=_root(root) / "shakespeare"))
-    except ValueError as exc:
+    except (ValueError, DatasetNotFoundError) as exc:  # not found: where it looked and how to get the files
         raise ConfigError(f"data.text.root: {exc}") from None
     names: dict[str, int] = {}
     documents, sources, held, files = [], [], [], set()
