@@ -22,6 +22,11 @@ def _metric(run_metrics: dict, name: str) -> str:
     return name if name in run_metrics or short_name(name) not in run_metrics else short_name(name)
 
 
+def lower_is_better(metric: str) -> bool:
+    """Whether a run's best value of ``metric`` is its lowest: a loss or a perplexity (a language model's)."""
+    return metric.rsplit("/", 1)[-1] in ("loss", "perplexity")
+
+
 def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accuracy",
                against: str | None = None) -> list[dict]:
     metric = grouped_name(metric)
@@ -42,7 +47,7 @@ def runs_table(experiment: str, uri: str | None = None, metric: str = "eval/accu
         for col, key in COLUMNS:
             row[col] = p.get(key.split(".", 1)[1], "")
         row[metric] = m.get(logged_as)  # its last value
-        row["best"] = max((h.value for h in hist), default=None)
+        row["best"] = (min if lower_is_better(metric) else max)((h.value for h in hist), default=None)
         row["rounds"] = (max(h.step for h in hist) + 1) if hist else None
         row["time/sim"] = m.get(_metric(m, "time/sim"))
         row["comm/bytes_up"] = m.get(_metric(m, "comm/bytes_up"))

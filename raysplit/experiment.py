@@ -40,6 +40,7 @@ class Prepared:
     cut: int | None
     cut_name: str | None
     dataset: dict = field(default_factory=dict)  # provenance: name, source, files, partition, sizes (digest added when logged)
+    text: object = None  # a language model's raysplit.data.text.TextData: its tokenizer (an artifact) and prompts
 
 
 def sample_stream(seed: int, num_clients: int, per_round: int, rounds: int) -> np.ndarray:
@@ -156,7 +157,7 @@ def _text_inputs(cfg: ExperimentConfig, lm):
     dataset = {**text.provenance, "source": os.path.commonpath(files) if len(files) > 1 else "".join(files),
                "train_samples": int(len(text.x_train)), "test_samples": int(len(text.x_test))}  # the run's input
     return (spec, text.x_train, text.x_train, text.x_test, text.x_test, text.train_idx, text.test_idx, {},
-            dataset, counts, model)
+            dataset, counts, model, text)
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
@@ -171,10 +172,11 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         if cfg.model.tiers is not None or cfg.model.cut_budget is not None:
             raise ConfigError("model.tiers/model.cut_budget with model.lm: clients with their own cuts are not built "
                               "for language models yet (one model.cut for every client)")
-        spec_d, x_tr, y_tr, x_te, y_te, train_idx, test_idx, labeled_data, dataset, counts, model = _text_inputs(
-            cfg, lm)
+        (spec_d, x_tr, y_tr, x_te, y_te, train_idx, test_idx, labeled_data, dataset, counts, model,
+         text) = _text_inputs(cfg, lm)
         want = cfg.model.cut if cfg.model.cut is not None else model.default_cut
     else:
+        text = None
         spec_d, (x_tr, y_tr, x_te, y_te), train_idx, test_idx, labeled_data, dataset = load_partitioned(cfg.data,
                                                                                                         cfg.seed)
         counts = partition_counts(train_idx, np.asarray(y_tr), spec_d.num_classes)
@@ -239,7 +241,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         client_init=transport.pack_state(client.state_dict()), server_init=transport.pack_state(server.state_dict()),
     )
     return Prepared(cfg, alg, inputs, sample_stream(cfg.seed, num_clients, m, cfg.train.rounds), eval_mode,
-                    spec_d.num_classes, counts, partition_summary(counts), cut, cut_name, dataset)
+                    spec_d.num_classes, counts, partition_summary(counts), cut, cut_name, dataset, text)
 
 
 def _atomic_save(obj, path: Path) -> None:

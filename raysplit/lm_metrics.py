@@ -1,4 +1,6 @@
-"""Language-model metrics (building block: no Ray, no MLflow): per-token loss and perplexity on held-out text.
+"""Language-model metrics (building block: no Ray, no MLflow): per-token loss and perplexity on held-out text,
+generation from text prompts through a split model's parts, and the scores of generated text (BLEU from
+``sacrebleu``, ROUGE-L from ``rouge-score``: the maintained packages, not a reimplementation).
 
 The loss is the mean negative log-likelihood of every next token a block predicts (the logits at position ``t``
 score token ``t + 1``; a padded target is not counted), so perplexity is ``exp`` of it over all tokens of the
@@ -13,7 +15,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_nll", "lm_loss", "evaluate_lm", "lm_eval_metrics"]
+__all__ = ["token_nll", "lm_loss", "evaluate_lm", "lm_eval_metrics", "generate_text", "generation_scores",
+           "throughput_metrics"]
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -65,3 +68,62 @@ def lm_eval_metrics(targets, predictions, nll_sum: float) -> dict:
     loss = float(nll_sum) / n
     return {"loss": loss, "perplexity": math.exp(loss),
             "next_token_accuracy": float((targets == predictions).mean()), "tokens": n}
+
+
+def generate_text(parts, tokenizer, prompts, *, max_new_tokens: int, context_length: int, greedy: bool = True,
+                  temperature: float = 1.0, top_k: int | None = None, seed: int = 0, device="cpu") -> list[str]:
+    """The continuation of each of ``prompts`` (text) through a split model's ``parts`` in the order payloads
+    travel (:func:`raysplit.models.causal_lm.generate`: no cache, every part sees what a training step sends):
+    each prompt tokenized by ``tokenizer`` (a :class:`~raysplit.data.text.TextTokenizer`) where this runs, then
+    ``max_new_tokens`` tokens, greedy or drawn (``temperature``, ``top_k``; a generator seeded with ``seed``, one
+    prompt after the other), cut at the first end-of-text token and decoded. Prompts are run one at a time (a
+    fixed-length model takes no padding); an empty prompt starts from the end-of-text token."""
+    from raysplit.models.causal_lm import generate
+
+    gen = None
+    if not greedy:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed))
+    out = []
+    for text in prompts:
+        ids = tokenizer.encode(text)[-context_length:] or [tokenizer.eos_id]
+        prompt = torch.tensor([ids], dtype=torch.long, device=device)
+        new = generate(parts, prompt, max_new_tokens, context_length=context_length, eos_id=tokenizer.eos_id,
+                       temperature=0.0 if greedy else float(temperature), top_k=top_k, generator=gen)[0, len(ids):]
+        new = new.tolist()
+        if tokenizer.eos_id in new:
+            new = new[:new.index(tokenizer.eos_id)]
+        out.append(tokenizer.decode(new))
+    return out
+
+
+def generation_scores(hypotheses, references) -> dict:
+    """``{"bleu", "rouge_l"}`` of generated texts against their references (one list of references per
+    hypothesis, any number each, as E2E groups an MR's references): corpus BLEU from ``sacrebleu`` (its default
+    13a tokenisation, 0-100) and ROUGE-L F1 from ``rouge-score`` (the best over a hypothesis's references, as
+    the E2E metrics take it; averaged over hypotheses; 0-1)."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    hypotheses = [str(h) for h in hypotheses]
+    references = [list(r) for r in references]
+    if len(hypotheses) != len(references) or not hypotheses or any(not r for r in references):
+        raise ValueError("generation_scores: one non-empty list of references per hypothesis")
+    width = max(len(r) for r in references)
+    streams = [[r[k] if k < len(r) else None for r in references] for k in range(width)]  # sacrebleu: None = none
+    bleu = sacrebleu.corpus_bleu(hypotheses, streams).score
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    rouge = [scorer.score_multi(r, h)["rougeL"].fmeasure for h, r in zip(hypotheses, references)]
+    return {"bleu": float(bleu), "rouge_l": float(sum(rouge) / len(rouge))}
+
+
+def throughput_metrics(tokens: int, wall_seconds: float, bytes_total: float) -> dict:
+    """A language model's round by the token: ``train_tokens`` (every token of the blocks its clients trained
+    on), ``tokens_per_s`` (over the round's wall-clock seconds) and ``bytes_per_token`` (the round's bytes up and
+    down over its tokens). Nothing where no token was trained."""
+    if tokens <= 0:
+        return {}
+    out = {"train_tokens": int(tokens), "bytes_per_token": float(bytes_total) / tokens}
+    if wall_seconds > 0:
+        out["tokens_per_s"] = tokens / wall_seconds
+    return out

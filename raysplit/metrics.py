@@ -81,6 +81,8 @@ GROUPED = {
     "accuracy": "eval/accuracy", "best_accuracy": "eval/best_accuracy", "f1_macro": "eval/f1_macro",
     "mcc": "eval/mcc", "loss": "eval/loss", "performance_gap": "eval/performance_gap",
     "perplexity": "eval/perplexity", "next_token_accuracy": "eval/next_token_accuracy", "tokens": "eval/tokens",
+    "bleu": "eval/bleu", "rouge_l": "eval/rouge_l", "train_tokens": "train/tokens",
+    "tokens_per_s": "train/tokens_per_s", "bytes_per_token": "comm/bytes_per_token",
     "backward_transfer": "eval/backward_transfer", "rounds_to_target": "eval/rounds_to_target",
     "train_loss": "train/loss", "grad_norm_mean": "train/grad_norm_mean", "grad_norm_std": "train/grad_norm_std",
     "dropped_clients": "train/dropped_clients",
@@ -92,7 +94,8 @@ GROUPED = {
     "wall_time_total": "summary/wall_time",
 }
 # the metrics that measure the machine rather than the method: left out wherever two runs are held to the same numbers
-WALL_CLOCK = frozenset({"time/wall", "time/wall_round", "time/server_busy", "summary/wall_time"})
+WALL_CLOCK = frozenset({"time/wall", "time/wall_round", "time/server_busy", "summary/wall_time",
+                        "train/tokens_per_s"})
 _PATTERNS = [(re.compile(r"label_acc_(\d+)"), r"eval/label_acc/\1"),
              (re.compile(r"position_acc_(\d+)"), r"eval/position_acc/\1"),
              (re.compile(r"(bytes_\w+)"), r"comm/\1")]

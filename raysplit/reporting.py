@@ -181,6 +181,8 @@ class Reporter:
         tr.log_artifact(out / "partition.png")
         np.savetxt(out / "partition_counts.csv", p.partition_counts, fmt="%d", delimiter=",")
         tr.log_artifact(out / "partition_counts.csv")
+        if p.text is not None:  # a language model's tokenizer (a BPE trained on the training split, or the model's)
+            tr.log_artifact(p.text.tokenizer.save(out / "tokenizer"), "tokenizer")
 
     def record(self, rnd: int, stats, rt, global_handle, last: bool) -> dict:
         """Metrics of round ``rnd``: training counters, evaluation when due (and after the ``last`` round),
@@ -193,6 +195,12 @@ class Reporter:
         if cuts is not None:
             m.update(tier_metrics(stats, cuts))
         m["wall_time"] = hist.wall
+        if self.prepared.text is not None:  # tokens trained (the blocks drawn, every token), per second, per byte
+            from raysplit.lm_metrics import throughput_metrics
+
+            blocks = sum(c.get("samples", 0) for c in stats.clients.values())
+            m.update(throughput_metrics(blocks * cfg.data.text.context_length, stats.wall,
+                                        m["bytes_up"] + m["bytes_down"]))
         hist.grad_norms.extend(stats.server.get("grad_norms", []))
         hist.client_rows.extend([rnd, c] + [st.get(k, 0.0) for k in CLIENT_KEYS]
                                 for c, st in sorted(stats.clients.items()))
@@ -260,6 +268,7 @@ class Reporter:
         if "perplexity" in ev:  # a language model: no per-label metrics (its labels are a vocabulary)
             for k in ("loss", "perplexity"):
                 hist.add(k, rnd, ev[k])
+            ev.update(self._generation(rnd, rt, global_handle, participants))
             return ev
         la = ev.pop("label_accuracy")
         hist.rounds.append(rnd)
@@ -279,6 +288,38 @@ class Reporter:
         for k in ("accuracy", "loss", "f1_macro"):
             hist.add(k, rnd, ev[k])
         return ev
+
+    def _generation(self, rnd: int, rt, global_handle, participants) -> dict:
+        """A language model's samples at an evaluation (``data.text.generation``): the held-out prompts continued
+        by one client (the round's first participant; it tokenizes the prompts and decodes the text itself)
+        through its client part (the global model in ``eval.mode=global``, else its own) and the server's, logged
+        as ``generations/round_NNN.json``; on E2E data scored against the MRs' references (``eval/bleu``,
+        ``eval/rouge_l``: :func:`raysplit.lm_metrics.generation_scores`, over these prompts only)."""
+        import json
+
+        text, gen = self.prepared.text, self.cfg.data.text.generation
+        if not text.prompts or gen.prompts == 0:
+            return {}
+        client = int(participants[0]) if len(participants) else 0
+        seed = int(np.random.SeedSequence([gen.seed, rnd]).generate_state(1)[0])  # a draw per round, by the seed
+        settings = {"max_new_tokens": gen.max_new_tokens, "greedy": gen.mode == "greedy",
+                    "temperature": gen.temperature, "top_k": gen.top_k, "seed": seed}
+        outputs = rt.get(rt.client(client).generate(  # on the worker hosting the client (ClientHost.generate)
+            rt.server.get_state(), [p.prompt for p in text.prompts], text.tokenizer, settings,
+            global_handle if self.prepared.eval_mode == "global" else None))
+        out: dict = {}
+        if self.cfg.data.text.corpus == "e2e":
+            from raysplit.lm_metrics import generation_scores
+
+            out = generation_scores(outputs, [p.references for p in text.prompts])
+        record = {"round": rnd, "client": client, **settings, "scores": out,
+                  "samples": [{"prompt": p.prompt, "generated": g, "references": list(p.references),
+                               "source": p.source} for p, g in zip(text.prompts, outputs)]}
+        path = self.out_dir / "generations" / f"round_{rnd:03d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, ensure_ascii=False))
+        self.tracker.log_artifact(path, "generations")
+        return out
 
     def _attack(self, rnd: int, rt, global_handle) -> dict:
         """The attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``, ``dcor``); the

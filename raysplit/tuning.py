@@ -281,8 +281,8 @@ CHECKPOINT_FILE = "checkpoint.pt"  # the raysplit checkpoint inside a trial's Tu
 
 # what a trial reports to Tune when it logs to MLflow itself (mlflow: trial): the headline metrics, which Tune prints
 # when a trial ends; with mlflow: callback Tune's callback logs every metric, so every one is reported
-HEADLINE = ("eval/accuracy", "eval/best_accuracy", "eval/loss", "eval/f1_macro", "eval/mcc", "train/loss", "time/sim",
-            "comm/bytes_up")
+HEADLINE = ("eval/accuracy", "eval/best_accuracy", "eval/loss", "eval/f1_macro", "eval/mcc", "eval/perplexity",
+            "train/loss", "time/sim", "comm/bytes_up")
 
 
 class Trial:

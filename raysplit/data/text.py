@@ -5,6 +5,16 @@
   every category file under ``/usr/share/games/fortunes`` is a source, every ``%``-separated entry a document. The
   user's own files: ``.txt`` (one document per non-empty line; the file is the source) or ``.jsonl`` (one JSON
   object per line with a text field and an optional client field naming the source).
+* **E2E NLG** (Novikova et al. 2017; SplitLoRA's setting, arXiv 2407.00952) in its published CSV format
+  (``trainset.csv``, ``devset.csv``, ``testset_w_refs.csv`` with columns ``mr`` and ``ref``): a record is the
+  document ``"<mr> || <ref>"`` (the ``||`` separator of the LoRA code's E2E files that SplitLoRA reuses), the
+  meaning representation with the separator its prompt, the reference its continuation; trained on the
+  training file, held out from ``devset.csv`` or ``testset_w_refs.csv``; a record's source is the value of one
+  MR attribute (``name`` by default), for the Dirichlet partition over sources.
+* **LEAF Shakespeare** as text: LEAF's ``train/*.json`` and ``test/*.json`` (users, each with 80-character
+  windows ``x`` and their next character ``y``), each user's windows stitched back into the lines they were cut
+  from; a user (a speaking role of a play) is a source, so the natural partition is LEAF's; LEAF's test windows
+  are the held-out documents. Found as :func:`raysplit.data.datasets.load_shakespeare` finds them.
 * **Tokenizers** (:class:`TextTokenizer`): a pretrained directory's own (``tokenizer.json``, or GPT-2's
   ``vocab.json`` + ``merges.txt``) or a byte-level BPE trained with ``tokenizers`` on the training split and saved.
 * **Blocks**: a client's documents, tokenized, joined by the end-of-text token and cut into blocks of
@@ -12,14 +22,19 @@
   examples group texts. A block is both the input and, shifted by one, the labels.
 * **Partitions** over documents: ``iid``, ``dirichlet`` (over sources: the source is the label the existing
   partitioners see) and ``natural`` (each client holds whole sources).
+* **Generation prompts** (:class:`GenerationConfig`, :func:`generation_prompts`): a few held-out documents, as
+  prompt text and their references (E2E: an MR and every reference of it; else a document's first tokens and the
+  rest of it).
 
 Nothing here downloads; no Ray, no MLflow.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -32,14 +47,21 @@ from .datasets import DatasetNotFoundError, DataSpec
 from .partition import client_train_test_split, partition
 
 __all__ = [
+    "E2E_FILES",
     "FORTUNES_DIR",
+    "GenerationConfig",
+    "GenerationPrompt",
     "TextConfig",
     "TextCorpus",
     "TextData",
     "TextTokenizer",
     "TokenizerConfig",
     "causal_blocks",
+    "generation_prompts",
+    "load_e2e",
+    "load_shakespeare_text",
     "load_corpus",
+    "mr_attributes",
     "load_fortunes",
     "load_text_partitioned",
     "load_text_files",
@@ -54,6 +76,10 @@ __all__ = [
 FORTUNES_DIR = "/usr/share/games/fortunes"
 #: The end-of-text token a trained BPE reserves (id 0), GPT-2's spelling.
 END_OF_TEXT = "<|endoftext|>"
+#: E2E NLG's published files, by split (``data.text.e2e_heldout`` picks the held-out one).
+E2E_FILES = {"train": "trainset.csv", "dev": "devset.csv", "test": "testset_w_refs.csv"}
+#: What joins an E2E meaning representation and its reference (the LoRA code's E2E files, which SplitLoRA reads).
+E2E_SEPARATOR = " || "
 
 
 class TokenizerConfig(BaseModel):
@@ -70,15 +96,42 @@ class TokenizerConfig(BaseModel):
                              "model.lm.pretrained); bpe: where the trained tokenizer is saved")
 
 
+class GenerationConfig(BaseModel):
+    """``data.text.generation``: samples generated through the split model at every evaluation (logged as
+    ``generations/round_NNN.json``; on E2E scored as ``eval/bleu`` and ``eval/rouge_l``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    prompts: int = Field(default=4, ge=0, description="held-out prompts generated from at each evaluation (0: "
+                         "no generation)")
+    max_new_tokens: int = Field(default=32, ge=1, description="tokens generated per prompt (fewer where the end-of-"
+                                "text token comes first)")
+    mode: Literal["greedy", "sample"] = Field(default="greedy", description="greedy: the most likely token; "
+                                              "sample: drawn from softmax(logits / temperature)")
+    temperature: float = Field(default=1.0, gt=0, description="sample: the softmax temperature")
+    top_k: int | None = Field(default=None, ge=1, description="sample: draw among the k most likely tokens only "
+                              "(null: all)")
+    seed: int = Field(default=0, description="sample: the draw's seed (with the round)")
+    prompt_tokens: int = Field(default=16, ge=1, description="corpora other than e2e: a prompt is the first "
+                               "tokens of a held-out document, this many")
+
+
 class TextConfig(BaseModel):
     """``data.text``: a text corpus for a language model, cut into fixed-length causal-LM blocks."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
-    corpus: Literal["fortunes", "files"] = Field(default="fortunes", description="fortunes: Debian's fortune "
-                                                 "packages, one source per category; files: `paths`")
+    corpus: Literal["fortunes", "files", "e2e", "shakespeare"] = Field(
+        default="fortunes", description="fortunes: Debian's fortune packages, one source per category; files: "
+        "`paths`; e2e: E2E NLG's CSV files in `root`; shakespeare: LEAF Shakespeare's JSON in `root`, one source "
+        "per speaking role")
     root: str | None = Field(default=None, description="fortunes: the directory of category files (null: "
-                             f"{FORTUNES_DIR})")
+                             f"{FORTUNES_DIR}); e2e: the directory of trainset.csv, devset.csv, "
+                             "testset_w_refs.csv; shakespeare: LEAF's data root (as data.root for the LSTM)")
+    e2e_heldout: Literal["dev", "test"] = Field(default="dev", description="e2e: the held-out file (dev: "
+                                                "devset.csv; test: testset_w_refs.csv)")
+    e2e_source: str = Field(default="name", description="e2e: the MR attribute whose value is a record's "
+                            "source (the natural and Dirichlet partitions'), e.g. name, eatType, area")
     categories: list[str] | None = Field(default=None, description="fortunes: the categories read (null: all)")
     paths: list[str] = Field(default_factory=list, description="files: .txt (a document per line) or .jsonl "
                              "files")
@@ -89,6 +142,8 @@ class TextConfig(BaseModel):
     test_fraction: float = Field(default=0.1, ge=0, lt=1, description="documents held out per source for "
                                  "evaluation")
     tokenizer: TokenizerConfig = Field(default=TokenizerConfig(), description="how text becomes token ids")
+    generation: GenerationConfig = Field(default=GenerationConfig(), description="samples generated at each "
+                                         "evaluation")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,18 +151,28 @@ class TextConfig(BaseModel):
 # ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class TextCorpus:
-    """Documents with the index of their source in ``source_names``."""
+    """Documents with the index of their source in ``source_names``. ``held_out`` (bool per document, or None):
+    the corpus's own held-out documents (E2E's dev or test file, LEAF's test split), used instead of a random
+    split; ``prompts`` (E2E): each document's prompt, a prefix of it."""
 
     name: str
     documents: list[str]
     sources: np.ndarray  # int64, one per document
     source_names: list[str]
     files: tuple[str, ...] = ()
+    held_out: np.ndarray | None = None
+    prompts: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.sources = np.asarray(self.sources, dtype=np.int64)
         if len(self.sources) != len(self.documents):
             raise ValueError("one source per document")
+        if self.held_out is not None:
+            self.held_out = np.asarray(self.held_out, dtype=bool)
+            if len(self.held_out) != len(self.documents):
+                raise ValueError("one held_out flag per document")
+        if self.prompts is not None and len(self.prompts) != len(self.documents):
+            raise ValueError("one prompt per document")
 
     def __repr__(self) -> str:
         return f"TextCorpus({self.name!r}, documents={len(self.documents)}, sources={len(self.source_names)})"
@@ -185,17 +250,130 @@ def load_text_files(paths: Sequence[str], *, text_field: str = "text", client_fi
     return _corpus("files", docs, [str(Path(p).expanduser().resolve()) for p in paths])
 
 
+_MR_ATTRIBUTE = re.compile(r"\s*([^\[\],]+?)\s*\[([^\]]*)\]\s*")
+
+
+def _e2e_records(path: Path, key: str) -> list[tuple[str, str]]:
+    """``(mr, ref)`` of every row of one E2E CSV file; a missing file, no ``mr`` or ``ref`` column, or an
+    empty cell is a ``ConfigError`` naming ``key``, the file and the column (and the line)."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: no E2E file {str(path)!r} (E2E NLG's trainset.csv, devset.csv and "
+                          "testset_w_refs.csv, columns mr and ref; github.com/tuetschek/e2e-dataset)")
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in ("mr", "ref") if c not in (reader.fieldnames or [])]
+            if missing:
+                raise ConfigError(f"{key}: {str(path)!r} has no column {missing[0]!r} (an E2E CSV file has the "
+                                  f"columns mr and ref; found {reader.fieldnames})")
+            out = []
+            for n, row in enumerate(reader, start=2):
+                mr, ref = (row.get("mr") or "").strip(), (row.get("ref") or "").strip()
+                if not mr or not ref:
+                    raise ConfigError(f"{key}: {str(path)}:{n} has an empty {'mr' if not mr else 'ref'!r} cell")
+                out.append((mr, ref))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{key}: {str(path)!r} is not a readable E2E CSV file: {exc}") from None
+    if not out:
+        raise ConfigError(f"{key}: {str(path)!r} has no records")
+    return out
+
+
+def mr_attributes(mr: str) -> dict[str, str]:
+    """An E2E meaning representation's attributes: ``"name[The Eagle], food[French]"`` -> ``{"name": "The
+    Eagle", "food": "French"}``."""
+    return {m.group(1): m.group(2) for m in _MR_ATTRIBUTE.finditer(mr)}
+
+
+def load_e2e(root: str | None, heldout: str = "dev", source: str = "name") -> TextCorpus:
+    """E2E NLG from its published CSV files in ``root`` (module docstring): documents ``"<mr> || <ref>"`` of
+    ``trainset.csv`` and, held out, of ``devset.csv`` (``heldout="dev"``) or ``testset_w_refs.csv``; each
+    document's prompt is ``"<mr> ||"``; its source the MR's ``source`` attribute (``"none"`` where absent)."""
+    key = "data.text.root"
+    if root is None:
+        raise ConfigError(f"{key} is null: data.text.corpus=e2e reads {E2E_FILES['train']}, {E2E_FILES['dev']} and "
+                          f"{E2E_FILES['test']} from the directory it names")
+    d = Path(root).expanduser()
+    if not d.is_dir():
+        raise ConfigError(f"{key}: {str(d)!r} is not a directory (data.text.corpus=e2e)")
+    files = [d / E2E_FILES["train"], d / E2E_FILES[heldout]]
+    records = [(r, False) for r in _e2e_records(files[0], key)] + [(r, True) for r in _e2e_records(files[1], key)]
+    names: dict[str, int] = {}
+    documents, sources, held, prompts = [], [], [], []
+    for (mr, ref), is_held in records:
+        src = mr_attributes(mr).get(source, "none")
+        sources.append(names.setdefault(src, len(names)))
+        prompts.append(mr + E2E_SEPARATOR.rstrip())
+        documents.append(mr + E2E_SEPARATOR + ref)
+        held.append(is_held)
+    return TextCorpus("e2e", documents, np.asarray(sources, np.int64), list(names), tuple(str(f) for f in files),
+                      held_out=np.asarray(held), prompts=prompts)
+
+
+def _stitched(xs: list, ys: list, where: str) -> list[str]:
+    """LEAF's windows of one user back into text: a window that continues the text so far (its characters are
+    the last ones of it) adds its next character, any other starts a new document."""
+    docs: list[str] = []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if not isinstance(x, str) or not isinstance(y, str):
+            raise ConfigError(f"data.text.root: {where}, sample {i}: 'x' and 'y' must be strings (LEAF "
+                              f"Shakespeare), got {type(x).__name__} and {type(y).__name__}")
+        if docs and len(docs[-1]) >= len(x) and docs[-1].endswith(x):
+            docs[-1] += y
+        else:
+            docs.append(x + y)
+    return docs
+
+
+def load_shakespeare_text(root: str | None = None) -> TextCorpus:
+    """LEAF Shakespeare as text (module docstring): each user's windows stitched into documents, the user (a
+    play's speaking role) their source, the documents of LEAF's test files held out. Files are found and read
+    as :func:`raysplit.data.datasets.load_shakespeare` does; none found, or a malformed one, is a ``ConfigError``
+    naming ``data.text.root`` (and the file, or every place looked at)."""
+    from .datasets import _LEAF_HOWTO, _leaf_load, _root
+
+    try:
+        train, test = _leaf_load(root, "shakespeare", _LEAF_HOWTO.format(
+            name="shakespeare", args="-s niid --sf 0.2 -k 0 -t sample --tf 0.9",
+            dest=_root(root) / "shakespeare"))
+    except (ValueError, DatasetNotFoundError) as exc:  # not found: where it looked and how to get the files
+        raise ConfigError(f"data.text.root: {exc}") from None
+    names: dict[str, int] = {}
+    documents, sources, held, files = [], [], [], set()
+    for records, is_held in ((train, False), (test, True)):
+        by_user: dict[str, tuple[list, list, Path]] = {}
+        for u, xs, ys, path in records:
+            acc = by_user.setdefault(u, ([], [], path))
+            acc[0].extend(xs)
+            acc[1].extend(ys)
+            files.add(str(path))
+        for u, (xs, ys, path) in by_user.items():
+            for doc in _stitched(xs, ys, f"{path}: LEAF user {u!r}"):
+                documents.append(doc)
+                sources.append(names.setdefault(u, len(names)))
+                held.append(is_held)
+    return TextCorpus("shakespeare", documents, np.asarray(sources, np.int64), list(names), tuple(sorted(files)),
+                      held_out=np.asarray(held, dtype=bool))
+
+
 def load_corpus(config: TextConfig) -> TextCorpus:
     """The corpus ``config`` names."""
     if config.corpus == "fortunes":
         return load_fortunes(config.root, config.categories)
+    if config.corpus == "e2e":
+        return load_e2e(config.root, config.e2e_heldout, config.e2e_source)
+    if config.corpus == "shakespeare":
+        return load_shakespeare_text(config.root)
     return load_text_files(config.paths, text_field=config.text_field, client_field=config.client_field)
 
 
 def split_documents(corpus: TextCorpus, test_fraction: float, rng: np.random.Generator
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Train and test document indices: ``round(test_fraction * n)`` documents of each source held out (so
-    every source is in both where it has two documents or more)."""
+    """Train and test document indices: the corpus's own held-out documents where it has them
+    (``corpus.held_out``), else ``round(test_fraction * n)`` documents of each source held out (so every source
+    is in both where it has two documents or more)."""
+    if corpus.held_out is not None:
+        return (np.flatnonzero(~corpus.held_out).astype(np.int64), np.flatnonzero(corpus.held_out).astype(np.int64))
     train, test = [], []
     for k in range(len(corpus.source_names)):
         idx = rng.permutation(np.flatnonzero(corpus.sources == k))
@@ -322,6 +500,50 @@ def causal_blocks(token_lists: Sequence[Sequence[int]], context_length: int, eos
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Generation prompts
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GenerationPrompt:
+    """A prompt (text, tokenized where it is generated from) and the references a continuation is scored
+    against (E2E: every reference of the MR; else the rest of the document)."""
+
+    prompt: str
+    references: tuple[str, ...]
+    source: str
+
+
+def _spread(n_items: int, n: int) -> list[int]:
+    """``n`` indices spread evenly over ``range(n_items)`` (all of them where ``n >= n_items``)."""
+    if n >= n_items:
+        return list(range(n_items))
+    return sorted({int(round(i)) for i in np.linspace(0, n_items - 1, n)})
+
+
+def generation_prompts(corpus: TextCorpus, test_docs: np.ndarray, tokenizer: TextTokenizer,
+                       config: GenerationConfig) -> list[GenerationPrompt]:
+    """``config.prompts`` prompts from the held-out documents ``test_docs``, spread evenly over them. E2E
+    (``corpus.prompts``): the distinct MRs (``"<mr> ||"``) with all their references, as E2E's metrics group
+    them; other corpora: the first ``config.prompt_tokens`` tokens of a document longer than that, decoded, and
+    the rest of it as the reference."""
+    if config.prompts == 0 or len(test_docs) == 0:
+        return []
+    names = corpus.source_names
+    if corpus.prompts is not None:
+        groups: dict[str, list[int]] = {}
+        for i in test_docs:
+            groups.setdefault(corpus.prompts[int(i)], []).append(int(i))
+        keys = list(groups)
+        return [GenerationPrompt(keys[k], tuple(corpus.documents[i][len(keys[k]):].strip() for i in groups[keys[k]]),
+                                 names[int(corpus.sources[groups[keys[k]][0]])])
+                for k in _spread(len(keys), config.prompts)]
+    n_tok = config.prompt_tokens
+    ids = tokenizer.encode_batch([corpus.documents[int(i)] for i in test_docs])
+    long_enough = [(int(i), t) for i, t in zip(test_docs, ids) if len(t) > n_tok]
+    return [GenerationPrompt(tokenizer.decode(t[:n_tok]), (tokenizer.decode(t[n_tok:]),), names[int(corpus.sources[i])])
+            for i, t in (long_enough[k] for k in _spread(len(long_enough), config.prompts))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # A run's text, partitioned
 # ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -329,7 +551,8 @@ class TextData:
     """A run's text as it would train on it, in the arrays a token dataset already has: ``x_train`` ``(N,
     context_length)`` int64 blocks of every client (client ``c``'s are ``train_idx[c]``, its own test split
     ``test_idx[c]``), ``x_test`` the blocks of the held-out documents; ``y_*`` the source index of each block (for
-    partition statistics: a block's tokens are its labels). ``spec.num_classes`` is the tokenizer's vocabulary."""
+    partition statistics: a block's tokens are its labels). ``spec.num_classes`` is the tokenizer's vocabulary.
+    ``prompts``: what generation at each evaluation starts from (:func:`generation_prompts`)."""
 
     spec: DataSpec
     x_train: np.ndarray
@@ -341,6 +564,7 @@ class TextData:
     tokenizer: TextTokenizer
     source_names: list[str]
     provenance: dict
+    prompts: list[GenerationPrompt] = dataclasses.field(default_factory=list)
 
 
 def _blocks_of(corpus: TextCorpus, docs: np.ndarray, tokenizer: TextTokenizer, context_length: int
@@ -410,5 +634,6 @@ def load_text_partitioned(text: TextConfig, partition_config, num_clients: int, 
                   "partition": {"name": partition_config.name, **partition_config.params(),
                                 "num_clients": num_clients},
                   "train_blocks": int(len(x_train)), "test_blocks": int(len(x_test)), "seed": seed}
+    prompts = generation_prompts(corpus, test_docs, tokenizer, text.generation)
     return TextData(spec, x_train, y_train, x_test, y_test, train_idx, test_idx, tokenizer, corpus.source_names,
-                    provenance)
+                    provenance, prompts)

@@ -48,6 +48,7 @@ class ClientData:
         self.cursor: dict[int, tuple[int, int]] = {c: (0, 0) for c in self.train_idx}
         self._perm: dict[int, tuple[int, np.ndarray]] = {}
         self.changed = changed
+        self.drawn: dict[int, int] = {}  # samples drawn per client since the last take_drawn (a round's)
 
     def __contains__(self, cid: int) -> bool:
         return cid in self.train_idx
@@ -68,7 +69,14 @@ class ClientData:
             self._perm[cid] = cached
         self.cursor[cid] = (epoch, stop)
         self.changed.add(cid)
+        self.drawn[cid] = self.drawn.get(cid, 0) + (stop - start)
         return cached[1][start:stop]
+
+    def take_drawn(self) -> dict[int, int]:
+        """The samples drawn per client since the last call (a round's: a language model's tokens trained are
+        these blocks' tokens); the count restarts."""
+        out, self.drawn = self.drawn, {}
+        return out
 
     def batch(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples ``idx`` as model input and labels (on the host's device)."""
