@@ -97,7 +97,9 @@ def test_splitnn_with_one_client_is_centralised_training(tmp_path, split):
         want = part.state_dict()
         assert set(got) == set(want)
         for k, v in want.items():
-            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=k)
+            # atol 2e-5: six steps at lr 0.5 through a tied LM head leave differences of up to 7e-6 on entries
+            # near zero (summation order differs between the split and the unsplit model; seen under load)
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-5, msg=k)
             if "lora_" not in k:
                 assert torch.equal(got[k], init[k]), k  # the frozen base
     assert any(not torch.equal(client[k], init_c[k]) for k in client if "lora_B" in k)  # the adapters trained
