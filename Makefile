@@ -12,8 +12,8 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-ray-run bench-gpu gpu-bundle rehearse-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
-	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-table flower-venv doc-figures check-docs check-docs-full \
-	check-results claims check-claims config-doc check-ui
+	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-lm-memory bench-table flower-venv doc-figures check-docs \
+	check-docs-full check-results claims check-claims config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -120,6 +120,11 @@ bench-numpy-torch:
 # Ray <= 1 ms.
 bench-step-cost:
 	cd benchmarks && ../$(PY) step_cost.py --methods sflv2 sflv1 psl gas --steps 10 40 --rounds 7 --warmup 2
+
+# Issue 71 item 3: memory per extra hosted client of a LoRA language model (one frozen base per actor, adapter-only
+# states) against the adapters and their optimizer state, and against per-client copies (the behaviour before).
+bench-lm-memory:
+	$(PY) benchmarks/lm_memory.py --clients 1 2 4 8
 
 # The table of current figures at the top of benchmarks/RESULTS.md: refresh benchmarks/figures.yaml from
 # benchmarks/out/*.json where an entry names its JSON, then rewrite the table (make check-results checks it).

@@ -12,7 +12,6 @@ computation runs inside its own random stream (:meth:`Executor.seeded`), so wher
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, stack_module_state
 
 from raysplit.clock import FlopCache
+from raysplit.models.adapters import copy_sharing_base
 from raysplit.runtime.batched import copies_backward, vmap_refused
 from raysplit.runtime.devices import seed_generators
 from raysplit.runtime.screening import Deferred
@@ -145,7 +145,7 @@ class Executor:
             return None
 
         def one():
-            self.loss(copy.deepcopy(modules[0])(xs[0]), ys[0]).backward()
+            self.loss(copy_sharing_base(modules[0])(xs[0]), ys[0]).backward()
 
         fl = self.flops.count(key, one)
         self.packed_steps += len(modules)
@@ -193,10 +193,11 @@ class Executor:
         outs = tuple(o if n == top else o[:n] for o, n in zip(out.unbind(0), sizes))
         fls, bfls = [], []
         for x, o in zip(xs, outs):
-            fls.append(self.flops.count(("fwd", tuple(x.shape)) + key_suffix, lambda x=x: copy.deepcopy(base)(x)))
+            fls.append(self.flops.count(("fwd", tuple(x.shape)) + key_suffix,
+                                        lambda x=x: copy_sharing_base(base)(x)))
             bkey = ("bwd", tuple(o.shape)) + key_suffix
             if bkey not in self.flops:  # one client's backward alone, its forward run outside the count
-                y = copy.deepcopy(base)(x)
+                y = copy_sharing_base(base)(x)
                 self.flops.count(bkey, lambda y=y: y.backward(torch.zeros_like(y)))
             bfls.append(self.flops.count(bkey, None))
         self.packed_steps += len(modules)
