@@ -15,6 +15,7 @@ from raysplit.models import AdapterConfig, LMConfig, build_causal_lm, build_mode
 from raysplit.models import adapters
 from raysplit.models.adapters import base_digest, copy_sharing_base, frozen_tensors
 from raysplit.models.causal_lm import shared_base_model
+from raysplit.runtime.batched import stack_own
 from raysplit.runtime.plan import ModelFacts
 
 VOCAB = 100
@@ -98,6 +99,9 @@ def test_copies_share_one_frozen_base():
     lora_b = [p for p in b.parameters() if p.requires_grad]
     assert lora_a and not ptrs(lora_a) & ptrs(lora_b)
     assert a.hf_model.transformer.wte.weight is a.hf_model.lm_head.base_layer.weight  # the tie kept in a copy
+    params, buffers = stack_own([a, b])  # what packed clients stack: the adapters only
+    assert set(params) == {n for n, p in a.named_parameters() if p.requires_grad} and not buffers
+    assert all(v.shape[0] == 2 and v.requires_grad for v in params.values())
     torch.manual_seed(3)
     driver = nudged(build_causal_lm(cfg))  # what prepare builds: the run's seed, then the model
     assert base_digest(a) == base_digest(driver)
@@ -218,3 +222,39 @@ def test_a_checkpoint_holds_the_adapters_and_names_the_base(tmp_path):
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(ConfigError, match=r"model\.lm: the checkpoint's adapters were trained over the frozen base"):
         run_experiment(cfg, checkpoint_file=tmp_path / "bad.pt")
+
+
+# --------------------------------------------------------------------------------------- packed clients (item 8)
+def _psl_states(cfg):
+    """PSL for one round through the runtime: each client's own adapters, the server's state, the host's counts."""
+    from raysplit.runtime import transport
+
+    p, rt = _hosts(cfg)
+    try:
+        driver = p.algorithm.driver(rt, p.algorithm, p.sample_stream, cfg.seed)
+        driver.run(0, 1, lambda r, st: None)
+        host = rt.backend.workers[0]
+        own = {c: {k: v.clone() for k, v in host.states.own[c].items()} for c in (0, 1)}
+        server = transport.unpack_state(rt.backend.server.get_state().state)
+        return own, server, host.executor.pack_counts()
+    finally:
+        rt.shutdown()
+
+
+def test_packed_clients_over_one_base_equal_one_after_another(tmp_path):
+    """runtime.pack_clients=true: a host's two clients forward and back as one vmapped computation over the one
+    frozen base (only the adapters stacked); their adapters and the server's after a round equal the clients
+    computed one after another, to float rounding. The plain split: a U-shaped split's step runs one client at a
+    time (its pooled steps are not built)."""
+    base = {"algorithm.name": "psl", "train.rounds": 1, "data.test_fraction": 0.2, "model.lm.split": "plain"}
+    one_by_one = _psl_states(lm_config(tmp_path / "a", **base, **{"runtime.pack_clients": False}))
+    packed = _psl_states(lm_config(tmp_path / "b", **base, **{"runtime.pack_clients": True}))
+    assert one_by_one[2]["packed_steps"] == 0
+    assert packed[2]["packed_steps"] > 0 and packed[2]["unpackable"] is None
+    for c in (0, 1):
+        assert set(packed[0][c]) == set(one_by_one[0][c])
+        for k, v in one_by_one[0][c].items():
+            torch.testing.assert_close(packed[0][c][k], v, rtol=1e-4, atol=1e-6, msg=k)
+    assert all("lora_" in k for k in packed[1])
+    for k, v in one_by_one[1].items():
+        torch.testing.assert_close(packed[1][k], v, rtol=1e-4, atol=1e-6, msg=k)
