@@ -12,8 +12,8 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 .PHONY: golden golden-check fault-matrix path-matrix chaos test test-all ci bench bench-overhead bench-hop bench-hop-floor bench-transport bench-threads bench-gas-floor bench-cnn-parts bench-rdt bench-scale bench-flower bench-store bench-batched bench-window \
 	bench-placement bench-spill bench-ray-run bench-gpu gpu-bundle rehearse-gpu bench-gpu-server bench-gpu-check bench-cg-crossnode \
-	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-lm-tokens bench-table flower-venv doc-figures check-docs check-docs-full \
-	check-results claims check-claims config-doc check-ui
+	bench-gas-authors bench-snapshot bench-numpy-torch bench-step-cost bench-lm-tokens bench-lm-memory bench-table flower-venv \
+	doc-figures check-docs check-docs-full check-results claims check-claims config-doc check-ui
 
 bench: bench-hop bench-transport bench-overhead bench-scale bench-flower bench-store bench-batched bench-window bench-placement \
 	bench-spill
@@ -126,6 +126,10 @@ bench-step-cost:
 # (about 4 minutes on 2 cores). Targets: local within 1.1x of the plain loop, Ray within 1.3x.
 bench-lm-tokens:
 	$(PY) benchmarks/lm_tokens.py --steps 6 --repeats 7 --warmup 1
+# Issue 71 item 3: memory per extra hosted client of a LoRA language model (one frozen base per actor, adapter-only
+# states) against the adapters and their optimizer state, and against per-client copies (the behaviour before).
+bench-lm-memory:
+	$(PY) benchmarks/lm_memory.py --clients 1 2 4 8
 
 # The table of current figures at the top of benchmarks/RESULTS.md: refresh benchmarks/figures.yaml from
 # benchmarks/out/*.json where an entry names its JSON, then rewrite the table (make check-results checks it).

@@ -133,6 +133,28 @@ def lm_tail_cut(lm, model, cut: int | None, tail_cut, alg):
     return last
 
 
+def base_facts(lm, model, seed: int) -> dict:
+    """A LoRA language model's frozen base as every side rebuilds it (``ModelFacts.base_seed``, ``base_digest``):
+    from its source (``model.lm``: its sizes or its local directory) with the run's seed, checked against this
+    digest; none for full fine-tuning and the zoo's models (their states carry every weight)."""
+    if lm is None or lm.adapter.kind != "lora":
+        return {}
+    from raysplit.models.adapters import base_digest
+
+    return {"base_seed": int(seed), "base_digest": base_digest(model)}
+
+
+def base_record(prepared) -> dict | None:
+    """What a checkpoint of a LoRA language model says of its frozen base, which it does not hold (its states
+    are the adapters): the source every side rebuilds it from (``model.lm.pretrained``'s directory, or the
+    config's sizes with the seed; the config itself is saved beside it) and its digest, checked on resume."""
+    facts = prepared.inputs.plan.model
+    if not facts.shares_base:
+        return None
+    return {"source": facts.lm.pretrained or "model.lm (random initial weights)", "seed": facts.base_seed,
+            "digest": facts.base_digest}
+
+
 def _text_inputs(cfg: ExperimentConfig, lm):
     """A language model's data and model (``prepare``'s text branch): the blocks of ``data.text`` partitioned
     over the clients, the labels of a block its tokens (the partition statistics count blocks per source), and the
@@ -225,7 +247,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         sections=Sections(train=cfg.train, eval=cfg.eval, clock=cfg.clock, runtime=cfg.runtime, seed=cfg.seed),
         model=ModelFacts(name=cfg.model.name, options=dict(cfg.model.options), inputs=spec_d, cut=cut,
                          tail_cut=ushape.tail_cut if ushape is not None else None,
-                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts, lm=lm),
+                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts, lm=lm,
+                         **base_facts(lm, model, cfg.seed)),
         method=Method(params=alg.params, setup=alg.host_setup(), client_rule=alg.client_rule,
                       server_rule=alg.server_rule, persist_client_models=not alg.keeps_global_client_model(),
                       asynchronous=alg.driver.asynchronous),
@@ -344,6 +367,10 @@ def run_experiment(cfg: "ExperimentConfig | str | Path", resume_run_id: str | No
         ckpt = _load_checkpoint(resume_run_id, cfg.tracking.uri)
         cfg = validate(yaml.safe_load(ckpt["config"]))
     prepared = prepare(cfg)  # every config/data/model error is raised here, before any actor exists
+    base = base_record(prepared)
+    if ckpt is not None and ckpt.get("base") is not None and base is not None and ckpt["base"] != base:
+        raise ConfigError(f"model.lm: the checkpoint's adapters were trained over the frozen base {ckpt['base']}, "
+                          f"but this run builds {base}; resume with the same model.lm source and seed")
     backend = make_backend(cfg.runtime)
     backend.connect()  # Ray up and the actors' resources checked before any MLflow run or actor exists
     tcfg = cfg.tracking
@@ -383,7 +410,7 @@ def run_experiment(cfg: "ExperimentConfig | str | Path", resume_run_id: str | No
                 every = tcfg.checkpoint_every
                 if last or (every and (rnd + 1) % every == 0):
                     _atomic_save({"round": rnd, "history": reporter.hist, "runtime": rt.state_dict(),
-                                  "driver": driver.state_dict(), "config": dump(cfg)}, ckpt_path)
+                                  "driver": driver.state_dict(), "config": dump(cfg), "base": base}, ckpt_path)
                     if on_checkpoint is not None:
                         on_checkpoint(rnd, ckpt_path, tracker.run_id)
 

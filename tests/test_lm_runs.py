@@ -60,7 +60,8 @@ def test_a_ray_run_equals_the_local_run(ray_session, tmp_path, mlflow_uri):
 def test_splitnn_with_one_client_is_centralised_training(tmp_path, split):
     """One client, full-batch plain SGD, LoRA: after 2 rounds of 3 steps the client's blocks (embeddings, block1;
     U-shaped also the head) and the server's (block2; plain also the head) equal the unsplit model trained 6
-    steps on the client's blocks with the next-token loss, to float rounding; the frozen base did not move."""
+    steps on the client's blocks with the next-token loss, to float rounding (the LM head's adapters after 6
+    steps of lr 0.5 differ by up to 7e-6); the states are the adapters alone (the frozen base never travels)."""
     from raysplit.lm_metrics import lm_loss
     from raysplit.models.causal_lm import CausalLM
     from raysplit.runtime import transport
@@ -95,13 +96,11 @@ def test_splitnn_with_one_client_is_centralised_training(tmp_path, split):
         opt.step()
     for got, part, init in ((client, client_part, init_c), (server, middle, init_s)):
         want = part.state_dict()
-        assert set(got) == set(want)
+        assert set(got) == set(want) == set(init) and all("lora_" in k for k in got)  # the adapters alone travel
         for k, v in want.items():
             # atol 2e-5: six steps at lr 0.5 through a tied LM head leave differences of up to 7e-6 on entries
             # near zero (summation order differs between the split and the unsplit model; seen under load)
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-5, msg=k)
-            if "lora_" not in k:
-                assert torch.equal(got[k], init[k]), k  # the frozen base
     assert any(not torch.equal(client[k], init_c[k]) for k in client if "lora_B" in k)  # the adapters trained
 
 

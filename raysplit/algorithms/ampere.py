@@ -73,7 +73,7 @@ def aux_parts(ctx) -> tuple[torch.nn.Sequential, torch.nn.Module]:
 class AuxRule(ClientRule):
     """A client whose model is (device block, auxiliary net); the device block alone encodes its activations."""
 
-    def build_module(self) -> torch.nn.Module:
+    def build_module(self, device=None) -> torch.nn.Module:
         return aux_parts(self.ctx)[0]
 
     def encoder(self, tag: Tag, slot):

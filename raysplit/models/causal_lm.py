@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -55,6 +56,7 @@ __all__ = [
     "generate",
     "resolve_lm_cut",
     "save_base_pretrained",
+    "shared_base_model",
 ]
 
 #: Model families raysplit can cut: ``model_type`` of the ``transformers`` config -> causal-LM class name.
@@ -407,6 +409,46 @@ def build_causal_lm(config: LMConfig, *, vocab_size: int | None = None, fixed_le
     model = CausalLM(hf_model, family, fixed_length=fixed_length)
     apply_adapters(model, config.adapter)
     return model
+
+
+#: one frozen base per process (:func:`shared_base_model`): the template each copy shares its base with, by source
+_BASES: "OrderedDict[tuple, CausalLM]" = OrderedDict()
+_BASES_KEPT = 4  # templates kept per process (a sweep's trials in one process build a few configs)
+
+
+def shared_base_model(config: LMConfig, *, vocab_size: int | None, seed: int, fixed_length: bool = False,
+                      device: torch.device | str | None = None, digest: str | None = None) -> CausalLM:
+    """The model of ``config`` with its own adapters over this process's one frozen base of that source.
+
+    The first call for a source (``config``, ``vocab_size``, ``seed``, ``fixed_length``) and ``device`` builds the
+    template, as a run's driver does: ``torch.manual_seed(seed)`` then :func:`build_causal_lm` (inside a forked
+    random state, so the caller's stream does not move), moved to ``device``; later calls copy it with
+    :func:`~raysplit.models.adapters.copy_sharing_base`, so every copy's frozen tensors are the template's (the
+    same storage) and only its adapters are its own (their initial values the template's; callers load states).
+    ``digest``: the driver's :func:`~raysplit.models.adapters.base_digest`; a template whose base differs is a
+    ``RuntimeError`` naming the source (a changed directory, another library version). Without adapters
+    (``adapter.kind: full``) there is nothing to share: see :func:`build_causal_lm`."""
+    from .adapters import base_digest, copy_sharing_base
+
+    dev = torch.device(device if device is not None else "cpu")
+    key = (config.model_dump_json(), vocab_size, int(seed), bool(fixed_length), str(dev))
+    template = _BASES.get(key)
+    if template is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            template = build_causal_lm(config, vocab_size=vocab_size, fixed_length=fixed_length)
+        if digest is not None and base_digest(template) != digest:
+            source = config.pretrained or f"random initial weights, seed {seed}"
+            raise RuntimeError(f"model.lm: this process built a frozen base from {source!r} that differs from the "
+                               f"driver's (digest {base_digest(template)} != {digest}); every side must load the "
+                               f"same base (the same directory and library versions)")
+        template = template.to(dev)
+        _BASES[key] = template
+        while len(_BASES) > _BASES_KEPT:
+            _BASES.popitem(last=False)
+    else:
+        _BASES.move_to_end(key)
+    return copy_sharing_base(template)
 
 
 def save_base_pretrained(model: CausalLM, path: str | os.PathLike) -> None:

@@ -126,10 +126,11 @@ def counting_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module`` on the CPU for counting FLOPs and shapes (which its weights do not change): its weights
     copied, or left uninitialised where it lives on the ``meta`` device (only shapes there). What a cost model runs,
     so that it never mixes the host's accelerator with tensors it makes itself."""
-    import copy
     import itertools
 
-    m = copy.deepcopy(module)
+    from raysplit.models.adapters import copy_sharing_base
+
+    m = copy_sharing_base(module)  # a language model's frozen base shared, not copied (on the CPU already)
     if any(t.is_meta for t in itertools.chain(m.parameters(), m.buffers())):
         return m.to_empty(device="cpu")
     return m.cpu()

@@ -23,7 +23,10 @@ class ModelFacts:
     (:class:`~raysplit.models.tiers.AtCuts`); ``cut_shape`` is then the shallowest cut's. ``lm``: a language
     model's ``model.lm`` section (:class:`~raysplit.models.causal_lm.LMConfig`; None: a model of the zoo), built on
     every side from it and the tokenizer's vocabulary (``inputs.num_classes``) as a fixed-length model (what crosses
-    the cut is the hidden states tensor)."""
+    the cut is the hidden states tensor). With LoRA (``lm.adapter.kind: lora``) every side builds the frozen base
+    once per process from that source and ``base_seed`` (the driver's: the run's seed) and checks it against
+    ``base_digest`` (the driver's); the parts it builds share that base and hold their own adapters, which are
+    what their states carry (:mod:`raysplit.models.adapters`)."""
 
     name: str
     options: dict
@@ -33,6 +36,8 @@ class ModelFacts:
     cut_shape: tuple | None = None
     cuts: tuple | None = None  # tiered (model.tiers, model.cut_budget): each client's cut; ``cut`` is the shallowest
     lm: Any = None  # raysplit.models.causal_lm.LMConfig
+    base_seed: int | None = None  # a LoRA language model: the seed its frozen base is built with on every side
+    base_digest: str | None = None  # ... and the driver's fingerprint of it (raysplit.models.adapters.base_digest)
 
     def cut_of(self, cid: int) -> int | None:
         """Client ``cid``'s cut where clients have their own (None: every client holds ``cut``)."""
@@ -72,31 +77,43 @@ class ModelFacts:
     def input_shape(self) -> tuple:
         return tuple(self.inputs.input_shape)
 
-    def client_part(self, cid: int) -> torch.nn.Module:
+    def client_part(self, cid: int, device=None) -> torch.nn.Module:
         """A fresh client part of client ``cid`` (tiered: ``blocks[:cut_of(cid)]``; else :meth:`parts`' client)."""
-        return self.parts()[0] if self.cuts is None else self.part_at(self.cut_of(cid))
+        return self.parts(device)[0] if self.cuts is None else self.part_at(self.cut_of(cid), device)
 
-    def part_at(self, cut: int) -> torch.nn.Module:
+    def part_at(self, cut: int, device=None) -> torch.nn.Module:
         """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail)."""
         from raysplit.models.tiers import client_part
 
-        return client_part(self.build(), cut, self.tail_cut)
+        return client_part(self.build(device), cut, self.tail_cut)
 
-    def build(self):
+    @property
+    def shares_base(self) -> bool:
+        """A LoRA language model: its parts share this process's one frozen base and carry only adapters."""
+        return self.lm is not None and self.lm.adapter.kind == "lora" and self.base_seed is not None
+
+    def build(self, device=None):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
-        :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net)."""
+        :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net).
+        A LoRA language model: its own adapters over this process's frozen base on ``device``
+        (:func:`~raysplit.models.causal_lm.shared_base_model`; None: the CPU), which the caller must not move
+        elsewhere (a ``.to`` to another device copies that part's base); otherwise ``device`` is not used."""
         if self.lm is not None:
-            from raysplit.models.causal_lm import build_causal_lm
+            from raysplit.models.causal_lm import build_causal_lm, shared_base_model
 
+            if self.shares_base:
+                return shared_base_model(self.lm, vocab_size=self.num_classes, seed=self.base_seed,
+                                         fixed_length=True, device=device, digest=self.base_digest)
             return build_causal_lm(self.lm, vocab_size=self.num_classes, fixed_length=True)
         from raysplit.models import build_model
 
         return build_model(self.name, self.num_classes, self.input_shape, **self.options)
 
-    def parts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+    def parts(self, device=None) -> tuple[torch.nn.Module, torch.nn.Module]:
         """Fresh client and server parts at the configured cut (U-shaped: the client holds head and tail, a
-        :class:`~raysplit.models.UClient`, the server the middle); with no cut the whole model and an identity."""
-        model = self.build()
+        :class:`~raysplit.models.UClient`, the server the middle); with no cut the whole model and an identity.
+        ``device``: see :meth:`build`."""
+        model = self.build(device)
         if self.cut is None:
             return model, torch.nn.Identity()
         if self.cuts is not None:  # tiered: every block a client holds, the server's from the shallowest cut on
@@ -156,9 +173,9 @@ class HostPlan:
     ushape: Any = None
     events: Any = None  # the event loop's plan (raysplit.runtime.server.events.EventPlan) of an asynchronous method
 
-    def parts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+    def parts(self, device=None) -> tuple[torch.nn.Module, torch.nn.Module]:
         """Fresh client and server parts (random init; callers load states): :meth:`ModelFacts.parts`."""
-        return self.model.parts()
+        return self.model.parts(device)
 
     def with_threads(self, threads: int) -> "HostPlan":
         """The plan with ``runtime.torch_threads: auto`` resolved to ``threads`` (a number or null stays)."""

@@ -65,9 +65,11 @@ class ClientRule(Rule):
         is the plain one (a rule's own encoder only keeps that stream one at a time)."""
         return cls.backward_pass is ClientRule.backward_pass
 
-    def build_module(self) -> torch.nn.Module:
-        """A fresh client model (its weights are loaded after): the client part."""
-        return self.ctx.model.parts()[0]
+    def build_module(self, device=None) -> torch.nn.Module:
+        """A fresh client model (its weights are loaded after): the client part. ``device``: where the host keeps
+        it (a language model's frozen base is shared there, :meth:`~raysplit.runtime.plan.ModelFacts.build`;
+        None: the CPU); the caller moves it there."""
+        return self.ctx.model.parts(device)[0]
 
     def on_activate(self, cid: int, slot: ModelSlot) -> None:
         """Client ``cid`` got its slot for the round (weights and optimizer loaded)."""

@@ -12,7 +12,6 @@ computation runs inside its own random stream (:meth:`Executor.seeded`), so wher
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,10 +19,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torch.func import functional_call, stack_module_state
+from torch.func import functional_call
 
 from raysplit.clock import FlopCache
-from raysplit.runtime.batched import copies_backward, vmap_refused
+from raysplit.models.adapters import copy_sharing_base
+from raysplit.runtime.batched import copies_backward, stack_own, vmap_refused
 from raysplit.runtime.devices import seed_generators
 from raysplit.runtime.screening import Deferred
 
@@ -72,7 +72,7 @@ class Packed:
         with torch.no_grad():
             for k, _ in parts:
                 for name, prm in self.modules[k].named_parameters():
-                    g = self.params[name].grad
+                    g = self.params[name].grad if name in self.params else None  # shared frozen: no gradient
                     prm.grad = None if g is None else g[k]
 
 
@@ -145,7 +145,7 @@ class Executor:
             return None
 
         def one():
-            self.loss(copy.deepcopy(modules[0])(xs[0]), ys[0]).backward()
+            self.loss(copy_sharing_base(modules[0])(xs[0]), ys[0]).backward()
 
         fl = self.flops.count(key, one)
         self.packed_steps += len(modules)
@@ -155,7 +155,8 @@ class Executor:
     def forward_together(self, modules: list[torch.nn.Module], xs: list[torch.Tensor],
                          key_suffix: tuple = ()) -> tuple[list[tuple[torch.Tensor, int]], Packed] | None:
         """Several clients' forwards at once (modules of one architecture, inputs of one sample shape): parameters
-        and buffers stacked, the forward vmapped; each module's buffers receive their new values (BatchNorm's running
+        and buffers stacked (a language model's adapters only, over the one frozen base its clients share:
+        :func:`~raysplit.runtime.batched.stack_own`), the forward vmapped; each module's buffers receive their new values (BatchNorm's running
         statistics). Batches of different sizes (MergeSFL's per-client batches) are padded with zeros to the largest
         and each client's activation is its own rows of the output (FedJAX's pad-and-mask), which is exact where no
         layer mixes the samples of a batch (:func:`ragged_ok`; the caller packs only equal shapes otherwise): the
@@ -166,7 +167,7 @@ class Executor:
         if self.unpackable is not None:
             self.unpacked_steps += len(modules)
             return None
-        params, buffers = stack_module_state(modules)
+        params, buffers = stack_own(modules)  # a language model's adapters only, over its one frozen base
         base = modules[0]  # functional_call swaps the stacked tensors in for the call and restores base's own
         sizes = [len(x) for x in xs]
         top = max(sizes)
@@ -189,14 +190,16 @@ class Executor:
         with torch.no_grad():
             for i, m in enumerate(modules):
                 for name, buf in m.named_buffers():
-                    buf.copy_(buffers[name][i])
+                    if name in buffers:
+                        buf.copy_(buffers[name][i])
         outs = tuple(o if n == top else o[:n] for o, n in zip(out.unbind(0), sizes))
         fls, bfls = [], []
         for x, o in zip(xs, outs):
-            fls.append(self.flops.count(("fwd", tuple(x.shape)) + key_suffix, lambda x=x: copy.deepcopy(base)(x)))
+            fls.append(self.flops.count(("fwd", tuple(x.shape)) + key_suffix,
+                                        lambda x=x: copy_sharing_base(base)(x)))
             bkey = ("bwd", tuple(o.shape)) + key_suffix
             if bkey not in self.flops:  # one client's backward alone, its forward run outside the count
-                y = copy.deepcopy(base)(x)
+                y = copy_sharing_base(base)(x)
                 self.flops.count(bkey, lambda y=y: y.backward(torch.zeros_like(y)))
             bfls.append(self.flops.count(bkey, None))
         self.packed_steps += len(modules)

@@ -81,12 +81,13 @@ class ClientHost:
         self.meter = CostMeter(profiles, self.data.train_idx, charge_server=s.clock.charge_server,
                                changed=self.changed)
         spill = rt.placement
-        self.states = ClientStates(lambda: self.rule.build_module().to(device), transport.unpack_state(init_state),
+        self.states = ClientStates(lambda: self.rule.build_module(device).to(device),
+                                   transport.unpack_state(init_state),
                                    s.train.optimizer, persist=plan.method.persist_client_models, device=device,
                                    state_bytes=int(spill.client_state_mb * 2**20) if spill.client_state_mb else None,
                                    spill_dir=spill.spill_dir, changed=self.changed,
                                    cut_of=plan.model.cut_of if plan.model.cuts is not None else None,
-                                   build_cut=lambda cut: plan.model.part_at(cut).to(device))
+                                   build_cut=lambda cut: plan.model.part_at(cut, device).to(device))
         self.cut = ClientCut(plan.privacy)
         self.executor = Executor(s.seed, device, rt.pack_clients, plan.model.loss)
         self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
@@ -153,7 +154,7 @@ class ClientHost:
     # ---- evaluation and the privacy attack -------------------------------------------------------------------
     def evaluate_clients(self, cids: list[int], server_state: StateMsg) -> tuple[np.ndarray, np.ndarray, float]:
         """Each client's own test split through its own client model and the given server model."""
-        return evaluate_own(self.plan.parts(), self.data, self.states.state_of, cids,
+        return evaluate_own(self.plan.parts(self.executor.device), self.data, self.states.state_of, cids,
                             transport.unpack_state(server_state.state), self.plan.sections.eval.batch_size,
                             self.executor.device, client_of=self.plan.model.client_part
                             if self.plan.model.cuts is not None else None, cut_of=self.plan.model.cut_of,

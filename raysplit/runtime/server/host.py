@@ -58,7 +58,7 @@ class ServerHost:
         self.plan = plan
         self.device = host_device(rt.server.device, "runtime.server.device")
         set_determinism(rt.deterministic, self.device)
-        client, server = plan.parts()
+        client, server = plan.parts(self.device)
         server.load_state_dict(transport.unpack_state(init_state))
         server.to(self.device).train()
         self.progress = Progress()

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from raysplit.models.adapters import copy_sharing_base
 from raysplit.runtime import batched, tiered
 from raysplit.runtime.aggregation import average_optimizer_states, average_states
 from raysplit.runtime.state import ModelSlot
@@ -70,7 +71,7 @@ class ServerModels:
         then the rule's ``on_fork``."""
         main = self._slots["main"]
         for k in keys:
-            module = copy.deepcopy(main.module)
+            module = copy_sharing_base(main.module)  # a language model's copies share its frozen base
             opt = make_optimizer(module.parameters(), self.optimizer_section)
             opt.load_state_dict(copy.deepcopy(main.optimizer.state_dict()))  # carries the round's lr too
             self._slots[k] = ModelSlot(module, opt)
@@ -154,7 +155,7 @@ class ServerModels:
 
         def per_copy():
             xi = x[0].detach().clone().requires_grad_(True)
-            self.trainer.loss(copy.deepcopy(modules[0])(xi), y[0]).backward()
+            self.trainer.loss(copy_sharing_base(modules[0])(xi), y[0]).backward()
 
         fl = self.trainer.flops.count(self.trainer.flop_key("step", modules[0], x[0]), per_copy)
         self.trainer.tally.busy_wall += time.perf_counter() - t_wall
