@@ -145,7 +145,7 @@ class ModelConfig(_Strict):
     tail_cut: int | str | None = Field(default=None, description="a U-shaped split (null: none): the blocks after "
                                        "this one (a block name or index, after cut) run on the clients too, with "
                                        "the loss; the server trains the blocks between and never sees a label "
-                                       "(splitnn, psl, sflv1, sflv2)")
+                                       "(splitnn, psl, sflv1, sflv2, sflv3, splitlora)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the model's builder "
                                     "(e.g. cifar_stem), checked against its signature (docs/config.md lists them)")
     tiers: list[TierConfig] | None = Field(default=None, description="clients with their own cuts (null: every "
@@ -159,7 +159,8 @@ class ModelConfig(_Strict):
                                                "deepest cut its clock profile affords under a compute budget")
     lm: LMConfig | None = Field(default=None, description="a decoder language model from transformers (gpt2, "
                                 "llama), random or from a local directory, with its adapters; trains on data.text "
-                                "(model.name is then unused; splitnn, psl, sflv1, sflv2 and others)")
+                                "(model.name is then unused; every method but those that need a class label per "
+                                "sample: docs/usage.md)")
 
     @model_validator(mode="before")
     @classmethod

@@ -89,7 +89,8 @@ def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles
 
 def language_model_section(cfg: ExperimentConfig, alg) -> "object | None":
     """The run's ``model.lm`` section (None: a model of the zoo), checked: a language model needs ``data.text``
-    and a method whose steps take one (``Algorithm.language_model``: why not; asynchronous methods not yet), and
+    and a method whose steps take one (``Algorithm.language_model``: why not; asynchronous split methods not yet;
+    asynchronous FL, the whole model on the clients, runs one), and
     ``data.text`` needs one."""
     lm, text = cfg.model.lm, cfg.data.text
     if lm is None and text is None:
@@ -101,9 +102,10 @@ def language_model_section(cfg: ExperimentConfig, alg) -> "object | None":
     if alg.language_model:
         raise ConfigError(f"algorithm={alg.name} cannot train a language model (model.lm): "
                           f"{alg.language_model.format(name=alg.name)}")
-    if alg.driver.asynchronous:
+    if alg.driver.asynchronous and alg.split:
         raise ConfigError(f"algorithm={alg.name} cannot train a language model (model.lm): the event loop predicts "
-                          f"client clocks from messages of class-labelled samples (not built for token blocks yet)")
+                          f"a split client's clock from activation messages of class-labelled samples (one label "
+                          f"each; not built for token blocks yet)")
     return lm
 
 

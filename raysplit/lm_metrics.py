@@ -15,8 +15,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_nll", "lm_loss", "evaluate_lm", "lm_eval_metrics", "generate_text", "generation_scores",
-           "throughput_metrics"]
+__all__ = ["token_nll", "lm_loss", "lm_sample_losses", "evaluate_lm", "lm_eval_metrics", "generate_text",
+           "generation_scores", "throughput_metrics"]
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -36,6 +36,15 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch
     """The causal-LM training loss: the mean next-token NLL over the batch's targets."""
     total, count = token_nll(logits, input_ids, attention_mask)
     return total / count.clamp(min=1)
+
+
+def lm_sample_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sample losses ``(B,)`` of a batch of fixed-length blocks: each block's mean next-token NLL over its
+    ``T - 1`` targets. Blocks of one length count the same targets each, so the plain mean of these is
+    :func:`lm_loss` (up to float rounding); a weighted mean weighs whole blocks (CycleSL's client-size weights)."""
+    targets = input_ids[:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return nll.view(targets.shape).mean(dim=1)
 
 
 @torch.no_grad()

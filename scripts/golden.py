@@ -68,6 +68,15 @@ FAKE_FMNIST = "<tests/helpers.py write_fake_fashion_mnist(600 train, 100 test im
 NEEDS: dict[str, dict] = {
     "ampere": {"algorithm.device_rounds": 2, "algorithm.server_epochs": 2, "algorithm.chunk_rows": 64,
                "train.rounds": 4},
+    # SplitLoRA fine-tunes a language model's LoRA adapters: a tiny GPT-2 on four of Debian's fortune categories
+    # (one client each), U-shaped, its BPE trained on the training split
+    "splitlora": {"data.num_clients": 4, "data.partition.name": "natural", "data.test_fraction": 0.0,
+                  "data.text.corpus": "fortunes", "data.text.categories": ["goedel", "magic", "paradoxum", "riddles"],
+                  "data.text.context_length": 32, "data.text.test_fraction": 0.2,
+                  "data.text.tokenizer.vocab_size": 300, "model.cut": "block1", "model.lm.family": "gpt2",
+                  "model.lm.layers": 2, "model.lm.width": 32, "model.lm.heads": 2, "model.lm.max_positions": 32,
+                  "model.lm.adapter.rank": 4, "model.lm.adapter.target_modules": ["c_attn", "c_fc", "lm_head"],
+                  "algorithm.aggregation_interval": 2},
     # augmentation needs images: a small fake Fashion-MNIST in the real IDX format, written for the run
     **{name: {"data.dataset": "fashion_mnist", "data.root": FAKE_FMNIST, "data.options": {"search_system": False},
               "data.n_labeled": 100, "algorithm.ks_initial": 4, "algorithm.server_batch_size": 16}

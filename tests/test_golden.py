@@ -37,6 +37,9 @@ SYNC_BUDGET = {
     "gas": (2, "GAS's flush: the buffer's features and labels into its numpy statistics"),
     "privacy_quantize": (2, "GAS's flush (privacy_quantize runs on GAS)"),
     "privacy_inversion": (2, "GAS's flush (privacy_inversion runs on GAS)"),
+    # a language model's decoder block builds its causal mask with transformers' create_causal_mask, which reads
+    # whether the (all-ones) attention mask has padding: one __bool__ per block forward, 2 a step of 2 blocks
+    "splitlora": (3, "transformers' causal-mask builder reads the attention mask once per decoder block"),
 }
 
 
@@ -51,7 +54,7 @@ def test_algorithm_reproduces_its_golden_fingerprint(name):
     with counting_syncs() as syncs:
         got = golden.run(name)
     assert len(got["rounds"]) == expected["overrides"]["train.rounds"] and all(
-        "eval/accuracy" in r for r in got["rounds"]), got["rounds"]
+        "eval/accuracy" in r or "eval/perplexity" in r for r in got["rounds"]), got["rounds"]  # a language model's
     diff = golden.differences(expected, got)
     assert not diff, (f"{name}'s behaviour changed ({len(diff)} metric(s) x rounds differ; if intended, run "
                       "`make golden`, say why in the commit and rerun its results pages):\n  " + "\n  ".join(diff[:12]))

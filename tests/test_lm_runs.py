@@ -107,9 +107,7 @@ def test_splitnn_with_one_client_is_centralised_training(tmp_path, split):
 @pytest.mark.parametrize("method, why", [("gas", "needs a class label per sample"),
                                          ("hydra", "needs a class label per sample"),
                                          ("semisfl", "needs a class label per sample"),
-                                         ("mergesfl", "needs a class label per sample"),
-                                         ("sflv3", "over class logits"), ("cyclesfl", "over class logits"),
-                                         ("fedbuff", "the event loop predicts")])
+                                         ("mergesfl", "needs a class label per sample")])
 def test_a_method_that_needs_class_labels_is_refused_naming_it(tmp_path, method, why):
     """One error naming the method and why, before the text is read (nor any actor started)."""
     labelled = {"data.n_labeled": 10} if method == "semisfl" else {}  # its config check asks for a labelled set

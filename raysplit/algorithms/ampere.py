@@ -287,6 +287,8 @@ class Ampere(Algorithm):
     tiers = ("its device block with its auxiliary head is the cut, trained apart by FedAvg; device blocks of other"
              " depths are not built")
     u_shape = "{name}'s server phase trains on the devices' exported activations with their labels"
+    language_model = ("{name}'s device phase trains a classifier head (its auxiliary network, built from the class "
+                      "logits' layer) and stops on validation accuracy over class labels")
     description = "Ampere: device block + auxiliary net to convergence, one-shot activations, server block after"
     Params = AmpereParams
     client_rule = AmpereRule

@@ -10,6 +10,11 @@ Choices where the paper and the authors' code (seed-code.md §4.3) differ or are
   ``ceil(N * bs / server_bs)`` steps). Algorithm 1's text reads as one resampled batch per "epoch"; set
   ``server_steps: one`` for that reading.
 - The resampled-batch loss weights every sample by its client's train-set size: sum_i w_i CE_i / sum_i w_i (code).
+  A language model's sample is a token block: its loss ``CE_i`` is the block's mean next-token cross-entropy
+  (:func:`raysplit.lm_metrics.lm_sample_losses`), so with equal weights the resampled step's loss is the
+  next-token loss of the batch; the frozen pass's gradient is that of the batch's mean next-token loss. The
+  server needs the tokens (its targets) for its epochs: a language model runs with ``model.lm.split: plain``
+  (the U-shape keeps the head and the targets on the clients, so the server could not train on pooled batches).
 - The gradient pass runs the frozen server in train mode (BatchNorm statistics update again), as the code does;
   the gradient is that of the mean CE over the client's batch.
 - Client optimizer state persists across rounds (per client; Adam in the CycleSL configs).
@@ -174,8 +179,6 @@ class CyclePSL(PooledRound):
     """CycleSL on PSL: one server model trained on the pooled features; client models are not aggregated."""
 
     name = "cyclepsl"
-    language_model = ("{name}'s server epochs weigh a cross-entropy per sample over class logits (the "
-                      "next-token loss is not built into them yet)")
     description = "CycleSL + PSL: pooled feature resampling, frozen-server gradients, no aggregation"
     tiers = ""  # each cut's features apart in the pool, every sample entering the server at its cut
     Params = CycleParams
@@ -193,8 +196,6 @@ class CycleSFL(PooledRound):
     """CycleSL on SFL: CyclePSL's round, then FedAvg of the client models (to all clients by default)."""
 
     name = "cyclesfl"
-    language_model = ("{name}'s server epochs weigh a cross-entropy per sample over class logits (the "
-                      "next-token loss is not built into them yet)")
     description = "CycleSL + SFL: pooled feature resampling, frozen-server gradients, FedAvg of clients"
     tiers = ""  # CyclePSL's pool by cut, then client parts and the server's overlap by block
     Params = CycleParams

@@ -21,7 +21,10 @@ Choices where paper and code (seed-code.md §2) differ or are silent:
 
 SplitFedV3 (Madaan et al.; Hydra's ``run_sflv3.py``): per-client part-1 models never averaged, per-client server
 copies averaged every round (PSL's training); inference on the global test set runs every client's part-1 with the
-server and takes, per sample, the prediction of the client whose logits have the highest maximum.
+server and takes, per sample, the prediction of the client whose logits have the highest maximum. On a language
+model the rule is applied per next-token position (the client most confident at that position predicts it), the
+natural reading of "per sample" when every position is a prediction; U-shaped, each client's tail follows the
+server's part.
 
 MultiHead (Chen et al.; Hydra's ``run_multihead.py``): part-1 FedAvg'd every round, one server part (head) per
 client that is never averaged; inference runs the global part-1 with every head and takes the most confident head.
@@ -40,7 +43,7 @@ from pydantic import Field
 from .base import Algorithm, AlgorithmParams, SetupInfo, register
 from .baselines import PSL, SFLV1, SFLV2, OrderedParams
 from ..errors import ConfigError
-from ..models.core import param_bytes
+from ..models.core import end_to_end, param_bytes
 from ..models.tiers import Entered
 from ..runtime import Batch, ClientRule, ModelSlot, ServerRule, batch_step
 from ..runtime.aggregation import average_optimizer_states, average_states
@@ -88,14 +91,17 @@ class ConfidentServer(ServerRule):
 
     @torch.no_grad()
     def _confident(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]]):
-        """Per test sample, the logits of the (client part, server part) pair whose largest logit is largest."""
+        """Per test sample, the logits of the (client part, server part) pair whose largest logit is largest; a
+        language model's per next-token position (each position's logits over the vocabulary from the pair most
+        confident there). A U-shaped client part runs its tail after the server's part (:func:`end_to_end`)."""
         for c, s in pairs:
             c.eval(), s.eval()
+        runs = [end_to_end(c, s) for c, s in pairs]
 
         def most_confident(x):
-            logits = torch.stack([s(c(x)) for c, s in pairs])  # (models, batch, classes)
-            best = logits.max(dim=2).values.argmax(dim=0)
-            return logits[best, torch.arange(x.shape[0], device=x.device)]
+            logits = torch.stack([run(x) for run in runs])  # (models, batch, [positions,] classes)
+            best = logits.max(dim=-1).values.argmax(dim=0)  # (batch, [positions])
+            return logits.gather(0, best[None, ..., None].expand(1, *logits.shape[1:]))[0]
 
         out = self.ctx.evaluation.predict(most_confident)
         for _, s in pairs:
@@ -282,10 +288,8 @@ class SplitFedV3(PSL):
     global-test inference by the most confident client model (module docstring)."""
 
     name = "sflv3"
-    u_shape = Algorithm.u_shape  # not built for it yet
+    u_shape = ""  # PSL's training; the confident inference runs each client's tail after the server's part
     tiers = ""  # PSL's training by block; each client's part paired with the server entered at its cut
-    language_model = ("{name} infers by the most confident client per sample over class logits (not built for "
-                      "token blocks yet)")
     description = "SplitFed V3: per-client part-1 never averaged, server copies averaged, confident inference"
     client_rule = LabelRule
     server_rule = ConfidentServer

@@ -15,6 +15,10 @@
   (each client charged the time of the cut closest to the median), not to training; here every client trains and
   is charged at the configured cut.
 
+Language models (``model.lm``): MiniBatch-SFL's concatenated step takes the model's loss (the batch's mean
+next-token loss) and runs with ``model.lm.split: plain`` (the server steps on the concatenation with its targets);
+S2FL refuses one (its groups are balanced by class-label counts).
+
 Clients with their own cuts (``model.tiers``; MiniBatch-SFL, not S2FL): each cut's batches enter the server's
 model at that cut and the step's loss is the mean over every sample (the concatenated step's where there is one
 cut); client parts and the server's overlap are averaged by block (raysplit/runtime/tiered.py).
@@ -146,6 +150,8 @@ class S2FL(MiniBatchSFL):
 
     name = "s2fl"
     tiers = ("its server copies belong to label groups, not clients, so a copy's blocks have no one cut; not built")
+    language_model = ("{name} needs a class label per sample: it balances its client groups by their label "
+                      "counts")
     description = "S2FL: MiniBatch-SFL over label-balanced client groups, group server copies averaged"
     Params = S2FLParams
 

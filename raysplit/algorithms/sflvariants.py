@@ -120,6 +120,8 @@ class SplitGP(SFLV1):
     tiers = ("its clients' module is the client part with a local head built at the one cut (Ampere's auxiliary "
              "network); not built for other cuts")
     u_shape = "{name}'s clients train their own classifier on their labels beside the server's"
+    language_model = ("{name}'s local head is a classifier over class logits (Ampere's auxiliary network), "
+                      "not built for a language model's next-token head")
     description = "SplitGP: SplitFed with a local head and lambda * local + (1 - lambda) * global device loss"
     Params = SplitGPParams
     client_rule = SplitGPRule

@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def per_sample_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each sample's cross-entropy ``(B,)`` (a class label per sample)."""
+    return F.cross_entropy(logits, y, reduction="none")
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a rule may know of the model: its name and builder options, what goes in (``inputs``: the dataset's
@@ -68,6 +73,18 @@ class ModelFacts:
         from raysplit.lm_metrics import lm_loss
 
         return lm_loss
+
+    @property
+    def sample_losses(self):
+        """Per-sample training losses ``sample_losses(logits, y) -> (B,)``, for a loss that weighs samples
+        (CycleSL's pooled steps): the cross-entropy of each sample's class (image and character models), a
+        language model's mean next-token cross-entropy of each token block
+        (:func:`raysplit.lm_metrics.lm_sample_losses`)."""
+        if self.lm is None:
+            return per_sample_cross_entropy
+        from raysplit.lm_metrics import lm_sample_losses
+
+        return lm_sample_losses
 
     @property
     def num_classes(self) -> int:

@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from raysplit.models.tiers import block_key
 
@@ -114,11 +113,11 @@ def merge_optimizer_states(main: torch.nn.Module, main_state: dict, copy_states:
 
 def step_at_cuts(trainer, parts: list, model, tag, ready_at: float = 0.0) -> torch.Tensor:
     """One step of ``model`` (a :class:`~raysplit.runtime.state.ModelSlot`) on samples that enter it at several
-    cuts (``parts``: ``(cut, features, labels, weights or None)``): each cut's samples run from
-    there, the loss the weighted mean cross-entropy over every sample (unweighted: the sum of the cuts' summed
-    losses over all samples, the concatenated step's loss where there is one cut); then the trainer's
-    :meth:`~raysplit.runtime.server.trainer.Trainer.settle` (clipping, the step, the FLOPs from ``ready_at`` on,
-    counted once per composition of cuts and shapes)."""
+    cuts (``parts``: ``(cut, features, labels, weights or None)``): each cut's samples run from there, the loss
+    the weighted mean of the trainer's per-sample losses (``sample_losses``) over every sample (unweighted: the sum
+    of the cuts' summed losses over all samples, the concatenated step's loss where there is one cut); then the
+    trainer's :meth:`~raysplit.runtime.server.trainer.Trainer.settle` (clipping, the step, the FLOPs from
+    ``ready_at`` on, counted once per composition of cuts and shapes)."""
     from raysplit.models.tiers import entered
 
     t_wall = time.perf_counter()
@@ -132,7 +131,7 @@ def step_at_cuts(trainer, parts: list, model, tag, ready_at: float = 0.0) -> tor
         total = 0.0
         for (cut, x, y, _), w in zip(parts, weights):
             with entered(module, cut):
-                total = total + (w * F.cross_entropy(module(x), y, reduction="none")).sum()
+                total = total + (w * trainer.sample_losses(module(x), y)).sum()
         out = total / total_weight
         out.backward()
         return out

@@ -55,7 +55,8 @@ class AsyncServer(ServerHost):
         costs = ClientCosts(self.evaluation.client, plan, s.train.batch_size, self.plan.model.input_shape,
                             transport.state_nbytes(self.client_init.state), s.clock.charge_server,
                             act_bits=priv.defence.sent_bits if priv is not None else None,
-                            drop_last=s.train.drop_last)
+                            drop_last=s.train.drop_last, tokens=self.plan.model.language_model,
+                            loss=self.plan.model.loss)
         self.events = EventLoop(plan, costs, s.seed)
 
     def context_items(self) -> dict:

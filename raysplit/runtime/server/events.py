@@ -81,8 +81,13 @@ class ClientCosts:
     message sizes derived from the shapes."""
 
     def __init__(self, client_part: torch.nn.Module, setup: EventPlan, batch_size: int, input_shape: tuple,
-                 model_nbytes: int, charge_downloads: bool, act_bits: int | None = None, drop_last: bool = False):
+                 model_nbytes: int, charge_downloads: bool, act_bits: int | None = None, drop_last: bool = False,
+                 tokens: bool = False, loss=F.cross_entropy):
         self.part = counting_copy(client_part).train()  # on the CPU, whatever device the server computes on
+        # a language model's inputs are token ids and its labels the block itself (``tokens``); ``loss``: the
+        # model's training loss, as the client hosts' local steps compute it
+        self.tokens, self.loss = tokens, loss
+        self.input_dtype = torch.long if tokens else torch.float32
         self.act_bits = act_bits  # privacy.defence quantize: activations sent at this many bits (privacy.quantize)
         self.setup = setup
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -91,14 +96,14 @@ class ClientCosts:
         self.charge_downloads = charge_downloads
         self._flops: dict[tuple, int] = {}
         with torch.no_grad():
-            out = self.part.eval()(torch.zeros(1, *self.input_shape))
+            out = self.part.eval()(torch.zeros(1, *self.input_shape, dtype=self.input_dtype))
         self.part.train()
         self.act_shape, self.act_itemsize = tuple(out.shape[1:]), out.element_size()
 
     def _count(self, key: tuple) -> int:
         if key not in self._flops:
             kind, n = key
-            x = torch.zeros(n, *self.input_shape)
+            x = torch.zeros(n, *self.input_shape, dtype=self.input_dtype)
             if kind == "bwd":
                 out = self.part(x)
                 with FlopCounterMode(display=False) as fc:
@@ -107,7 +112,7 @@ class ClientCosts:
                 with FlopCounterMode(display=False) as fc:
                     out = self.part(x)
                     if kind == "train":
-                        F.cross_entropy(out, torch.zeros(n, dtype=torch.long)).backward()
+                        self.loss(out, x if self.tokens else torch.zeros(n, dtype=torch.long)).backward()
             self.part.zero_grad(set_to_none=True)
             self._flops[key] = int(fc.get_total_flops())
         return self._flops[key]

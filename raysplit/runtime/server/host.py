@@ -66,7 +66,7 @@ class ServerHost:
         self.deferred = Deferred()  # the round's checks of values on the device, read at its end (end_round)
         self.trainer = Trainer(s.train, s.clock, optimizer, s.train.rounds, self.device,
                                before_step=lambda *a: self.rule.before_step(*a), deferred=self.deferred,
-                               cut_of=plan.model.cut_of, loss=plan.model.loss)
+                               cut_of=plan.model.cut_of, loss=plan.model.loss, sample_losses=plan.model.sample_losses)
         self.models = ServerModels(ModelSlot(server, make_optimizer(server.parameters(), optimizer)), self.trainer,
                                    optimizer, batch_copies=getattr(plan.method.params, "batched_copies", False),
                                    cuts=plan.model.cuts,

@@ -6,15 +6,15 @@ mini-batch's samples enter the server's model at their own cuts (:func:`raysplit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from raysplit.runtime import tiered
 
 
 class Pool:
     """The pooled samples of ``batches`` in their order (``len``: how many), on the server's device; ``step(idx,
-    model, tag)``: one step of ``model`` on the samples ``idx`` with the client-size-weighted cross-entropy;
-    ``step_all(model, tag)``: one on all of them, unweighted."""
+    model, tag)``: one step of ``model`` on the samples ``idx`` with the client-size-weighted per-sample loss (the
+    trainer's ``sample_losses``: a class model's cross-entropy, a language model's mean next-token loss of each
+    block); ``step_all(model, tag)``: one on all of them with the model's loss, unweighted."""
 
     def __init__(self, trainer, batches: list):
         self.trainer = trainer
@@ -58,10 +58,10 @@ class Pool:
         its client's sample count; the loss."""
         if not self.tiered:
             idx = idx.to(self.device)
-            def weighted_ce(out, y, w=self.w[idx]):
-                return (w * F.cross_entropy(out, y, reduction="none")).sum() / w.sum()
+            def weighted(out, y, w=self.w[idx], per_sample=self.trainer.sample_losses):
+                return (w * per_sample(out, y)).sum() / w.sum()
 
-            return self.trainer.step(self.x[idx], self.y[idx], model, tag=tag, loss=weighted_ce)
+            return self.trainer.step(self.x[idx], self.y[idx], model, tag=tag, loss=weighted)
         parts = []
         for cut, x in self.x_at.items():
             sel = idx[self.cut_of_sample[idx] == cut]  # host memory: no read of the device

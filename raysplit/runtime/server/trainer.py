@@ -74,15 +74,19 @@ class Trainer:
     tag)``: the server rule's hook; ``deferred``: the
     host's checks read at the round's end (:class:`~raysplit.runtime.screening.Deferred`), where a step's finite
     check goes (None: each loss is read as it is made); ``loss(out, y)``: the model's training loss
-    (:attr:`~raysplit.runtime.plan.ModelFacts.loss`), what a step computes unless the caller gives its own.
+    (:attr:`~raysplit.runtime.plan.ModelFacts.loss`), what a step computes unless the caller gives its own;
+    ``sample_losses(out, y)``: the same per sample, ``(B,)`` (:attr:`~raysplit.runtime.plan.ModelFacts.sample_losses`),
+    for steps that weigh samples (the pool's).
 
     Nothing here reads the device per step: a loss stays a 0-d tensor (returned, tallied, sent with the gradient,
     checked at the round's end), a gradient is the tensor itself, its norm a tensor in the tally."""
 
     def __init__(self, train, clock_section, optimizer, rounds: int, device: torch.device,
                  before_step: Callable | None = None, deferred: Deferred | None = None,
-                 cut_of: Callable[[int], int | None] = lambda cid: None, loss: Callable = F.cross_entropy):
+                 cut_of: Callable[[int], int | None] = lambda cid: None, loss: Callable = F.cross_entropy,
+                 sample_losses: Callable | None = None):
         self.loss = loss
+        self.sample_losses = sample_losses or (lambda out, y: F.cross_entropy(out, y, reduction="none"))
         self.train_section, self.optimizer_section, self.rounds = train, optimizer, rounds
         self.cut_of = cut_of  # tiered: a client's cut, where the server's model is entered for its batches
         self.device = device
