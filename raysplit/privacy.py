@@ -562,9 +562,10 @@ def privacy_spec(section, method: str, keeps_global: bool, cut: int | None, data
     if a.kind != "none":
         if plugin is not None and plugin.language_model:
             if lm is None:
+                images = ", ".join(n for n, p in ATTACK_PLUGINS.items() if not p.language_model)
                 raise ConfigError(f"privacy.attack.kind={a.kind} recovers tokens from a language model's hidden "
                                   f"states (model.lm); this run's model is an image model on {dataset} (its image "
-                                  f"attacks: {', '.join(n for n, p in ATTACK_PLUGINS.items() if not p.language_model)})")
+                                  f"attacks: {images})")
             if lm.split == "plain":
                 raise ConfigError(f"privacy.attack.kind={a.kind}: model.lm.split=plain sends the token blocks to "
                                   f"the server as labels, so the server has the text and there is nothing to "
