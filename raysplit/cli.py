@@ -59,15 +59,36 @@ def _cmd_list(args) -> int:
     print("partitioners:")
     for n in sorted(PARTITIONERS):
         print(f"  {n}")
-    from raysplit.privacy import ATTACKS, DEFENCES
+    from raysplit.label_privacy import LABEL_ATTACK_MODELS, LABEL_DEFENCE_MODELS
+    from raysplit.privacy import ATTACK_PLUGINS, ATTACKS, DEFENCE_MODELS, NoAttack
 
-    print("privacy defences (privacy.defence.kind):")
-    for n, d in DEFENCES.items():
-        print(f"  {n:<14} {d}")
-    print("privacy attacks (privacy.attack.kind):")
-    for n, d in ATTACKS.items():
-        print(f"  {n:<14} {d}")
+    sections = (("privacy defences (privacy.defence.kind)", DEFENCE_MODELS, None),
+                ("privacy attacks (privacy.attack.kind)", (NoAttack, *(a.Params for a in ATTACK_PLUGINS.values())),
+                 ATTACKS),
+                ("label defences, U-shaped splits (privacy.label_defence.kind)", LABEL_DEFENCE_MODELS, None),
+                ("label attacks, U-shaped splits (privacy.label_attack.kind)", LABEL_ATTACK_MODELS, None))
+    for title, models, descriptions in sections:
+        print(f"{title}:")
+        for name, desc, params in plugin_docs(models, descriptions):
+            print(f"  {name:<18} {desc}")
+            for key, default, pdesc in params:
+                print(f"      {key} = {default}: {pdesc}")
     return 0
+
+
+def plugin_docs(models, descriptions: dict | None = None) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """``(kind, description, [(key, default, description)])`` of each privacy plug-in's config model (its
+    ``kind`` field names and describes it unless ``descriptions`` has its own line; its other fields are its
+    parameters)."""
+    out = []
+    for m in models:
+        kind = m.model_fields["kind"]
+        name = kind.annotation.__args__[0]
+        desc = (descriptions or {}).get(name) or (kind.description or "").split(": ", 1)[-1]
+        params = [(k, "required" if f.is_required() else repr(f.default), f.description or "")
+                  for k, f in m.model_fields.items() if k != "kind"]
+        out.append((name, desc, params))
+    return out
 
 
 def _cmd_compare(args) -> int:

@@ -255,7 +255,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                       server_rule=alg.server_rule, persist_client_models=not alg.keeps_global_client_model(),
                       asynchronous=alg.driver.asynchronous),
         privacy=privacy_spec(cfg.privacy, alg.name, alg.keeps_global_client_model(), cut, cfg.data.dataset,
-                             tuple(spec_d.input_shape), x_te, num_clients),
+                             tuple(spec_d.input_shape), x_te, num_clients, lm=lm),
         ushape=ushape, events=events)
     inputs = RuntimeInputs(
         plan=plan, server_host=alg.driver.server_host,

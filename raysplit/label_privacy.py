@@ -91,18 +91,32 @@ class GradientScoring(LabelAttackParams):
                                               "(privacy/label_* metrics)")
 
 
-LabelAttackConfig = Annotated[Union[NoLabelAttack, GradientScoring], Field(discriminator="kind")]  # noqa: UP007
+class NextTokenScoring(LabelAttackParams):
+    kind: Literal["next_token"] = Field(description="next_token: language models: the next tokens read from the "
+                                        "returned gradients by their direction against the public LM head's rows, "
+                                        "per round: top-1 and top-5 accuracy (privacy/next_token_leak, "
+                                        "privacy/next_token_top5; raysplit/token_privacy.py)")
+    scale_by_norm: bool = Field(default=True, description="scale the head's rows by the final norm's weight (the "
+                                "rows as they reach the cut) before comparing directions")
+
+
+LabelAttackConfig = Annotated[Union[NoLabelAttack, GradientScoring, NextTokenScoring],  # noqa: UP007
+                              Field(discriminator="kind")]
+LABEL_ATTACK_MODELS = (NoLabelAttack, GradientScoring, NextTokenScoring)
 
 
 @dataclass(frozen=True)
 class UShapeSpec:
     """A U-shaped split as the hosts get it: the tail's first block (``tail_cut``), the defence on the returned
-    gradient and the label attack, and the number of classes the scores are over."""
+    gradient and the label attack, and the number of classes the scores are over; for the ``next_token`` attack
+    on a language model, ``head_rows``: the public base's LM head rows it compares directions with (scaled by the
+    final norm's weight where ``scale_by_norm``)."""
 
     tail_cut: int
     defence: LabelDefenceParams
     attack: LabelAttackParams
     num_classes: int
+    head_rows: np.ndarray | None = None  # next_token: the public LM head's rows (V, D), scaled by the norm's weight
 
     @property
     def scored(self) -> bool:
@@ -177,9 +191,11 @@ def ushape_spec(model, cut: int | None, tail_cut, section, method: str, refusal:
     on = [k for k in ("label_attack", "label_defence") if getattr(section, k).kind != "none"]
     if tail_cut is None:
         if on:
+            how = ("model.lm.split=u_shaped" if getattr(model, "hf_model", None) is not None else
+                   "model.tail_cut for a U-shaped split")
             raise ConfigError(f"privacy.{on[0]}.kind={getattr(section, on[0]).kind}: {method} sends the labels to "
-                              f"the server, which has no need to read them from gradients; set model.tail_cut for a "
-                              f"U-shaped split, where the labels stay on the clients")
+                              f"the server, which has no need to read them from gradients; set {how}, where the "
+                              f"labels stay on the clients")
         return None, None, None
     if cut is None:
         raise ConfigError(f"model.tail_cut={tail_cut!r}: {method} has no split: the whole model and the labels stay "
@@ -199,5 +215,28 @@ def ushape_spec(model, cut: int | None, tail_cut, section, method: str, refusal:
         raise ConfigError(f"model.tail_cut={tail_cut!r} (after block {tail}) does not come after model.cut (after "
                           f"block {cut}, {names.get(cut, cut)!r}): the server would hold no block; valid tail cuts "
                           f"here: {', '.join(repr(names.get(i, i)) for i in range(cut + 1, len(model.blocks)))}")
+    attack, rows = section.label_attack, None
+    from raysplit.models.causal_lm import CausalLM
+
+    language_model = isinstance(model, CausalLM)
+    if attack.kind == "gradient_scoring" and language_model:
+        raise ConfigError("privacy.label_attack.kind=gradient_scoring scores one class label per sample; a language "
+                          "model's labels are its next tokens: use privacy.label_attack.kind=next_token")
+    if attack.kind == "next_token":
+        if not language_model:
+            raise ConfigError(f"privacy.label_attack.kind=next_token reads next tokens against a language model's "
+                              f"LM head (model.lm); {type(model).__name__} is not one: use gradient_scoring")
+        if tail != len(model.blocks) - 1:
+            names = {i: n for n, i in model.cut_points().items()}
+            raise ConfigError(f"model.tail_cut={tail_cut!r}: privacy.label_attack.kind=next_token compares the "
+                              f"returned gradient with the LM head's rows, which needs the client's tail to be "
+                              f"the head alone (model.tail_cut={names[len(model.blocks) - 1]!r}, the default); "
+                              f"here the tail holds decoder blocks too")
+        from raysplit.token_privacy import head_rows
+
+        w, norm_w = head_rows(model.blocks[-1])
+        if attack.scale_by_norm and norm_w is not None:
+            w = w * norm_w
+        rows = np.ascontiguousarray(w.float().numpy())
     client, server = model.split_u(cut, tail)
-    return UShapeSpec(tail, section.label_defence, section.label_attack, num_classes), client, server
+    return UShapeSpec(tail, section.label_defence, attack, num_classes, rows), client, server

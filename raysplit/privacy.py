@@ -19,7 +19,8 @@ At the cut: ``PrivacySpec`` (what the ``privacy`` config section resolves to, sh
 (what a client host applies to each activation before it leaves, and the loss term it adds); the reconstruction
 attacks, each a plug-in (``Attack``: ``ATTACK_PLUGINS``, listed by ``raysplit list``) given an ``AttackView`` of
 one victim: ``InverseNetwork`` (``train_decoder``) and ``WhiteBoxInversion`` (``invert_activations``), scored by
-``reconstruction_scores`` (SSIM and PSNR from torchmetrics). Off
+``reconstruction_scores`` (SSIM and PSNR from torchmetrics); on a language model ``NearestEmbedding`` and
+``TokenInversion`` (raysplit/token_privacy.py), scored by the fraction of tokens recovered. Off
 (``privacy.defence.kind: none``), no host calls any of them and a run's results are those of a run without the
 section, bit for bit.
 """
@@ -262,7 +263,15 @@ class CutDefence:
         self.spec = spec
         self.params = spec.defence  # the defence's own section (``kind`` and its keys)
 
-    def release(self, z: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    def release(self, z):
+        """A language model's :class:`~raysplit.models.causal_lm.HiddenStates` payload is defended on its hidden
+        tensor alone: the attention mask and positions cross as they are (public structure, no gradient), their
+        bytes added to the hidden tensor's where the defence charges its own."""
+        if hasattr(z, "hidden") and hasattr(z, "attention_mask"):
+            hidden, nbytes = self.params.release(z.hidden)
+            rest = z.attention_mask.numel() * z.attention_mask.element_size() + \
+                z.positions.numel() * z.positions.element_size()
+            return type(z)(hidden, z.attention_mask, z.positions), (None if nbytes is None else nbytes + rest)
         return self.params.release(z)
 
     def loss(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -379,7 +388,12 @@ class AttackView:
     only the score uses): ``z_victim``, what the victim sends for the inputs scored; ``aux`` and ``z_aux``, the
     public auxiliary inputs and what the victim's client part sends for them (where the attack ``needs_aux``);
     ``held``, the averaged client model's encoder the server holds (where it ``needs_held_model``); ``lo``,
-    ``hi``, the input range per channel (1, C, H, W); ``seed``, for an attack that draws randomness."""
+    ``hi``, the input range per channel (1, C, H, W); ``seed``, for an attack that draws randomness. On a
+    language model (an attack that is ``language_model``): ``z_victim`` the hidden states ``(B, T, D)`` the victim
+    sends for its token blocks, ``public`` the public base's client part (the client part as the run started:
+    the pretrained or initial weights every side loads, no client's adapters), ``aux`` public token blocks and
+    ``z_aux`` what that public part sends for them through the client's defence, ``vocab`` the vocabulary's
+    size."""
 
     z_victim: torch.Tensor
     aux: torch.Tensor | None = None
@@ -388,6 +402,8 @@ class AttackView:
     lo: torch.Tensor | None = None
     hi: torch.Tensor | None = None
     seed: int = 0
+    public: object = None
+    vocab: int = 0
 
 
 class Attack:
@@ -402,6 +418,7 @@ class Attack:
     Params: ClassVar[type[ScoredAttack]] = ScoredAttack  # its keys under privacy.attack (kind: its name)
     needs_aux = False
     needs_held_model = False
+    language_model = False  # recovers token ids from a language model's hidden states (token_recovery)
 
     def __init__(self, spec: PrivacySpec):
         self.spec = spec
@@ -459,20 +476,78 @@ class WhiteBoxInversion(Attack):
         return invert_activations(view.held, view.z_victim, view.lo, view.hi, p.steps, p.lr, p.tv)
 
 
-ATTACK_PLUGINS: dict[str, type[Attack]] = {a.name: a for a in (InverseNetwork, WhiteBoxInversion)}
+class NearestEmbedding(Attack):
+    """Token recovery by the nearest row of the public embedding table
+    (:func:`~raysplit.token_privacy.nearest_tokens`), the embedding-inversion baseline of SplitLLM (Chen et al.,
+    CCS 2024)."""
+
+    name = "nearest_embedding"
+    description = ("language models: each position's hidden state at the cut matched to the nearest row of the "
+                   "public embedding table (after removing the public positional embedding); exact at cut embed "
+                   "without a defence, weaker deeper; privacy/token_recovery (SplitLLM's embedding-inversion "
+                   "baseline, Chen et al., CCS 2024)")
+    language_model = True
+
+    class Params(ScoredAttack):
+        kind: Literal["nearest_embedding"] = Field(description="nearest_embedding: the nearest public embedding row")
+        metric: Literal["cosine", "l2"] = Field(default="cosine", description="cosine or l2 distance to the rows")
+        remove_positions: bool = Field(default=True, description="subtract the public positional embedding first "
+                                       "(GPT-2's learned positions; Llama's are rotary, nothing to subtract)")
+
+    def reconstruct(self, view: AttackView) -> torch.Tensor:
+        from raysplit.token_privacy import embed_block, embedding_tables, nearest_tokens
+
+        table, positions = embedding_tables(embed_block(view.public))
+        return nearest_tokens(view.z_victim, table, self.params.metric,
+                              positions if self.params.remove_positions else None)
+
+
+class TokenInversion(Attack):
+    """SplitLLM's learned inversion (Chen et al., CCS 2024; StupidTrees/SplitLLM), reduced to one position at a
+    time: a decoder from hidden states to tokens trained on public text encoded through the public base and the
+    client's defence (:func:`~raysplit.token_privacy.train_token_decoder`)."""
+
+    name = "token_inversion"
+    description = ("language models: a small decoder from hidden states to tokens, trained on public text (the "
+                   "test set's last aux_size blocks) encoded through the public base's client part and the "
+                   "client's defence, applied to what the victim sends; privacy/token_recovery (SplitLLM's "
+                   "learned inversion, Chen et al., CCS 2024, per position)")
+    language_model = True
+    needs_aux = True
+
+    class Params(ScoredAttack):
+        kind: Literal["token_inversion"] = Field(description="token_inversion: a decoder trained on public text")
+        aux_size: int = Field(default=32, ge=1, description="the attacker's public text, the test set's last "
+                              "aux_size token blocks")
+        epochs: int = Field(default=20, ge=1, description="the decoder's passes over the public positions")
+        hidden: int = Field(default=256, ge=1, description="the decoder MLP's hidden units")
+        lr: float = Field(default=3e-3, gt=0, description="the decoder's Adam learning rate")
+
+    def reconstruct(self, view: AttackView) -> torch.Tensor:
+        from raysplit.token_privacy import train_token_decoder
+
+        p = self.params
+        dec = train_token_decoder(view.z_aux, view.aux, view.vocab, p.epochs, p.hidden, seed=view.seed, lr=p.lr)
+        return dec.tokens(view.z_victim)
+
+
+ATTACK_PLUGINS: dict[str, type[Attack]] = {a.name: a for a in (InverseNetwork, WhiteBoxInversion, NearestEmbedding,
+                                                                TokenInversion)}
 ATTACKS = {"none": "no attack", **{n: a.description for n, a in ATTACK_PLUGINS.items()}}
 AttackConfig = Annotated[Union[(NoAttack, *(a.Params for a in ATTACK_PLUGINS.values()))],  # noqa: UP007
                          Field(discriminator="kind")]
 
 
 def privacy_spec(section, method: str, keeps_global: bool, cut: int | None, dataset: str, input_shape: tuple,
-                 x_te: np.ndarray, num_clients: int) -> PrivacySpec | None:
+                 x_te: np.ndarray, num_clients: int, lm=None) -> PrivacySpec | None:
     """The ``privacy`` config ``section`` as the hosts get it (None: off), checked against the method (its name,
     whether it keeps a global client model, its cut) and the data (``dataset``, the per-sample ``input_shape``, the
     test inputs ``x_te``) before any actor starts: a defence or an attack needs a cut whose activations reach the server; the reconstruction
     attack needs images and an auxiliary set the test set can give; the inversion attack needs images and an
     averaged client model on the server (not psl); NoPeek needs the client's loss, which Ampere's device phase
-    (its own local loss) does not take yet."""
+    (its own local loss) does not take yet. ``lm``: the run's ``model.lm`` section (None: a model of the zoo): the
+    token attacks (``language_model``) need one, split U-shaped (a plain split sends the text to the server as
+    labels, so there is nothing to recover), and the image attacks refuse one."""
     d, a = section.defence, section.attack
     if d.kind == "none" and a.kind == "none":
         return None
@@ -485,9 +560,21 @@ def privacy_spec(section, method: str, keeps_global: bool, cut: int | None, data
                           "which the NoPeek term is not added to (noise and quantize apply to its one-shot export)")
     aux, plugin = None, ATTACK_PLUGINS.get(a.kind)
     if a.kind != "none":
-        if len(input_shape) != 3:
+        if plugin is not None and plugin.language_model:
+            if lm is None:
+                images = ", ".join(n for n, p in ATTACK_PLUGINS.items() if not p.language_model)
+                raise ConfigError(f"privacy.attack.kind={a.kind} recovers tokens from a language model's hidden "
+                                  f"states (model.lm); this run's model is an image model on {dataset} (its image "
+                                  f"attacks: {images})")
+            if lm.split == "plain":
+                raise ConfigError(f"privacy.attack.kind={a.kind}: model.lm.split=plain sends the token blocks to "
+                                  f"the server as labels, so the server has the text and there is nothing to "
+                                  f"recover; token recovery is measured on model.lm.split=u_shaped")
+        elif len(input_shape) != 3:
+            hint = (f" (a language model: {', '.join(n for n, p in ATTACK_PLUGINS.items() if p.language_model)})"
+                    if lm is not None else "")
             raise ConfigError(f"privacy.attack.kind={a.kind} scores images (channels, height, width); "
-                              f"{dataset}'s inputs have shape {input_shape}")
+                              f"{dataset}'s inputs have shape {input_shape}{hint}")
         if a.victims > num_clients:
             raise ConfigError(f"privacy.attack.victims={a.victims} is more than the {num_clients} clients")
     if plugin is not None and plugin.needs_aux:

@@ -20,7 +20,8 @@ from raysplit import tags
 CLIENT_KEYS = ("bytes_up", "bytes_down", "flops", "steps", "t_end")
 BYTE_KINDS = ("bytes_up_activations", "bytes_up_model", "bytes_up_labels", "bytes_down_gradients", "bytes_down_model")
 U_BYTE_KINDS = ("bytes_down_middle", "bytes_up_tail_gradients")  # a U-shaped split's extra exchange (only then)
-LABEL_SCORES = ("label_auc_norm", "label_auc_direction", "label_acc_direction", "label_acc_norm")
+LABEL_SCORES = ("label_auc_norm", "label_auc_direction", "label_acc_direction", "label_acc_norm",
+                "next_token_leak", "next_token_top5")
 
 
 @dataclass
@@ -322,11 +323,13 @@ class Reporter:
         return out
 
     def _attack(self, rnd: int, rt, global_handle) -> dict:
-        """The attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``, ``dcor``); the
+        """The attack's scores, averaged over its victims (``privacy/ssim``, ``psnr``, ``mse``, ``dcor``; on a
+        language model ``privacy/token_recovery``); the
         last evaluation's (input, reconstruction) pairs are kept for the end-of-run grid."""
         per = rt.reconstruction(list(self.prepared.inputs.plan.privacy.victims), rnd, global_handle)
-        self.reconstructions = [per[c]["images"] for c in sorted(per)]
-        return {f"privacy/{k}": float(np.mean([per[c][k] for c in per])) for k in ("ssim", "psnr", "mse", "dcor")}
+        self.reconstructions = [per[c]["images"] for c in sorted(per) if "images" in per[c]]
+        keys = next(iter(per.values()), {})  # a language model's attack scores token_recovery instead
+        return {f"privacy/{k}": float(np.mean([per[c][k] for c in per])) for k in keys if k != "images"}
 
     def finish(self, totals: dict[int, dict], ckpt_path: Path) -> dict:
         """Summary metrics and the end-of-run artifacts; returns the last round's metrics plus ``run_id``."""

@@ -10,6 +10,7 @@ import torch
 
 from raysplit.data import to_tensor
 from raysplit.privacy import ATTACK_PLUGINS, AttackView, CutDefence, distance_correlation, reconstruction_scores
+from raysplit.runtime import transport
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.messages import StateMsg, Tag
 
@@ -21,8 +22,12 @@ class ClientCut:
 
     client_fields = ("dp_releases",)  # per-client state that moves with a client
 
-    def __init__(self, privacy):
+    def __init__(self, privacy, public_state: dict | None = None):
         self.privacy = privacy
+        # the client part as the run started (packed): a language model's public base, which the token attacks
+        # assume the server has (kept only for one; the reference the host already holds, not a copy)
+        attack = ATTACK_PLUGINS.get(privacy.attack.kind) if privacy is not None else None
+        self.public_state = public_state if attack is not None and attack.language_model else None
         self.defence = CutDefence(privacy) if privacy is not None and privacy.defence.active else None
         self._leaks: dict[Tag, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dp_releases: dict[int, dict[float, int]] = {}  # noised releases per client: {sampling rate: count}
@@ -82,6 +87,8 @@ def reconstruction_attack(privacy, seed: int, data, states, cut: ClientCut, exec
         held.eval()
         lo, hi = to_tensor(priv.input_range, data_spec).split(1)
     aux = to_tensor(priv.aux_x, data_spec) if mine and attack.needs_aux else None
+    if attack.language_model:
+        return token_attack(priv, seed, data, states, cut, executor, rule, mine, rnd, attack)
     out = {}
     for c in mine:
         module = rule.build_module()
@@ -106,4 +113,44 @@ def reconstruction_attack(privacy, seed: int, data, states, cut: ClientCut, exec
         states.give_back(module)
     if held is not None:
         states.give_back(held)
+    return out
+
+
+def token_attack(priv, seed: int, data, states, cut: ClientCut, executor, rule, mine: list[int], rnd: int,
+                 attack) -> dict[int, dict]:
+    """A token-recovery attack (``attack.language_model``) against the clients ``mine``: each victim's first
+    ``samples`` training blocks in a seeded order, encoded by its current client part with its defence (what the
+    server receives), recovered by the plug-in from what the server would have: the public base's client part
+    (``cut.public_state``: the client part as the run started) and, where it ``needs_aux``, public text (the test
+    set's last blocks) encoded through that public part and the same defence. Returns per client
+    ``token_recovery``, the fraction of the victim's tokens recovered."""
+    from raysplit.token_privacy import token_accuracy
+
+    if not mine:
+        return {}
+    defence, data_spec = cut.defence, data.spec
+    public = rule.build_module()
+    public.load_state_dict(transport.unpack_state(cut.public_state))
+    public.eval()
+
+    def defended(z):
+        return z if defence is None else defence.release(z)[0]
+
+    aux = to_tensor(priv.aux_x, data_spec) if attack.needs_aux else None
+    out = {}
+    for c in mine:
+        module = rule.build_module()
+        module.load_state_dict(states.state_of(c))
+        module.eval()
+        encode = rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
+        order = np.random.default_rng([seed, 0xA77, c]).permutation(data.train_idx[c])
+        victim = to_tensor(data.x[np.sort(order[:priv.attack.samples])], data_spec)
+        with torch.no_grad(), executor.seeded(c, 3, rnd):
+            z_aux = defended(public(aux)) if aux is not None else None
+            z_vic = defended(encode(victim))
+        rec = attack.reconstruct(AttackView(z_vic, aux=aux, z_aux=z_aux, public=public, seed=seed * 7919 + c,
+                                            vocab=data_spec.num_classes))
+        out[c] = {"token_recovery": token_accuracy(rec, victim)}
+        states.give_back(module)
+    states.give_back(public)
     return out

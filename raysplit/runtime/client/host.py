@@ -88,7 +88,7 @@ class ClientHost:
                                    spill_dir=spill.spill_dir, changed=self.changed,
                                    cut_of=plan.model.cut_of if plan.model.cuts is not None else None,
                                    build_cut=lambda cut: plan.model.part_at(cut, device).to(device))
-        self.cut = ClientCut(plan.privacy)
+        self.cut = ClientCut(plan.privacy, init_state)
         self.executor = Executor(s.seed, device, rt.pack_clients, plan.model.loss)
         self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)
                      if plan.ushape is not None else None)  # U-shaped: the labels stay here

@@ -17,7 +17,8 @@ Every exchange is charged: the middle's output as ``bytes_down_middle``, the ret
 ``bytes_up_tail_gradients``, the tail's FLOPs on the client's clock, the middle's forward and backward on the
 server's, each starting once its input has arrived. The loop (runtime/stepping.py, ``USHAPED``) runs the same
 calls in the same order on every transport. With the label attack on, the client scores what it released per
-client and round (:func:`~raysplit.label_privacy.leak_scores`), since scoring needs the labels it never sends.
+client and round (:func:`~raysplit.label_privacy.leak_scores`; on a language model the next tokens,
+:func:`~raysplit.token_privacy.next_token_leak`), since scoring needs the labels it never sends.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from raysplit.runtime import transport
 from raysplit.runtime.screening import TAIL_LOSS, check_loss
 from raysplit.runtime.messages import Activation, Batch, Gradient, MiddleOut, Tag, TailGradient
 from raysplit.runtime.server.stepping import USHAPED
+from raysplit.token_privacy import next_token_leak
 
 
 class ClientTail:
@@ -87,6 +89,11 @@ class ClientTail:
         """The round is over: each scored client's row (``rows[c]``) gets the label attack's scores of what it
         released this round (``label_auc_norm``, ...); what was kept for the round goes."""
         for cid, got in self.released.items():
+            if self.spec.attack.kind == "next_token":  # a language model: the next tokens against the head's rows
+                g = torch.cat([torch.as_tensor(transport.pack(g)) for g, _ in got])
+                ids = torch.as_tensor(np.concatenate([y for _, y in got]))
+                rows.setdefault(cid, {}).update(next_token_leak(g, ids, torch.as_tensor(self.spec.head_rows)))
+                continue
             released = np.concatenate([transport.pack(g).reshape(len(g), -1) for g, _ in got])
             scores = leak_scores(released, np.concatenate([y for _, y in got]), self.spec.num_classes)
             rows.setdefault(cid, {}).update({f"label_{k}": v for k, v in scores.items()})
