@@ -142,7 +142,8 @@ class Measure(_Strict):
     def _paired(self):
         _five(self.at, "measure.at")
         if self.records and (self.median_only or len(self.records) != len(self.values)):
-            raise ValueError("measure.records: one list of records a seed, in the order of values")
+            raise ValueError("measure.records: one [minuend, subtrahend] (or [run], or to a target [method, "
+                             "baseline, ...]) a seed, in the order of values")
         if self.from_records == "accuracy" and any(len(r) not in (1, 2) for r in self.records):
             raise ValueError("measure.records: one [minuend, subtrahend] (or [run]) a seed, in the order of values")
         if self.from_records != "accuracy" and any(len(r) < 2 for r in self.records):
