@@ -10,7 +10,9 @@ by hand, and docs/results/README.md's table is generated from it::
                                        # every link (the registry's, the result pages') lands on a section that
                                        # exists; every registry value stands in the section its measure links
                                        # to; no sentence of a paper's page speaks of a claim (its mentions) in
-                                       # verdict words the computed verdict does not allow, however phrased
+                                       # verdict words the computed verdict does not allow, however phrased;
+                                       # a value made from run records is what they give, and every record
+                                       # made for a claim (its runs) is its measure's or a setting check's
 
 The rule, as docs/results/README.md states it. A claim's measure is signed so that positive values go the paper's
 way; ``values`` are its per-seed values.
@@ -128,14 +130,24 @@ class Measure(_Strict):
                             "a number where the paper's is one, else the departures from the paper's, named")
     records: list[list[str]] = Field(default_factory=list, description="per seed, the run records (paths under "
                                      "docs/results/records/) its value is made from: [minuend, subtrahend] of a "
-                                     "difference of final accuracies in points, or [run] for a single run's")
+                                     "difference of final accuracies in points, or [run] for a single run's; "
+                                     "to a target (from_records): [the method, a baseline, ...]")
+    from_records: Literal["accuracy", "time to target", "traffic to target"] = Field(
+        default="accuracy", description="what a seed's records give (issue 73, item 4, equal outcomes): accuracy, "
+        "the final accuracies' difference (or one run's) in points; time (traffic) to target, the percent of "
+        "simulated time (device-server bytes) the method saves to the common target, the highest accuracy every "
+        "run of the seed reaches, against the fastest (least-traffic) of its baselines, all on one clock")
 
     @model_validator(mode="after")
     def _paired(self):
         _five(self.at, "measure.at")
-        if self.records and (self.median_only or len(self.records) != len(self.values)
-                             or any(len(r) not in (1, 2) for r in self.records)):
+        if self.records and (self.median_only or len(self.records) != len(self.values)):
+            raise ValueError("measure.records: one [minuend, subtrahend] (or [run], or to a target [method, "
+                             "baseline, ...]) a seed, in the order of values")
+        if self.from_records == "accuracy" and any(len(r) not in (1, 2) for r in self.records):
             raise ValueError("measure.records: one [minuend, subtrahend] (or [run]) a seed, in the order of values")
+        if self.from_records != "accuracy" and any(len(r) < 2 for r in self.records):
+            raise ValueError("measure.records to a target: [the method, a baseline, ...] a seed")
         if (self.scale == "ratio") != (self.unit == "x"):
             raise ValueError("a ratio measure (scale: ratio) has unit x, and a measure in x is a ratio")
         if self.scale == "ratio" and any(x <= 0 for x in self.values):
@@ -158,10 +170,14 @@ class Check(_Strict):
                                 "linked section prints them")
     median_only: bool = False
     mean_only: bool = Field(default=False, description="the page prints only the mean over the seeds")
+    records: list[list[str]] = Field(default_factory=list, description="per seed, the run records its values are "
+                                     "made from, as the measure's (the measure's from_records)")
 
     @model_validator(mode="after")
     def _setting(self):
         _five(self.at, "check.at")
+        if self.records and len(self.records) != len(self.values):
+            raise ValueError(f"check {self.what[:40]!r}: one list of records a value")
         if self.at is not None:
             if not self.seeds or len(self.values) != (1 if self.median_only or self.mean_only else len(self.seeds)):
                 raise ValueError(f"a setting check ({self.what[:40]!r}) needs its seeds and one value a seed "
@@ -189,6 +205,9 @@ class Claim(_Strict):
     paper_setting: dict[Literal["data", "model", "labels", "schedule", "rounds"], float | list[float] | str] | None = \
         Field(default=None, description="the paper's setting along the selection rule's axes: a number (or the "
               "numbers of the settings the paper ran) where the settings' are numbers, else the paper's in words")
+    runs: list[str] = Field(default_factory=list, description="glob patterns (under docs/results/records/) of the "
+                            "run records made for this claim's quantity, in any setting: every record they match "
+                            "must be the measure's or a setting check's (records), never left out")
 
     @model_validator(mode="after")
     def _reason(self):
@@ -725,25 +744,72 @@ def traces(reg: Registry) -> list[str]:
 RECORDS = TABLE_PAGE.parent / "records"
 
 
+BYTES = ("comm/bytes_up", "comm/bytes_down")  # device-server traffic, models included: a run's history keeps them
+
+
+def record_value(kind: str, results: list[dict]) -> float:
+    """What one seed's run results (the ``result`` of each record, in the measure's order) give (``from_records``):
+    ``accuracy``, the first's final accuracy minus the second's in points (or the one run's); ``time to target`` and
+    ``traffic to target``, the percent of simulated time (device-server bytes, ``BYTES`` summed over the rounds) the
+    first saves against the fastest (least-traffic) of the others, each run taken at its first evaluation reaching
+    the common target, the highest accuracy all of them reach (docs/results/_runs.py: ``common_target``,
+    ``to_target``)."""
+    if kind == "accuracy":
+        acc = [r.get("eval/accuracy", r.get("accuracy")) for r in results]
+        return 100 * (acc[0] - acc[1]) if len(acc) == 2 else 100 * acc[0]
+    sys.path.insert(0, str(ROOT / "docs" / "results"))
+    from _runs import common_target, to_target
+
+    target = common_target(results)
+    at = [to_target(r, target, BYTES if kind == "traffic to target" else ()) for r in results]
+    q = [t for _, t, _ in at] if kind == "time to target" else [b for _, _, b in at]
+    return 100 * (1 - q[0] / min(q[1:]))
+
+
 def record_traces(reg: Registry, records: Path | None = None) -> list[str]:
-    """Registry values made from run records (``measure.records``) that differ from what the records give: a
-    difference of two runs' final ``eval/accuracy`` in points (or one run's), rounded to the registry's decimals."""
+    """Registry values made from run records (``measure.records``, a setting check's ``records``) that differ from
+    what the records give (:func:`record_value`), rounded to the registry's decimals."""
     import json
 
     records = records if records is not None else RECORDS
     out = []
     for c in reg.claims:
         m = c.measure
-        for x, paths in zip(m.values if m else [], m.records if m else []):
+        if m is None:
+            continue
+        pairs = list(zip(m.values, m.records)) + [(x, r) for ch in c.checks for x, r in zip(ch.values, ch.records)]
+        for x, paths in pairs:
             try:
-                acc = [json.loads((records / p).read_text())["result"]["eval/accuracy"] for p in paths]
+                got = record_value(m.from_records, [json.loads((records / p).read_text())["result"] for p in paths])
             except (OSError, ValueError, KeyError) as e:
                 out.append(f"{c.id}: record {paths} cannot be read ({e})")
                 continue
-            got = 100 * (acc[0] - acc[1]) if len(acc) == 2 else 100 * acc[0]
             places = len(repr(abs(x)).split(".")[1].rstrip("0")) if "." in repr(x) else 0
             if abs(got - x) > 0.5 * 10 ** -places + 1e-9:
                 out.append(f"{c.id}: {x:g} is not what its records give ({got:.{max(places, 2)}f} from {paths})")
+    return out
+
+
+def left_out(reg: Registry, records: Path | None = None) -> list[str]:
+    """Run records made for a claim (those its ``runs`` patterns match under records/) that neither its measure nor
+    any of its setting checks is made from (``records``): a setting run for the claim is never left out of its
+    row (issue 73, item 3)."""
+    from fnmatch import fnmatch
+
+    records = records if records is not None else RECORDS
+    have = sorted(p.relative_to(records).as_posix() for p in records.glob("*/*.json"))
+    out = []
+    for c in reg.claims:
+        used = {p for rs in ([c.measure.records] if c.measure else []) + [ch.records for ch in c.checks]
+                for seed in rs for p in seed}
+        for pattern in c.runs:
+            hits = [p for p in have if fnmatch(p, pattern)]
+            if not hits:
+                out.append(f"{c.id}: runs pattern {pattern!r} matches no record under records/")
+            for p in hits:
+                if p not in used:
+                    out.append(f"{c.id}: the record {p}, made for this claim, is in neither its measure nor its "
+                               "checks (a setting run is never left out)")
     return out
 
 
@@ -783,7 +849,7 @@ def main(argv: list[str]) -> int:
         print(f"{TABLE_PAGE.relative_to(ROOT)} and {len(PAGES)} pages' heads: {len(reg.claims)} claims")
         return 0
     problems = (long_cells(reg) + broken_links(reg) + page_links() + shared_paths() + hand_verdicts()
-                + prose_verdicts(reg) + traces(reg) + selection(reg) + record_traces(reg))
+                + prose_verdicts(reg) + traces(reg) + selection(reg) + record_traces(reg) + left_out(reg))
     for path, text in want.items():
         if not path.is_file() or text != path.read_text():
             problems.append(f"{path.relative_to(ROOT)}: the generated part is not what {REGISTRY.relative_to(ROOT)} "

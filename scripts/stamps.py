@@ -15,7 +15,10 @@ to it), the seeds and the rounds, and the command that made them::
 ``--commit HASH`` names the commit the runs were made at where it is not HEAD (a study run from a worktree, or a
 page stamped after later commits); the default is HEAD. ``--stale REASON`` stamps a page made before a change it
 has not been rerun for: the check prints it (and the page carries a "Stale" line at its top, or at its section's
-top) but does not fail. A page whose stamp names a
+top) but does not fail. ``--made-at A,B`` names the commits the runs were made at where the text names them and
+they are not ``--commit`` (runs spanning commits, a section restamped later): on a result page (docs/results/)
+every commit of this repository the text of a stamped section names must be its stamp's commit or one of its
+``made_at``, else the check fails naming it (issue 73: commits in the text that differ from the stamp). A page whose stamp names a
 fingerprint other than today's fails the check, naming page, section and method: the method's behaviour changed
 (tests/golden/ was rewritten) and the numbers on the page were not made again.
 """
@@ -109,7 +112,7 @@ def _strip(body: str, section: str | None) -> tuple[str, str]:
 
 
 def stamp(page: Path, section: str | None, methods: list[str], seeds: str, rounds: str, command: str,
-          stale: str | None, commit: str | None = None) -> None:
+          stale: str | None, commit: str | None = None, made_at: list[str] | None = None) -> None:
     text = page.read_text()
     start, end = _find_section(text, section)
     # the stamp names the full heading: an earlier stamp of this section is found by it, whatever prefix was given
@@ -123,9 +126,12 @@ def stamp(page: Path, section: str | None, methods: list[str], seeds: str, round
     data = {"commit": commit, "date": datetime.date.today().isoformat(), "section": title, "machine": cpu_kind(),
             "methods": {m: (None if stale else fingerprint(m)) for m in methods}, "seeds": seeds, "rounds": rounds,
             "command": command, "stale": stale}
+    if made_at:
+        data["made_at"] = [c[:7] for c in made_at]
     shown = ", ".join(f"{m} (golden {f})" if f else m for m, f in data["methods"].items()) or "none"
     visible = (f"*Stamp: {'stale, ' if stale else ''}stamped at commit {commit} on {data['date']} ({data['machine']}); "
-               f"methods: {shown}; seeds: {seeds}; rounds: {rounds}; command: `{command}`.*")
+               f"methods: {shown}; seeds: {seeds}; rounds: {rounds}; command: `{command}`"
+               + (f"; runs made at {', '.join(data['made_at'])}" if made_at else "") + ".*")
     if stale:
         lines = body.split("\n", 1)  # the banner goes under the page's title or the section's heading
         body = lines[0] + f"\n\n> **Stale:** {stale} (see the stamp at the end)." + (
@@ -140,6 +146,47 @@ def stamp(page: Path, section: str | None, methods: list[str], seeds: str, round
     print(f"stamped {page.relative_to(ROOT)}{' / ' + section if section else ''}")
 
 
+HEX = re.compile(r"(?<![\w/.#-])[0-9a-f]{7,12}(?![\w-])")
+
+
+def _commits(tokens: set[str]) -> set[str]:
+    """Those of ``tokens`` that name a commit of this repository (git cat-file; none where git cannot tell, a
+    shallow clone missing old commits)."""
+    if not tokens:
+        return set()
+    try:
+        out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, capture_output=True, text=True,
+                             input="".join(f"{t}^{{commit}}\n" for t in sorted(tokens)), timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    lines = out.splitlines()
+    return {t for t, line in zip(sorted(tokens), lines) if not line.endswith("missing") and " commit " in line}
+
+
+def named_commits(text: str, is_commit=None) -> list[str]:
+    """Commits of this repository a page's text names (outside its stamps) that its stamp does not: each section's
+    prose is held to its own stamp (the page's where it has none), whose ``commit`` and ``made_at`` (the commits
+    its runs were made at, where it was stamped later) must name every commit the text names (issue 73: commits in
+    the text that differ from the stamp). A section under no stamp is not held."""
+    is_commit = is_commit or _commits
+    stamps = [json.loads(m.group(1)) for m in STAMP.finditer(text)]
+    page = next((d for d in stamps if d.get("section") is None), None)
+    out = []
+    for title, s, e in _sections(text):
+        own = next((d for d in stamps if title is not None and d.get("section") == title), page)
+        if own is None:
+            continue
+        prose = PAIR.sub("\n", text[s:e])
+        tokens = {t for t in HEX.findall(prose) if re.search(r"[a-f]", t) and re.search(r"\d", t)}
+        known = {str(c)[:7] for c in [own.get("commit"), *own.get("made_at", [])] if c}
+        for t in sorted(is_commit(tokens)):
+            if t[:7] not in known:
+                out.append(f"{title or '(the page)'}: the text names commit {t}, its stamp {own.get('commit')}"
+                           + (f" (made at {', '.join(own['made_at'])})" if own.get("made_at") else "")
+                           + ": restamp with --made-at, or correct the text")
+    return out
+
+
 def check() -> int:
     pages = sorted({p for pattern in PAGES for p in ROOT.glob(pattern)})
     changed, stale, stamped = [], [], 0
@@ -147,6 +194,8 @@ def check() -> int:
         text = page.read_text()
         rel = page.relative_to(ROOT)
         sections = _sections(text)
+        if page.is_relative_to(ROOT / "docs" / "results"):  # the result pages: their text's commits are held to their stamps
+            changed += [f"{rel} / {line}" for line in named_commits(text)]
         for m in STAMP.finditer(text):
             data = json.loads(m.group(1))
             title = data.get("section")
@@ -187,14 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--stale", help="why the numbers are stale on purpose (made before a change, not rerun)")
     st.add_argument("--commit", help="the commit the runs were made at, where it is not HEAD (a study run from a "
                     "worktree, or stamped after later commits); default HEAD")
+    st.add_argument("--made-at", default="", help="comma-separated commits the runs were made at, where the text "
+                    "names them and they are not --commit (runs of several commits, a page restamped later)")
     sub.add_parser("check", help="name every stamped page whose methods changed since it was made")
     args = ap.parse_args(argv)
-    if args.what == "stamp" and args.commit and not re.fullmatch(r"[0-9a-f]{7,40}", args.commit):
-        ap.error(f"--commit {args.commit!r}: not a commit hash (7 to 40 hex digits)")
+    if args.what == "stamp":
+        for c in [args.commit, *args.made_at.split(",")]:
+            if c and not re.fullmatch(r"[0-9a-f]{7,40}", c):
+                ap.error(f"--commit/--made-at {c!r}: not a commit hash (7 to 40 hex digits)")
     if args.what == "check":
         return check()
     stamp(args.page.resolve(), args.section, [m for m in args.methods.split(",") if m], args.seeds, args.rounds,
-          args.command, args.stale, args.commit)
+          args.command, args.stale, args.commit, [c for c in args.made_at.split(",") if c])
     return 0
 
 

@@ -364,3 +364,47 @@ def test_a_registry_value_made_from_run_records_is_what_they_give(tmp_path):
     assert "cannot be read" in claims.record_traces(claims.Registry(claims=[gone]), tmp_path)[0]
     with pytest.raises(ValueError, match="one \\[minuend"):
         claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "records": pairs[:1]}})
+
+
+def _run(curve, bytes_per_round=None):
+    """A hand-made run result: its evaluated curve [(round, time/sim, accuracy)] and per-round traffic."""
+    rounds = int(curve[-1][0])
+    hist = [{"round": r, "comm/bytes_up": bytes_per_round or 0.0, "comm/bytes_down": 0.0} for r in range(1, rounds + 1)]
+    return {"eval/accuracy": curve[-1][2], "curve": [list(p) for p in curve], "history": hist}
+
+
+def test_time_and_traffic_to_a_common_target_on_hand_made_curves():
+    # the method reaches 0.80 at its last point, 10 s; the baselines pass it early: equal outcomes, not equal rounds
+    method = _run([(1, 4.0, 0.30), (2, 10.0, 0.80)], bytes_per_round=1.0)
+    slow = _run([(1, 5.0, 0.60), (2, 10.0, 0.82), (3, 15.0, 0.90)], bytes_per_round=100.0)
+    fast = _run([(1, 2.0, 0.70), (2, 4.0, 0.85), (3, 6.0, 0.88)], bytes_per_round=50.0)
+    # the target is 0.80, the highest accuracy all three reach; the fastest baseline reaches it in 4 s
+    assert claims.record_value("time to target", [method, slow, fast]) == pytest.approx(100 * (1 - 10 / 4))
+    # traffic: the method 2 rounds x 1 byte; the least-traffic baseline (fast: 2 rounds x 50) to 0.80
+    assert claims.record_value("traffic to target", [method, slow, fast]) == pytest.approx(100 * (1 - 2 / 100))
+    # judged at the final point instead, the method would save 10 / 15 of the slow baseline's time: the target counts
+    assert claims.record_value("accuracy", [method, slow]) == pytest.approx(-10.0)
+
+
+def test_a_record_never_left_out_of_its_row(tmp_path):
+    import json
+
+    (tmp_path / "fake_runs").mkdir()
+    for name, acc in (("a_s0", 0.85), ("b_s0", 0.82), ("a_long_s0", 0.90)):
+        (tmp_path / "fake_runs" / f"{name}.json").write_text(json.dumps({"result": {"eval/accuracy": acc}}))
+    c = _claim([3.0])
+    pair = [["fake_runs/a_s0.json", "fake_runs/b_s0.json"]]
+    paper = {"data": "SVHN", "model": "a CNN", "labels": [1000], "schedule": "K_s adapted", "rounds": 100}
+    row = {**c.model_dump(), "runs": ["fake_runs/*.json"], "paper_setting": paper,
+           "measure": {**c.measure.model_dump(), "records": pair}}
+    found = claims.left_out(claims.Registry(claims=[claims.Claim(**row)]), tmp_path)
+    assert len(found) == 1 and "fake_runs/a_long_s0.json" in found[0] and "never left out" in found[0]
+    check = {"what": "longer run", "link": "gas.md#x", "explains": False, "at": _axes(), "seeds": [0],
+             "values": [8.0], "records": [["fake_runs/a_long_s0.json", "fake_runs/b_s0.json"]]}
+    listed = claims.Claim(**{**row, "checks": [check]})
+    assert claims.left_out(claims.Registry(claims=[listed]), tmp_path) == []
+    assert claims.record_traces(claims.Registry(claims=[listed]), tmp_path) == []  # 90 - 82 = 8: the check's value
+    wrong = claims.Claim(**{**row, "checks": [{**check, "values": [7.0]}]})
+    assert "7 is not what its records give" in claims.record_traces(claims.Registry(claims=[wrong]), tmp_path)[0]
+    nothing = claims.Claim(**{**row, "runs": ["other_runs/*.json"]})
+    assert "matches no record" in claims.left_out(claims.Registry(claims=[nothing]), tmp_path)[0]

@@ -107,3 +107,42 @@ def test_a_script_that_computes_its_runs_keeps_a_record_and_restores_from_it(fak
     out.unlink()
     assert not _runs.restore(out, digest=_runs.spec_digest({**spec, "steps": 60}))  # another run: run it again
     assert _runs.restore(out, digest=_runs.spec_digest(spec)) and json.loads(out.read_text()) == res
+
+
+def test_time_and_traffic_to_a_target_read_from_a_runs_curve_and_history():
+    res = {"curve": [[2, 3.0, 0.5], [4, 7.5, 0.81], [6, 9.0, 0.79]],
+           "history": [{"round": r, "comm/bytes_up": 10.0 * r, "comm/bytes_down": 1.0} for r in range(1, 7)]}
+    # the first evaluation at or above the target, the traffic summed over its rounds (10+20+30+40 up, 4 down)
+    assert _runs.to_target(res, 0.8, ("comm/bytes_up", "comm/bytes_down")) == (4, 7.5, 104.0)
+    assert _runs.to_target(res, 0.5) == (2, 3.0, 0.0)
+    assert _runs.common_target([res, {"curve": [[1, 1.0, 0.6]]}]) == 0.6  # the best both reach
+    with pytest.raises(ValueError, match="never reaches"):
+        _runs.to_target(res, 0.9)
+    with pytest.raises(ValueError, match="misses rounds"):
+        _runs.to_target({**res, "history": res["history"][1:]}, 0.8, ("comm/bytes_up",))
+    with pytest.raises(ValueError, match="time/sim"):
+        _runs.to_target({"curve": [[1, 0.9]]}, 0.8)
+
+
+def test_a_scripts_computation_and_a_run_read_from_elsewhere_keep_records(fake, tmp_path):
+    # ampere_drift.py, ampere_aux_cost.py, hydra_head_share.py, ...: kept() computes once, then reads the record
+    calls = []
+    out = tmp_path / ".drift" / "drift_sflv1_r4_s0.json"
+    spec = {"arm": "sflv1", "rounds": 4, "seed": 0}
+    compute = lambda: calls.append(1) or {"drift": [0.5, 0.25], "accuracy": 0.7}  # noqa: E731
+    assert _runs.kept(out, "ampere-drift", "SplitFed seed 0", spec, compute)["accuracy"] == 0.7
+    out.unlink()  # a fresh machine: no cache, the committed record
+    assert _runs.kept(out, "ampere-drift", "SplitFed seed 0", spec, compute)["drift"] == [0.5, 0.25]
+    assert calls == [1] and records.invalid(_runs.record_path(out)) == []
+    # run_peers.py: the authors' code's cached run, recorded under records/<folder>/ and restored from it
+    theirs = tmp_path / "peers" / ".runs" / "psl_s0.json"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text(json.dumps({"final": 0.61, "curve": [[1, float("nan")]]}))
+    _runs.recorded(theirs, "peers-cyclesl", "their PSL seed 0", "peers_cyclesl")
+    rec = _runs.RECORDS / "peers_cyclesl" / "psl_s0.json"
+    first = rec.read_text()
+    assert json.loads(first)["result"]["final"] == 0.61 and records.invalid(rec) == []
+    _runs.recorded(theirs, "peers-cyclesl", "their PSL seed 0", "peers_cyclesl")
+    assert rec.read_text() == first  # the same result (a NaN in it too): the record is left as it is
+    theirs.unlink()
+    assert json.loads(_runs.recorded(theirs, "peers-cyclesl", "x", "peers_cyclesl").read_text())["final"] == 0.61

@@ -69,6 +69,26 @@ def test_a_stamp_names_the_commit_its_runs_were_made_at_where_given(stamps, tmp_
     assert page.read_text() == text
 
 
+def test_a_commit_the_text_names_beside_its_stamp_fails_until_the_stamp_names_it(stamps, tmp_path, monkeypatch):
+    # issue 73: a section whose text says its runs were made at one commit while its stamp names another
+    page = tmp_path / "docs" / "results" / "gas.md"
+    page.write_text("# GAS\n\n## Accuracy\n\nSeeds 0-2, run at commit 2f7fbc2 (Capsule 0c37252).\n")
+    args = ["stamp", str(page), "--methods", "gas", "--seeds", "0", "--rounds", "4", "--command", "c",
+            "--commit", "3b7179e"]
+    stamps.main(args)
+    ours = {"2f7fbc2", "3b7179e"}  # commits of this repository; 0c37252 is another repository's
+    found = stamps.named_commits(page.read_text(), is_commit=lambda toks: toks & ours)
+    assert len(found) == 1 and "names commit 2f7fbc2, its stamp 3b7179e" in found[0]
+    monkeypatch.setattr(stamps, "_commits", lambda toks: toks & ours)
+    assert stamps.check() == 1  # the check catches it
+    stamps.main(args + ["--made-at", "2f7fbc2"])
+    text = page.read_text()
+    assert "runs made at 2f7fbc2" in text and '"made_at": ["2f7fbc2"]' in text
+    assert stamps.named_commits(text, is_commit=lambda toks: toks & ours) == [] and stamps.check() == 0
+    with pytest.raises(SystemExit):
+        stamps.main(args + ["--made-at", "HEAD"])
+
+
 def test_stale_on_purpose_is_printed_with_a_banner_at_the_top_and_does_not_fail(stamps, tmp_path, capsys):
     page = tmp_path / "docs" / "results" / "hydra.md"
     page.write_text("# Hydra\n\nintro\n\n## Table\n\nrows\n")

@@ -76,6 +76,32 @@ def paired_table(results: dict, pairs: list[tuple[str, str]], partitions: list[s
     return "\n".join(lines)
 
 
+def common_target(results: list[dict]) -> float:
+    """Issue 73's equal outcome: the highest accuracy every one of ``results`` reaches, the smallest of their best
+    evaluated accuracies (``curve``: ``[(round, time/sim, accuracy), ...]``), the target a time or traffic claim is
+    measured to."""
+    if not results or any(not r.get("curve") for r in results):
+        raise ValueError("a common target needs every run's evaluated curve")
+    return min(max(pt[-1] for pt in r["curve"]) for r in results)
+
+
+def to_target(res: dict, target: float, keys: tuple[str, ...] = ()) -> tuple[int, float, float]:
+    """``(round, simulated time, traffic)`` of a run at its first evaluation whose accuracy reaches ``target``: the
+    round and ``time/sim`` of that point of its ``curve`` and the per-round values of ``keys`` (its ``history``, e.g.
+    ``comm/bytes_up``) summed over the rounds up to it (0 without keys). Raises ValueError when the run never
+    reaches the target, or its curve has no simulated time."""
+    for pt in res.get("curve", []):
+        if len(pt) != 3:
+            raise ValueError("to_target needs a curve of (round, time/sim, accuracy) points")
+        rnd, t, acc = pt
+        if acc >= target - 1e-12:
+            hist = [h for h in res.get("history", []) if h["round"] <= rnd]
+            if keys and len({h["round"] for h in hist}) < rnd:
+                raise ValueError(f"the history misses rounds before round {rnd}: traffic to it is not known")
+            return int(rnd), float(t), float(sum(h.get(k, 0.0) for h in hist for k in keys))
+    raise ValueError(f"the run never reaches accuracy {target:.4f}")
+
+
 @dataclass(frozen=True)
 class Run:
     """One run of a study: ``config`` with the dotted ``overrides``, named ``label`` (its arm in the sweep and its
@@ -169,10 +195,40 @@ def keep(out: Path, experiment: str, label: str, spec: dict, res) -> None:
                  "overrides": json.loads(json.dumps(spec, default=str)), "config_digest": spec_digest(spec)}, res)
 
 
-def _write(out: Path, head: dict, res) -> Path:
+def kept(out: Path, experiment: str, label: str, spec: dict, compute):
+    """For a script's own computation (a run it makes itself, or a count at given shapes): its result from the cache
+    ``out``, else from the committed record of the same ``spec`` (:func:`restore`), else ``compute()``, then cached
+    and recorded (:func:`keep`)."""
+    if not restore(out, digest=spec_digest(spec)):
+        keep(out, experiment, label, spec, compute())
+    return json.loads(out.read_text())
+
+
+def recorded(cache: Path, experiment: str, label: str, folder: str) -> Path:
+    """For a run made elsewhere and read here (the authors' code, benchmarks/peers/<peer>/run.py, cached in that
+    folder): its record, records/``folder``/<the cache's name>, written from the cache when the record is absent or
+    holds another result; the cache restored from the record when the cache is absent. Returns ``cache``."""
+    path = RECORDS / folder / cache.name
+    if cache.is_file():
+        res = json.loads(cache.read_text())
+        same = path.is_file() and (json.dumps(json.loads(path.read_text()).get("result"), sort_keys=True)
+                                   == json.dumps(res, sort_keys=True))  # as text: a NaN equals itself
+        if not same:
+            where = str(cache.relative_to(ROOT)) if cache.is_relative_to(ROOT) else str(cache)
+            spec = {"cache": where}
+            _write(cache, {"record": 1, "kind": "script", "experiment": experiment, "label": label,
+                           "config": "(the authors' code)", "overrides": spec,
+                           "config_digest": spec_digest(spec)}, res, path)
+    elif path.is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(json.loads(path.read_text())["result"]))
+    return cache
+
+
+def _write(out: Path, head: dict, res, path: Path | None = None) -> Path:
     rec = {**head, "commit": _commit(), "machine": _machine(),
            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "result": res}
-    path = record_path(out)
+    path = path or record_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec, indent=1, sort_keys=True, default=float) + "\n")

@@ -3,21 +3,29 @@ with Ampere's auxiliary net (what Ampere's devices run in the device phase), for
 torch.utils.flop_counter, in the setting of configs/ampere/fmnist.yaml (cnn_small cut after conv1, batch 32,
 28x28 Fashion-MNIST images) at each auxiliary ratio of the page's sweep, and in the CIFAR-10 settings of the
 paper's models (configs/ampere/cifar10_mobilenet.yaml, cifar10_vit.yaml: 32x32 images, batch 64, ratio 0.5).
-No data and no training; under a minute.
+No data and no training; under a minute. Each case's counts are kept as a committed record
+(docs/results/records/ampere_costs/, ``_runs.keep``, kind script), rewritten at every run.
 
     python docs/results/ampere_aux_cost.py            # prints the Markdown table in ampere.md
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from raysplit.algorithms.ampere import with_auxiliary
-from raysplit.models import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runs import keep  # noqa: E402
+
+from raysplit.algorithms.ampere import with_auxiliary  # noqa: E402
+from raysplit.models import build_model  # noqa: E402
 
 BATCH = 32
+COSTS = Path(__file__).resolve().parent / ".ampere_costs"  # the counts' caches (ignored); records/ampere_costs/
 
 
 def train_flops(forward) -> int:
@@ -51,7 +59,10 @@ def main() -> None:
           "| Ampere / SplitFed per batch | device params | aux params | server params |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, cut, shape, batch, ratio in cases:
-        d, w, dp, ap, sp = measure(name, cut, shape, batch, ratio)
+        d, w, dp, ap, sp = got = measure(name, cut, shape, batch, ratio)
+        spec = {"model": name, "cut": cut, "input": list(shape), "batch": batch, "ratio": ratio}
+        keep(COSTS / f"aux_{name}_{cut}_b{batch}_r{ratio}.json", "ampere-aux-cost", f"{name} {cut} ratio {ratio}",
+             spec, dict(zip(("device_flops", "device_aux_flops", "device_params", "aux_params", "server_params"), got)))
         print(f"| {name}, {cut} | {batch} | {ratio} | {d / 1e6:.1f} | {w / 1e6:.1f} | {w / d:.2f}x | {dp:,} | {ap:,} "
               f"| {sp:,} |")
 

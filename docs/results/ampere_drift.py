@@ -21,17 +21,19 @@ on its raw gradients: SplitFed's round from SCAFFOLD's point). It prints how far
 and the drift of each round, per seed; the run then goes on from the restored state with the correction. A third
 run of each round with the correction must give the first's model exactly (checked). Cached per seed under
 docs/results/.ampere_runs/correction_*.json.
+
+Each run's result is also kept as a committed record (docs/results/records/ampere_runs/, ``_runs.kept``, kind
+script: a digest of what makes it), from which a machine without the cache restores it instead of rerunning.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager
 
 import numpy as np
 import torch
-from _runs import ROOT, median_range
+from _runs import ROOT, kept, median_range
 
 ARMS = (("SplitFed", "sflv1"), ("SplitFed+SCAFFOLD", "sflv1_scaffold"))
 OVERRIDES = {"data.partition.alpha": 0.1, "model.cut": "fc1", "train.optimizer.momentum": 0.0,
@@ -139,9 +141,9 @@ def main() -> None:
               "update norm without | with | drift without | with |\n|---|---|---|---|---|---|---|---|")
         for s in a.seeds:
             f = cache / f"correction_s{s}_at{'-'.join(str(r + 1) for r in at)}.json"
-            if not f.is_file():
-                f.write_text(json.dumps(correction_effect(s, at)))
-            for row in json.loads(f.read_text()):
+            spec = {"study": "correction", "seed": s, "at": [r + 1 for r in at], "overrides": OVERRIDES}
+            for row in kept(f, "ampere-drift", f"SCAFFOLD's correction seed {s}", spec,
+                            lambda: correction_effect(s, at)):
                 print(f"| {s} | {row['round']} | {row['rel']:.4f} | {row['cos']:.4f} | {row['update']:.4f} | "
                       f"{row['update_with']:.4f} | {row['drift_without']:.4f} | {row['drift_with']:.4f} |")
         return
@@ -149,10 +151,9 @@ def main() -> None:
     for label, name in ARMS:
         for s in a.seeds:
             f = cache / f"drift_{name}_r{a.rounds}_s{s}.json"
-            if not f.is_file():
-                f.write_text(json.dumps(one(name, s, a.rounds)))
-                print(f"done {label} seed {s}", flush=True)
-            res[(label, s)] = json.loads(f.read_text())
+            spec = {"study": "drift", "algorithm": name, "seed": s, "rounds": a.rounds, "overrides": OVERRIDES}
+            res[(label, s)] = kept(f, "ampere-drift", f"{label} drift seed {s}", spec,
+                                   lambda: one(name, s, a.rounds))
     at = sorted({r for r in (1, 2, 5, 10, 20, a.rounds) if r <= a.rounds})
     print("| arm | " + " | ".join(f"drift at round {r}" for r in at) + f" | accuracy at round {a.rounds} (%) |")
     print("|---" * (len(at) + 2) + "|")

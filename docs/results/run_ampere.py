@@ -31,6 +31,13 @@ SplitFed with ``algorithm.batched_copies`` on: the same computation (the copies 
 rounding), served step by step across devices, so the devices train in parallel, in lockstep (every step waits for
 the slowest device's activation); it prints each arm's simulated time and Ampere's saving against each, paired by
 seed, and SplitFed's accuracy both ways.
+
+``--to-target`` is issue 73's equal outcome for the time and traffic claims: Ampere (the main table's run) against
+the two baselines with their devices in parallel, SplitFed and PiPar (``batched_copies``: the paper's assumption;
+PiPar's pipelined clock is the paper's fastest baseline), both for ``TARGET_ROUNDS`` rounds (they pass Ampere's
+accuracy within a few; ``--methods`` runs a part of the arms), on one simulated clock; it prints each arm's simulated time and device-server bytes to the
+highest accuracy every run of the seed reaches (``_runs.to_target``) and Ampere's saving against the faster
+baseline, paired by seed.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, run_all
+from _runs import ROOT, Run, common_target, median_range, named, restored, run_all, to_target
 
 METHODS = [("Ampere", None), ("SplitFed", {"name": "sflv1"}), ("PiPar", {"name": "pipar"}),
            ("SplitGP", {"name": "splitgp"}), ("SplitFed+SCAFFOLD", {"name": "sflv1_scaffold"})]
@@ -50,6 +57,7 @@ OUT = HERE / ".ampere_runs"
 KEYS = ("comm/bytes_up", "comm/bytes_down", "comm/bytes_up_model", "comm/bytes_down_model",
         "comm/bytes_up_activations", "comm/bytes_down_gradients", "compute/client_flops", "method/server_epochs")
 DEVICES = 10
+BYTES = ("comm/bytes_up", "comm/bytes_down")  # device-server traffic, models included
 
 
 def one(method, alg, alpha, seed, extra=()):
@@ -310,6 +318,37 @@ def clocks(res: dict, alphas, seeds) -> str:
     return "\n".join(lines)
 
 
+TARGET_ROUNDS = 15
+TARGET_ARMS = [("Ampere", None, ()),
+               (f"SplitFed, devices in parallel, {TARGET_ROUNDS} rounds", {"name": "sflv1", "batched_copies": True},
+                (("train.rounds", TARGET_ROUNDS),)),
+               (f"PiPar, devices in parallel, {TARGET_ROUNDS} rounds", {"name": "pipar", "batched_copies": True},
+                (("train.rounds", TARGET_ROUNDS),))]
+
+
+def targets(res: dict, alphas, seeds) -> str:
+    """--to-target: per alpha and seed, the common target (the highest accuracy every arm of the seed reaches), each
+    arm's simulated time and bytes per device to it, and Ampere's saving against the faster baseline (time) and
+    against each (bytes)."""
+    lines = ["| alpha | seed | target (%) | arm | time to target (s) | MB per device to target | "
+             "Ampere's time saved (%) | Ampere's traffic saved (%) |", "|---" * 8 + "|"]
+    for a in alphas:
+        for s in seeds:
+            got = {arm: res[(arm, a, s)] for arm, _, _ in TARGET_ARMS if (arm, a, s) in res}
+            if len(got) < len(TARGET_ARMS):
+                continue
+            target = common_target(list(got.values()))
+            hit = {arm: to_target(r, target, BYTES) for arm, r in got.items()}
+            fastest = min((arm for arm in hit if arm != "Ampere"), key=lambda arm: hit[arm][1])
+            for arm, (rnd, t, b) in hit.items():
+                saved_t = "-" if arm == "Ampere" else f"{100 * (1 - hit['Ampere'][1] / t):.1f}"
+                saved_b = "-" if arm == "Ampere" else f"{100 * (1 - hit['Ampere'][2] / b):.1f}"
+                mark = " (faster)" if arm == fastest else ""
+                lines.append(f"| {a} | {s} | {100 * target:.2f} | {arm}{mark} | {t:.2f} (round {rnd}) | "
+                             f"{b / DEVICES / 1e6:.2f} | {saved_t} | {saved_b} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.1, 0.33, 1.0])
@@ -320,6 +359,10 @@ def main() -> int:
     ap.add_argument("--converge", action="store_true", help="only issue 28's to-convergence study")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (table rows), e.g. SplitFed PiPar")
     ap.add_argument("--clock", action="store_true", help="only SplitFed's clock served in turn and in parallel")
+    ap.add_argument("--to-target", action="store_true",
+                    help="only Ampere against SplitFed and PiPar in parallel, timed to a common accuracy")
+    ap.add_argument("--report", action="store_true", help="--to-target: run nothing, the table from the runs cached "
+                    "(or recorded)")
     ap.add_argument("--arms", type=int, nargs="*", default=None,
                     help="--converge: only these arms (indices into CONVERGED), run in the order given")
     args = ap.parse_args()
@@ -344,6 +387,16 @@ def main() -> int:
         todo = [(arm, alg, a, s, extra) for a in args.alphas for s in args.seeds for arm, alg, extra in arms]
         done = run_all("ampere-fmnist", todo, one, args.jobs)
         print(clocks(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
+        return 0
+    if args.to_target:
+        todo = [(arm, alg, a, s, extra) for a in args.alphas for s in args.seeds for arm, alg, extra in TARGET_ARMS
+                if args.methods is None or arm.split(",")[0] in args.methods]
+        done = [] if args.report else run_all("ampere-fmnist", todo, one, args.jobs)
+        if args.methods is not None or args.report:  # a part of the arms: the table from every arm cached
+            done = [(job, named(json.loads(restored(one(*job).out).read_text()))) for job in
+                    [(arm, alg, a, s, extra) for a in args.alphas for s in args.seeds for arm, alg, extra in TARGET_ARMS]
+                    if restored(one(*job).out).is_file()]
+        print(targets(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
         return 0
     if args.ablations:
         todo += [("Ampere without consolidation", None, 0.33, s, (("algorithm.consolidate", False),))

@@ -10,7 +10,7 @@ gas-fmnist in ./mlflow.db). Runs use the local backend with one torch thread eac
 aggregation of 10 client models (FedAvg and the synchronous SFL methods: one round of the 10 sampled clients).
 
 Prints the markdown table (accuracy at the last round and the best evaluated accuracy, mean ± std over seeds;
-simulated time at the last round) and writes docs/results/gas_rounds.png and gas_time.png (test accuracy against
+simulated time at the last round; GAS against S2FL timed to the highest accuracy both reach, per seed) and writes docs/results/gas_rounds.png and gas_time.png (test accuracy against
 global rounds and against simulated time, median over seeds). Results are cached per run under
 docs/results/.gas_runs/ (delete to rerun).
 """
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, median_range, named, paired_table, restored, run_all
+from _runs import ROOT, Run, common_target, median_range, named, paired_table, restored, run_all, to_target
 
 METHODS = [("GAS", {"name": "gas"}), ("GAS w/o generation", {"name": "gas", "generate": False}),
            ("FedBuff", {"name": "fedbuff"}), ("CA2FL", {"name": "ca2fl"}), ("FedAvg", {"name": "fedavg"}),
@@ -58,6 +58,25 @@ def table(results, rounds) -> str:
             b = [100 * max(c[2] for c in r["curve"]) for _, r in rs]
             lines.append(f"| {method} | {part} | {median_range(a, '.2f')} | {median_range(b, '.2f')} | "
                          f"{np.median([r['time/sim'] for _, r in rs]):.0f} | {', '.join(str(s) for s, _ in rs)} |")
+    return "\n".join(lines)
+
+
+def to_targets(results, against: str = "S2FL") -> str:
+    """GAS against ``against`` at an equal outcome (issue 73, item 4): per partition and seed both ran, the common
+    target (the highest accuracy both reach), each one's simulated time to it and GAS's saving; "-" where a curve
+    has no simulated time (caches made before curves kept it)."""
+    lines = [f"| partition | seed | target (%) | GAS time to it (s) | {against} time to it (s) | GAS's time saved (%) |",
+             "|---" * 6 + "|"]
+    for part, _ in PARTITIONS:
+        gas, other = dict(results.get(("GAS", part), [])), dict(results.get((against, part), []))
+        for s in sorted(set(gas) & set(other)):
+            try:
+                target = common_target([gas[s], other[s]])
+                (rg, tg, _), (ro, to, _) = to_target(gas[s], target), to_target(other[s], target)
+            except ValueError:
+                continue
+            lines.append(f"| {part} | {s} | {100 * target:.2f} | {tg:.1f} (round {rg}) | {to:.1f} (round {ro}) | "
+                         f"{100 * (1 - tg / to):.1f} |")
     return "\n".join(lines)
 
 
@@ -123,6 +142,8 @@ def main() -> int:
     print()
     print(paired_table(results, [("GAS", m) for m, _ in METHODS[1:]], [p for p, _ in PARTITIONS], args.rounds,
                        head="GAS minus", label=lambda _, b: b))
+    print()
+    print(to_targets(results))
     missing = [f"{m} {p}" for p, _ in PARTITIONS for m, _ in METHODS if (m, p) not in results]
     if missing:  # the page's figures show every method and partition: a partial cache must not redraw them
         print(f"\ngas_rounds.png and gas_time.png not redrawn: no cached run of {', '.join(missing)}")

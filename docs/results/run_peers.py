@@ -1,6 +1,8 @@
 """Parity with the authors' code (issue 28, item 1): the tables and figures of docs/results/peers.md from runs of
 the authors' code (benchmarks/peers/<peer>/run.py, cached in benchmarks/peers/<peer>/.runs/) and raysplit's runs of
-the same setting (cached by the results scripts), no training.
+the same setting (cached by the results scripts), no training. Each run of the authors' code read from its peer's
+cache folder is kept as a committed record (records/peers_<peer>/, :func:`peer_file`) and restored from it on a
+machine without the cache, as raysplit's runs are from theirs.
 
     .venv/bin/python docs/results/run_peers.py semisfl [--seeds 0 1 2] [--views twice]
 
@@ -87,7 +89,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, median_range
+from _runs import RECORDS, ROOT, median_range, recorded
 from run_cyclesl import _cache as cyclesl_cache
 from run_hydra import last5, run_file
 from run_semisfl import SEMI, cached
@@ -105,6 +107,19 @@ E12 = "Capsule E12"  # the authors' code with raysplit's strong view (the runner
 MILESTONES, WINDOW = SEMI["milestones"], SEMI["window"]  # the milestones rule of run_semisfl.py's "Semi-SFL" row
 
 
+PEERS = ROOT / "benchmarks" / "peers"
+
+
+def peer_file(f: Path) -> Path:
+    """``f``, a run of an author's code in its peer's own cache folder (benchmarks/peers/<peer>/.runs/ or below),
+    kept as a committed record (records/peers_<peer>/, ``_runs.recorded``) as it is read, and restored from that
+    record where this machine lacks the cache; a file elsewhere (a --theirs folder) is read as it is."""
+    if not f.is_relative_to(PEERS):
+        return f
+    peer = f.relative_to(PEERS).parts[0]
+    return recorded(f, f"peers-{peer}", f.stem, f"peers_{peer}")
+
+
 def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 100, ks: str = "fixed",
            aug: str = "theirs") -> dict | None:
     """A cached run of the authors' code at ``commit`` (benchmarks/peers/capsule/run.py's ``run_name``); ``ks``
@@ -112,7 +127,7 @@ def theirs(arm: str, seed: int, views: str, commit: str = "head", labels: int = 
     ``aug`` raysplit: the runs with the runner's edit E12 (raysplit's strong view, ``--strong-aug raysplit``)."""
     f = CAPSULE / (f"{commit}{'' if arm == 'semi' else '_sup'}_l{labels}_ks{ks}_{views}_k20u10_s{seed}_r60"
                    f"{'_rsaug' if aug == 'raysplit' else ''}.json")
-    if not f.is_file():
+    if not peer_file(f).is_file():
         return None
     d = json.loads(f.read_text())
     return {"curve": [(int(r), float(acc)) for r, acc in d["curve"]], "final": float(d["final_accuracy"]),
@@ -234,7 +249,10 @@ def hydra_theirs(method: str, order: str, seed: int, folder: Path = HYDRA) -> di
     ``folder``."""
     script, cut = HYDRA_METHODS[method]
     done = []
-    for f in sorted(folder.glob(f"{script}_{order}_cnn_gap_{cut}_s{seed}_r30_n12800_*.json")):
+    pattern = f"{script}_{order}_cnn_gap_{cut}_s{seed}_r30_n12800_*.json"
+    kept = RECORDS / "peers_hydra"  # the committed records of the peer's own folder, restored where absent
+    names = {f.name for f in folder.glob(pattern)} | ({f.name for f in kept.glob(pattern)} if folder == HYDRA else set())
+    for f in sorted(peer_file(folder / n) for n in names):
         d = json.loads(f.read_text())
         if d["returncode"] == 0 and d["rounds_completed"] == 30:
             done.append(d)
@@ -295,7 +313,7 @@ def hydra(seeds: list[int], ours_dir: Path, theirs_dir: Path = HYDRA) -> int:
 def completed(f: Path, rounds: int) -> dict | None:
     """A peer runner's result file (benchmarks/peers/*/run.py) if its run exited cleanly after ``rounds`` rounds
     with a final accuracy, else None."""
-    if not f.is_file():
+    if not peer_file(f).is_file():
         return None
     d = json.loads(f.read_text())
     if d.get("returncode") != 0 or d.get("final_accuracy") is None or d.get("rounds_completed") != rounds:

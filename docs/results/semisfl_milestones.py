@@ -5,8 +5,10 @@ the windowed change of the supervised loss (``milestone_change``, what ``method/
 
     .venv/bin/python docs/results/semisfl_milestones.py [--tracking-uri sqlite:///mlflow.db]
 
-Reads each cached run of docs/results/.semisfl_runs/ (run_semisfl.py) and its ``method/loss_x`` history from the
-MLflow store the run logged to (its run id is in the cache). Prints one row per method and partition: the change at
+Reads each run of docs/results/.semisfl_runs/ (run_semisfl.py; its cache restored from its committed record where
+absent) and its ``method/loss_x`` history: from the run's own per-round history where it keeps it (the records do),
+else from the MLflow store the run logged to (its run id is in the cache), the trace then kept as a committed record
+(docs/results/records/semisfl_milestones/, ``_runs.kept``, kind script) so that the next machine reads it from there. Prints one row per method and partition: the change at
 each milestone, median [min, max] over seeds, and what the rule decides on it.
 """
 
@@ -17,10 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-from _runs import ROOT, median_range
+from _runs import ROOT, kept, median_range, named, record_path, restored
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / ".semisfl_runs"
+TRACES = HERE / ".semisfl_milestones"  # the loss traces read from MLflow (ignored); records/semisfl_milestones/
 MILESTONES = (20, 30, 40, 50)
 RHO1, RHO2 = 0.01, 0.05
 
@@ -43,14 +46,25 @@ def main() -> int:
         for part in ("IID", "Dirichlet 0.1"):
             traces, seeds = [], []
             for seed in (0, 1, 2):
-                f = RUNS / f"{method}_{part}_s{seed}_r60.json".replace(" ", "_")
+                f = restored(RUNS / f"{method}_{part}_s{seed}_r60.json".replace(" ", "_"))
                 if not f.is_file():
                     continue
-                rid = json.loads(f.read_text())["run_id"]
-                hist = sorted(client.get_metric_history(rid, "method/loss_x")  # or as logged before the groups
-                              or client.get_metric_history(rid, short_name("method/loss_x")), key=lambda m: m.step)
-                if hist:  # a run logged to another store (a worktree's) is left out; the seeds column says
-                    traces.append([m.value for m in hist])
+                run = named(json.loads(f.read_text()))
+                own = [h["method/loss_x"] for h in run.get("history", []) if "method/loss_x" in h]
+                spec = {"run": f.name, "run_id": run.get("run_id"), "metric": "method/loss_x"}
+
+                def from_store(rid=run.get("run_id")):
+                    hist = sorted(client.get_metric_history(rid, "method/loss_x")  # or as logged before the groups
+                                  or client.get_metric_history(rid, short_name("method/loss_x")),
+                                  key=lambda m: m.step)
+                    return {"loss_x": [m.value for m in hist]}
+                trace = own or kept(TRACES / f.name, "semisfl-milestones", f"{method} {part} seed {seed}", spec,
+                                    from_store)["loss_x"]
+                if not own and not trace:  # nothing in that store (a worktree's): not kept, the seeds column says
+                    (TRACES / f.name).unlink(missing_ok=True)
+                    record_path(TRACES / f.name).unlink(missing_ok=True)
+                if trace:
+                    traces.append(trace)
                     seeds.append(str(seed))
             if not traces:
                 continue
