@@ -33,6 +33,7 @@ class ModelFacts:
     cut_shape: tuple | None = None
     cuts: tuple | None = None  # tiered (model.tiers, model.cut_budget): each client's cut; ``cut`` is the shallowest
     lm: Any = None  # raysplit.models.causal_lm.LMConfig
+    ranks: tuple | None = None  # tiered language model (model.tiers[i].rank): each client's LoRA rank, one per cut
 
     def cut_of(self, cid: int) -> int | None:
         """Client ``cid``'s cut where clients have their own (None: every client holds ``cut``)."""
@@ -43,6 +44,12 @@ class ModelFacts:
         """The deepest client cut of a tiered split (None: not tiered)."""
         return None if self.cuts is None else max(self.cuts)
 
+
+    @property
+    def widest_rank(self) -> int | None:
+        """The largest LoRA rank of a tiered language model's clients and server (None: no tier sets a rank): the
+        rank the aggregate of the clients' blocks is held at (:mod:`raysplit.runtime.tiered`)."""
+        return None if self.ranks is None else max(max(self.ranks), self.lm.adapter.rank)
 
     @property
     def language_model(self) -> bool:
@@ -77,18 +84,29 @@ class ModelFacts:
         return self.parts()[0] if self.cuts is None else self.part_at(self.cut_of(cid))
 
     def part_at(self, cut: int) -> torch.nn.Module:
-        """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail)."""
+        """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail), its adapters at the cut's LoRA
+        rank where tiers set ranks."""
         from raysplit.models.tiers import client_part
 
-        return client_part(self.build(), cut, self.tail_cut)
+        return client_part(self.build(self.rank_at(cut)), cut, self.tail_cut)
 
-    def build(self):
+    def rank_of(self, cid: int) -> int | None:
+        """Client ``cid``'s LoRA rank where tiers set ranks (None: every client at ``model.lm.adapter.rank``)."""
+        return None if self.ranks is None else self.ranks[int(cid)]
+
+    def rank_at(self, cut: int) -> int | None:
+        """The LoRA rank of the clients at ``cut`` (None: ``model.lm.adapter.rank``, no tier sets one)."""
+        return None if self.ranks is None else self.ranks[self.cuts.index(cut)]
+
+    def build(self, rank: int | None = None):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
-        :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net)."""
+        :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net). A
+        language model's adapters at ``rank`` (:func:`~raysplit.models.tiers.ranked_lm`; None: its own)."""
         if self.lm is not None:
             from raysplit.models.causal_lm import build_causal_lm
+            from raysplit.models.tiers import ranked_lm
 
-            return build_causal_lm(self.lm, vocab_size=self.num_classes, fixed_length=True)
+            return build_causal_lm(ranked_lm(self.lm, rank), vocab_size=self.num_classes, fixed_length=True)
         from raysplit.models import build_model
 
         return build_model(self.name, self.num_classes, self.input_shape, **self.options)
@@ -102,6 +120,9 @@ class ModelFacts:
         if self.cuts is not None:  # tiered: every block a client holds, the server's from the shallowest cut on
             from raysplit.models.tiers import tiered_parts
 
+            if self.ranks is not None:  # the clients' blocks at the largest rank (the aggregate's shapes)
+                return tiered_parts(self.build(self.widest_rank), self.cuts, self.tail_cut)[0], \
+                    tiered_parts(model, self.cuts, self.tail_cut)[1]
             return tiered_parts(model, self.cuts, self.tail_cut)
         if self.tail_cut is not None:
             return model.split_u(self.cut, self.tail_cut)
