@@ -51,7 +51,7 @@ def main() -> None:
             cfg = load_config(r.config, r.overrides)
             print(f"{r.label:32s} cut={cfg.model.cut} tiers={cfg.model.tiers and len(cfg.model.tiers)}")
         return
-    results = study("tiers-llm", [r for *_, r in todo], a.jobs)
+    results = study("tiers-llm", [r for *_, r in todo], a.jobs, metric="eval/perplexity")
     print("| arm | " + " | ".join(KEYS) + " |")
     print("|---" * (len(KEYS) + 1) + "|")
     for arm in ARMS:
