@@ -95,6 +95,7 @@ def test_adapters_of_different_ranks_aggregate_zero_padded_on_hand_made_weights(
     ([{"cut": "block1", "share": 0.5, "rank": 0}, {"cut": "block2", "share": 0.5}], "model.tiers.0.rank"),
     ([{"cut": "block1", "clients": [0], "rank": 2}, {"cut": "block1", "clients": [1, 2], "rank": 3},
       {"cut": "block2", "clients": [3]}], "model.tiers[1].rank=3: model.tiers[0] has the same cut"),
+    ({"seconds": 1.0, "cuts": ["block1", "block3"]}, "model.cut_budget.cuts: 'block3' leaves the server no decoder"),
 ])
 def test_a_bad_tier_on_a_language_model_is_one_error_naming_the_key(tmp_path, monkeypatch, tiers, words):
     def no_actor(*a, **kw):
@@ -103,7 +104,8 @@ def test_a_bad_tier_on_a_language_model_is_one_error_naming_the_key(tmp_path, mo
     monkeypatch.setattr(experiment, "runtime_for", no_actor)
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                        .replace(")", r"\)")):
-        experiment.run_experiment(lm_config(tmp_path, None, **{**TIERS, "model.tiers": tiers}))
+        over = {"model.tiers": tiers} if isinstance(tiers, list) else {"model.tiers": None, "model.cut_budget": tiers}
+        experiment.run_experiment(lm_config(tmp_path, None, **{**TIERS, **over}))
 
 
 def test_a_rank_needs_lora_adapters(tmp_path, monkeypatch):
@@ -113,3 +115,27 @@ def test_a_rank_needs_lora_adapters(tmp_path, monkeypatch):
         experiment.prepare(make_config(tmp_path, None, **{"runtime.backend": "local", "model.cut": None,
                                                           "model.tiers": [{"cut": "conv1", "share": 0.5, "rank": 2},
                                                                           {"cut": "conv2", "share": 0.5}]}))
+
+
+@pytest.mark.parametrize("over, ranks", [({}, None),
+                                         ({"model.tiers": [{"cut": "block1", "share": 0.5, "rank": 2},
+                                                           {"cut": "block3", "share": 0.5}]}, {2: 2, 4: 4})])
+def test_the_documented_language_model_config_prepares_its_tiers(over, ranks):
+    """configs/tiers/llm.yaml (docs/usage.md, docs/results/tiers.md) as it is and with the rank its comment gives:
+    the faster half of the 8 clients at block3, the others at block1, the server from block2 on."""
+    from pathlib import Path
+
+    from raysplit.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiers" / "llm.yaml",
+                      {"runtime.backend": "local", "tracking.enabled": False, **over})
+    p = experiment.prepare(cfg)
+    facts = p.inputs.plan.model
+    assert {c: facts.cuts.count(c) for c in set(facts.cuts)} == {2: 4, 4: 4} and facts.cut == 2
+    speeds = [q.flops for q in p.inputs.profiles]
+    assert min(speeds[c] for c in range(8) if facts.cuts[c] == 4) >= max(speeds[c] for c in range(8)
+                                                                          if facts.cuts[c] == 2)
+    assert p.cut_name == "block1:4,block3:4"
+    assert (facts.ranks is None) == (ranks is None)
+    if ranks is not None:
+        assert all(facts.rank_of(c) == ranks[facts.cuts[c]] for c in range(8))

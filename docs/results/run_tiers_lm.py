@@ -26,6 +26,8 @@ ARMS = {"uniform block1": {**UNIFORM, "model.cut": "block1"},
         "tiers block1+block3": {},
         "tiers, shallow rank 2": {"model.tiers": [{"cut": "block1", "share": 0.5, "rank": 2},
                                                   {"cut": "block3", "share": 0.5}]}}
+# the arms at equal mean client compute first, the brackets after (a study cut short keeps what it ran)
+RUN_ORDER = ("uniform block2", "tiers block1+block3", "tiers, shallow rank 2", "uniform block3", "uniform block1")
 KEYS = ("eval/perplexity", "eval/tier0/perplexity", "eval/tier1/perplexity", "compute/client_flops",
         "comm/bytes_up", "comm/bytes_up_activations", "time/sim")
 
@@ -33,7 +35,7 @@ KEYS = ("eval/perplexity", "eval/tier0/perplexity", "eval/tier1/perplexity", "co
 def runs(seeds, backend, out_dir) -> list[tuple[str, int, Run]]:
     return [(arm, seed, Run(CONFIG, {**over, "seed": seed, "runtime.backend": backend}, f"{arm} seed {seed}",
                             out_dir / f"lm_{arm.replace(' ', '_').replace(',', '').replace('+', '_')}_s{seed}.json"))
-            for arm, over in ARMS.items() for seed in seeds]
+            for arm in RUN_ORDER for over in [ARMS[arm]] for seed in seeds]
 
 
 def main() -> None:
