@@ -122,6 +122,9 @@ class TierConfig(_Strict):
     clients: list[int] | None = Field(default=None, description="the client ids of this tier (or share)")
     share: float | None = Field(default=None, gt=0, le=1, description="the share of the clients in this tier (or "
                                 "clients); which clients: model.tier_order")
+    rank: int | None = Field(default=None, gt=0, description="a language model's LoRA rank on this tier's clients "
+                             "(null: model.lm.adapter.rank); adapters of different ranks aggregate zero-padded, "
+                             "each rank component over its holders (raysplit/runtime/tiered.py)")
 
     @model_validator(mode="after")
     def _one_way(self):

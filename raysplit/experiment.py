@@ -21,7 +21,7 @@ from raysplit.algorithms.base import clients_per_round
 from raysplit.config import ExperimentConfig, dump
 from raysplit.errors import ConfigError
 from raysplit.runtime import HostPlan, Method, ModelFacts, RuntimeInputs, Sections, make_backend, runtime_for, transport
-from raysplit.models.tiers import client_cuts, describe, tiered_parts
+from raysplit.models.tiers import client_cuts, client_ranks, describe, ranked_lm, tiered_parts
 from raysplit.runtime.server.events import EventPlan
 from raysplit.runtime.driver.drivers import RoundGuard
 from raysplit import tags
@@ -68,9 +68,19 @@ def cut_shape(model, cut: int | None, data_spec) -> tuple | None:
 def client_cuts_of(cfg: ExperimentConfig, alg, model, num_clients: int, profiles) -> tuple[int, ...] | None:
     """Each client's cut from ``model.tiers`` or ``model.cut_budget`` (None: neither), checked against the model,
     the clients and the method before any actor exists: one ConfigError naming the key or the method."""
+    why_not = lambda cut: None  # noqa: E731
+    if cfg.model.lm is not None and (cfg.model.tiers is not None or cfg.model.cut_budget is not None):
+        from raysplit.models.causal_lm import resolve_lm_cut
+        from raysplit.models.tiers import lm_cut_refused
+
+        tail = None if cfg.model.lm.split == "plain" else (
+            len(model.blocks) - 1 if cfg.model.tail_cut is None else resolve_lm_cut(model, cfg.model.tail_cut,
+                                                                                 "model.tail_cut"))
+        why_not = lm_cut_refused(model, tail)
     try:
         cuts = client_cuts(model, cfg.model, num_clients, [p.flops for p in profiles], cfg.seed,
-                           cfg.train.batch_size)
+                           cfg.train.batch_size, why_not)
+        client_ranks(cfg.model, cuts, model)  # a bad rank: one error naming the key, here
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cuts is None or len(set(cuts)) == 1:
@@ -193,9 +203,6 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     alg = get_algorithm(cfg.algorithm_name)(cfg.algorithm, cfg)
     lm = language_model_section(cfg, alg)
     if lm is not None:
-        if cfg.model.tiers is not None or cfg.model.cut_budget is not None:
-            raise ConfigError("model.tiers/model.cut_budget with model.lm: clients with their own cuts are not built "
-                              "for language models yet (one model.cut for every client)")
         (spec_d, x_tr, y_tr, x_te, y_te, train_idx, test_idx, labeled_data, dataset, counts, model,
          text) = _text_inputs(cfg, lm)
         want = cfg.model.cut if cfg.model.cut is not None else model.default_cut
@@ -224,8 +231,16 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                                              spec_d.num_classes)
     if ushape is not None:  # U-shaped: the client holds the head and the tail, the server the middle
         client, server = u_client, u_server
+    ranks = client_ranks(cfg.model, cuts, model) if cuts is not None else None  # tiered LoRA ranks, per client
     if cuts is not None:  # the clients' blocks up to the deepest cut, the server's from the shallowest on
         client, server = tiered_parts(model, cuts, ushape.tail_cut if ushape is not None else None)
+    if ranks is not None:  # the clients' blocks at the largest rank: the shapes their aggregate is held at
+        from raysplit.models.causal_lm import build_causal_lm
+
+        torch.manual_seed(cfg.seed)  # the same frozen base as ``model`` (its adapters at another rank)
+        wide = build_causal_lm(ranked_lm(lm, max(max(ranks), lm.adapter.rank)), vocab_size=spec_d.num_classes,
+                               fixed_length=True)
+        client = tiered_parts(wide, cuts, ushape.tail_cut if ushape is not None else None)[0]
     cut_name = None if cut is None else next((n for n, i in model.cut_points().items() if i == cut), str(cut))
     if cuts is not None:  # tiered: the cuts' names and their clients ("conv1:10,conv2:10"), logged and compared
         cut_name = describe(model, cuts)
@@ -249,7 +264,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         sections=Sections(train=cfg.train, eval=cfg.eval, clock=cfg.clock, runtime=cfg.runtime, seed=cfg.seed),
         model=ModelFacts(name=cfg.model.name, options=dict(cfg.model.options), inputs=spec_d, cut=cut,
                          tail_cut=ushape.tail_cut if ushape is not None else None,
-                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts, lm=lm,
+                         cut_shape=cut_shape(model, cut, spec_d), cuts=cuts, lm=lm, ranks=ranks,
                          **base_facts(lm, model, cfg.seed)),
         method=Method(params=alg.params, setup=alg.host_setup(), client_rule=alg.client_rule,
                       server_rule=alg.server_rule, persist_client_models=not alg.keeps_global_client_model(),

@@ -89,8 +89,10 @@ def tier_metrics(stats, cuts) -> dict:
 
 def tier_evaluation(rt, prepared, global_handle, who: list[int], cuts) -> dict:
     """``eval/tier{k}/accuracy`` and ``loss`` of the clients at each cut (``eval.mode: clients``: each through its
-    own part; a global model is one model at every cut once its blocks are aggregated, so it has no tiers)."""
+    own part; a global model is one model at every cut once its blocks are aggregated, so it has no tiers); a
+    language model's ``eval/tier{k}/perplexity``, ``loss`` (per token) and ``next_token_accuracy``."""
     out = {}
+    lm = prepared.inputs.plan.model.language_model
     if prepared.eval_mode != "clients":
         return out
     for k, cut in enumerate(sorted(set(cuts))):
@@ -98,7 +100,12 @@ def tier_evaluation(rt, prepared, global_handle, who: list[int], cuts) -> dict:
         if not mine:
             continue
         y, p, loss = prepared.algorithm.evaluate(rt, prepared.eval_mode, global_handle, mine)
-        if len(y):
+        if len(y) and lm:
+            from raysplit.lm_metrics import lm_eval_metrics
+
+            ev = lm_eval_metrics(y, p, loss)
+            out.update({f"eval/tier{k}/{m}": ev[m] for m in ("perplexity", "loss", "next_token_accuracy")})
+        elif len(y):
             ev = M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
             out.update({f"eval/tier{k}/accuracy": ev["accuracy"], f"eval/tier{k}/loss": ev["loss"]})
     return out

@@ -47,8 +47,8 @@ def invalid(path: Path) -> list[str]:
     res = rec["result"]
     if rec.get("kind", "run") == "script":  # a script's own computation: its result as the script keeps it
         pass
-    elif not isinstance(res, dict) or "eval/accuracy" not in res and "accuracy" not in res:
-        out.append(f"{name}: its result has no final accuracy")
+    elif not isinstance(res, dict) or not {"eval/accuracy", "accuracy", "eval/perplexity"} & set(res):
+        out.append(f"{name}: its result has no final accuracy (nor a language model's perplexity)")
     elif not all(isinstance(pt, list) and len(pt) in (2, 3) for pt in res.get("curve", [])):
         out.append(f"{name}: its curve is not [(round, [time/sim,] accuracy), ...]")
     if not re.fullmatch(r"[0-9a-f]{12}", str(rec["config_digest"])):

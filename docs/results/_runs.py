@@ -114,7 +114,8 @@ class Run:
     keys: tuple[str, ...] = ()
 
 
-def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: str) -> Path:
+def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: str,
+               metric: str = "eval/accuracy") -> Path:
     """The ``raysplit sweep`` file of ``runs`` (one base config): their common overrides as the sweep's, the rest as
     one arm per run; named by a digest of its content, so that running an interrupted study again resumes its Tune
     experiment (trials from their last checkpoint). Written under outputs/studies/."""
@@ -126,7 +127,7 @@ def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: s
 
     spec = {"base": here(config), "overrides": {**common, "tracking.experiment": experiment,
                                                "tracking.uri": uri},
-            "arms": arms, "metric": "eval/accuracy", "scheduler": "fifo", "max_concurrent_trials": jobs,
+            "arms": arms, "metric": metric, "scheduler": "fifo", "max_concurrent_trials": jobs,
             "max_failures": 1, "checkpoint_every": 10, "storage_path": here(ROOT / "outputs" / "tune")}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
     spec["name"] = f"{experiment}-{config.stem}-{digest}"
@@ -268,7 +269,7 @@ def restored(out: Path) -> Path:
 POLL_S = 30.0  # seconds between looks at the store for runs a running sweep has finished
 
 
-def _cache(experiment: str, uri: str, sweep: str, runs: list[Run]) -> None:
+def _cache(experiment: str, uri: str, sweep: str, runs: list[Run], metric: str = "eval/accuracy") -> None:
     """Cache each of ``runs`` whose MLflow run (of the sweep named ``sweep``) has finished or diverged."""
     from raysplit.comparison import arm_results
 
@@ -284,14 +285,17 @@ def _cache(experiment: str, uri: str, sweep: str, runs: list[Run]) -> None:
         tmp.write_text(json.dumps(res))
         tmp.replace(r.out)  # a cache file is whole or absent
         write_record(experiment, r, res)  # as the run finishes: the committed record beside the pages
-        print(f"{r.label:48s} accuracy {res['eval/accuracy']:.4f} {res.get('diverged', '')}", flush=True)
+        print(f"{r.label:48s} {metric.split('/')[-1]} {res.get(metric, float('nan')):.4f} {res.get('diverged', '')}",
+              flush=True)
 
 
-def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = None) -> list[dict]:
+def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = None,
+          metric: str = "eval/accuracy") -> list[dict]:
     """Each run's result, in order: from its cache where it has one; the others, per base config, as one
     ``raysplit sweep`` (:func:`sweep_file`: each run an arm) logging to the MLflow experiment ``experiment`` of
     ``uri`` (default ./mlflow.db in the repository root, or $MLFLOW_TRACKING_URI), their runs read back from MLflow
-    (:func:`raysplit.comparison.arm_results`) and cached."""
+    (:func:`raysplit.comparison.arm_results`) and cached. ``metric``: what the trials report to Tune (a language
+    model's runs have ``eval/perplexity``, no accuracy)."""
     # one store for the sweep (run in the repository root) and the reader, wherever the script was started
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{ROOT / 'mlflow.db'}"
     labels = [r.label for r in runs]
@@ -300,13 +304,13 @@ def study(experiment: str, runs: list[Run], jobs: int = 1, uri: str | None = Non
     todo = [r for r in runs if not restore(r.out, r)]  # a cache, or a record of the same config, is reused
     for config in dict.fromkeys(r.config for r in todo):
         group = [r for r in todo if r.config == config]
-        path = sweep_file(experiment, config, group, jobs, uri)
+        path = sweep_file(experiment, config, group, jobs, uri, metric)
         print(f"{experiment}: {len(group)} run(s) of {config.name}: raysplit sweep {path.relative_to(ROOT)}",
               flush=True)
         proc = subprocess.Popen([sys.executable, "-m", "raysplit.cli", "sweep", str(path)], cwd=ROOT)
         while True:  # each run is cached as soon as it has finished, so that a study cut short keeps what it ran
             ended = proc.poll() is not None
-            _cache(experiment, uri, path.stem, [r for r in group if not r.out.is_file()])
+            _cache(experiment, uri, path.stem, [r for r in group if not r.out.is_file()], metric)
             if ended:
                 break
             time.sleep(POLL_S)

@@ -284,8 +284,10 @@ class Ampere(Algorithm):
     disk-backed store, server phase on the consolidated activations."""
 
     name = "ampere"
-    tiers = ("its device block with its auxiliary head is the cut, trained apart by FedAvg; device blocks of other"
-             " depths are not built")
+    tiers = ("its device phase trains each device's block with an auxiliary head built for the one cut's "
+             "activation shape (FedAvg of one shape) and its server phase trains on the consolidated activations "
+             "of that shape from one store; device blocks of other depths need an auxiliary head and an "
+             "activation store per depth and a server phase entering at each: not built")
     u_shape = "{name}'s server phase trains on the devices' exported activations with their labels"
     language_model = ("{name}'s device phase trains a classifier head (its auxiliary network, built from the class "
                       "logits' layer) and stops on validation accuracy over class labels")

@@ -210,8 +210,11 @@ class GAS(AsyncAlgorithm):
     per-label Gaussians, logit adjustment on the clients' gradients."""
 
     name = "gas"
-    tiers = ("its generator draws activations of one shape per label from one set of feature statistics; a "
-             "generator per cut is not built")
+    tiers = ("its server keeps one activation buffer and one set of per-label Gaussian statistics of the one "
+             "cut's shape and steps on real and generated activations concatenated, and its model buffer averages "
+             "the uploaded client parts by FedAvg of one shape in the event loop; a generator per cut needs a "
+             "buffer and statistics per (cut, label), a server step entering at each cut, and the event loop's "
+             "average by block with the server's copy as a holder (raysplit/runtime/tiered.py): not built")
     language_model = "{name} needs a class label per sample: its server generates activations from per-label statistics"
     u_shape = ("{name}'s server needs the labels: its per-label activation statistics generate activations of "
                "each label, and its logit adjustment reads the label distribution")

@@ -21,8 +21,8 @@ from torch import nn
 from raysplit.clock import FlopCache
 from raysplit.models.core import UClient
 
-__all__ = ["AtCuts", "Entered", "block_key", "client_cuts", "client_part", "cut_flops", "entered", "tier_of",
-           "tiered_parts"]
+__all__ = ["AtCuts", "Entered", "block_key", "client_cuts", "client_part", "client_ranks", "cut_flops", "entered",
+           "at_rank", "fit_state", "ranked_lm", "tier_of", "tiered_parts"]
 
 
 def _resolve(model, cut, key: str) -> int:
@@ -46,22 +46,32 @@ def cut_flops(model, cuts: Sequence[int], batch_size: int) -> dict[int, int]:
 
             def fb(part=part, x=x):
                 y = part(x)
-                y.backward(torch.ones_like(y))
+                if y.requires_grad:  # a frozen part (a language model's embeddings without adapters) only forwards
+                    y.backward(torch.ones_like(y))
 
             out[k] = flops.run(("budget", k), fb)[1]
     return out
 
 
 def client_cuts(model, model_cfg, num_clients: int, client_flops: Sequence[float], seed: int,
-                batch_size: int) -> tuple[int, ...] | None:
+                batch_size: int, why_not=lambda cut: None) -> tuple[int, ...] | None:
     """Each client's cut (an index into the model's blocks), or None where neither ``tiers`` nor ``cut_budget`` is
     given (the run's single ``model.cut``). Where every client gets the same cut the caller runs today's single-cut
     run at it. Raises ``ValueError`` naming the key for a cut the model does not have or tiers that do not give
-    every client exactly one cut."""
+    every client exactly one cut, or a cut ``why_not`` refuses (``why_not(cut)``: why a client cannot cut there,
+    None where it can; a language model's: :func:`lm_cut_refused`)."""
     if model_cfg.tiers is not None:
+        for i, t in enumerate(model_cfg.tiers):
+            why = why_not(_resolve(model, t.cut, f"model.tiers[{i}].cut"))
+            if why:
+                raise ValueError(f"model.tiers[{i}].cut={t.cut!r}: {why}")
         return tuple(_from_tiers(model, model_cfg, num_clients, client_flops, seed))
     if model_cfg.cut_budget is not None:
-        return tuple(_from_budget(model, model_cfg.cut_budget, num_clients, client_flops, batch_size))
+        cuts = _from_budget(model, model_cfg.cut_budget, num_clients, client_flops, batch_size, why_not)
+        for c in model_cfg.cut_budget.cuts or ():
+            if why_not(model.resolve_cut(c)):
+                raise ValueError(f"model.cut_budget.cuts: {c!r} {why_not(model.resolve_cut(c))}")
+        return tuple(cuts)
     return None
 
 
@@ -190,9 +200,9 @@ def _apportion(shares: list[float], n: int) -> list[int]:
     return counts
 
 
-def _from_budget(model, budget, n: int, client_flops, batch_size: int) -> list[int]:
+def _from_budget(model, budget, n: int, client_flops, batch_size: int, why_not) -> list[int]:
     cands = sorted({_resolve(model, c, "model.cut_budget.cuts") for c in budget.cuts} if budget.cuts
-                   else set(model.cut_points().values()))
+                   else {k for k in model.cut_points().values() if why_not(k) is None})
     flops = cut_flops(model, cands, batch_size)
     out = []
     for c in range(n):
@@ -212,3 +222,97 @@ def describe(model, cuts: Sequence[int]) -> str:
 def tier_of(cuts: Sequence[int] | None) -> dict[int, int]:
     """Each distinct cut's tier number, shallowest first (``eval/tier{k}/...``)."""
     return {cut: k for k, cut in enumerate(sorted(set(cuts or ())))}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-client LoRA ranks (a language model's tiers)
+# ----------------------------------------------------------------------------------------------------------------
+def client_ranks(model_cfg, cuts: Sequence[int] | None, model=None) -> tuple[int, ...] | None:
+    """Each client's LoRA rank from its tier's ``rank`` (``model.tiers[i].rank``; a tier without one:
+    ``model.lm.adapter.rank``), or None where no tier sets one. A rank is a property of a cut here (the clients
+    of one cut pack and pool one shape of part), so tiers at one cut with different ranks are an error; so is a
+    rank on a model without LoRA adapters. Raises ``ValueError`` naming the key."""
+    tiers = model_cfg.tiers or []
+    given = [i for i, t in enumerate(tiers) if t.rank is not None]
+    if not given:
+        return None
+    lm = model_cfg.lm
+    if lm is None or lm.adapter.kind != "lora":
+        what = "the model has no language-model section (model.lm)" if lm is None else \
+            f"model.lm.adapter.kind={lm.adapter.kind} trains no adapters"
+        raise ValueError(f"model.tiers[{given[0]}].rank: a rank is a LoRA adapter's, and {what}")
+    if cuts is None or len(set(cuts)) == 1:
+        if any(tiers[i].rank != lm.adapter.rank for i in given):
+            raise ValueError(f"model.tiers[{given[0]}].rank: one tier is one cut for every client (today's "
+                             f"single-cut run); set model.lm.adapter.rank instead")
+        return None
+    at_cut: dict[int, tuple[int, int]] = {}
+    for i, t in enumerate(tiers):
+        k = _resolve(model, t.cut, f"model.tiers[{i}].cut") if model is not None else t.cut
+        r = t.rank if t.rank is not None else lm.adapter.rank
+        if k in at_cut and at_cut[k][1] != r:
+            raise ValueError(f"model.tiers[{i}].rank={r}: model.tiers[{at_cut[k][0]}] has the same cut with rank "
+                             f"{at_cut[k][1]}; the clients of one cut share a rank")
+        at_cut.setdefault(k, (i, r))
+    return tuple(at_cut[c][1] for c in cuts)
+
+
+def ranked_lm(lm, rank: int | None):
+    """``lm`` (a ``model.lm`` section) with its adapters at ``rank`` and alpha scaled with it (``alpha * rank /
+    adapter.rank``), so that every rank has the one scale ``alpha / rank`` of ``model.lm.adapter``: a rank-``r``
+    adapter is then the first ``r`` components of a larger one, which zero-padding and truncation
+    (:func:`fit_state`, :mod:`raysplit.runtime.tiered`) take it to be. ``lm`` itself where ``rank`` is None or
+    the adapter's own."""
+    if rank is None or rank == lm.adapter.rank:
+        return lm
+    a = lm.adapter
+    return lm.model_copy(update={"adapter": a.model_copy(update={"rank": int(rank),
+                                                                   "alpha": a.alpha * rank / a.rank})})
+
+
+def fit_state(state: dict, like: dict) -> dict:
+    """The entries of ``state`` that ``like`` (a part's state) has, each cut to ``like``'s shape where it is
+    larger: a LoRA ``lora_A`` of rank ``R`` (``R x in``) keeps its first ``r`` rows, a ``lora_B`` (``out x R``)
+    its first ``r`` columns (HetLoRA's truncation, Cho et al. 2024; the aggregate of adapters of several ranks is
+    held at the largest). Entries already of ``like``'s shape are passed as they are (no copy)."""
+    out = {}
+    for k, ref in like.items():
+        v = state[k]
+        if tuple(v.shape) != tuple(ref.shape):
+            if v.dim() != ref.dim() or any(a < b for a, b in zip(v.shape, ref.shape)):
+                raise ValueError(f"state entry {k!r} has shape {tuple(v.shape)}, the part {tuple(ref.shape)}")
+            v = v[tuple(slice(0, n) for n in ref.shape)]
+        out[k] = v
+    return out
+
+
+def at_rank(state: dict, rank: int | None) -> dict:
+    """``state`` with its LoRA entries cut to ``rank`` (as :func:`fit_state` cuts them, by name: peft's
+    ``lora_A`` / ``lora_embedding_A`` keep their first ``rank`` rows, ``lora_B`` / ``lora_embedding_B`` their first
+    ``rank`` columns); ``state`` itself where ``rank`` is None."""
+    if rank is None:
+        return state
+    out = {}
+    for k, v in state.items():
+        if ("lora_A" in k or "lora_embedding_A" in k) and v.shape[0] > rank:
+            v = v[:rank]
+        elif ("lora_B" in k or "lora_embedding_B" in k) and v.shape[-1] > rank:
+            v = v[..., :rank]
+        out[k] = v
+    return out
+
+
+def lm_cut_refused(model, tail_cut: int | None):
+    """Why a client of a language model (a :class:`~raysplit.models.causal_lm.CausalLM`) cannot cut at a block
+    (None where it can), for :func:`client_cuts`: U-shaped (``tail_cut``, the head's index), a cut at the head or
+    after the last decoder block leaves the server no block; a client part that trains nothing (the embeddings
+    alone, which LoRA does not adapt by default) has no gradient to take."""
+    def why_not(cut: int) -> str | None:
+        if tail_cut is not None and cut >= tail_cut:
+            return (f"leaves the server no decoder block before the head (U-shaped: the client keeps the head); "
+                    f"cut at {model.block_names[tail_cut - 2]!r} or earlier")
+        if not any(p.requires_grad for p in model.segment(0, cut).parameters()):
+            return (f"the client's blocks ({', '.join(model.block_names[:cut])}) train nothing (no adapter in them: "
+                    f"model.lm.adapter.target_modules); cut deeper")
+        return None
+    return why_not

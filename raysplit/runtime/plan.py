@@ -43,6 +43,7 @@ class ModelFacts:
     lm: Any = None  # raysplit.models.causal_lm.LMConfig
     base_seed: int | None = None  # a LoRA language model: the seed its frozen base is built with on every side
     base_digest: str | None = None  # ... and the driver's fingerprint of it (raysplit.models.adapters.base_digest)
+    ranks: tuple | None = None  # tiered language model (model.tiers[i].rank): each client's LoRA rank, one per cut
 
     def cut_of(self, cid: int) -> int | None:
         """Client ``cid``'s cut where clients have their own (None: every client holds ``cut``)."""
@@ -53,6 +54,12 @@ class ModelFacts:
         """The deepest client cut of a tiered split (None: not tiered)."""
         return None if self.cuts is None else max(self.cuts)
 
+
+    @property
+    def widest_rank(self) -> int | None:
+        """The largest LoRA rank of a tiered language model's clients and server (None: no tier sets a rank): the
+        rank the aggregate of the clients' blocks is held at (:mod:`raysplit.runtime.tiered`)."""
+        return None if self.ranks is None else max(max(self.ranks), self.lm.adapter.rank)
 
     @property
     def language_model(self) -> bool:
@@ -99,29 +106,42 @@ class ModelFacts:
         return self.parts(device)[0] if self.cuts is None else self.part_at(self.cut_of(cid), device)
 
     def part_at(self, cut: int, device=None) -> torch.nn.Module:
-        """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail)."""
+        """A fresh client part holding ``blocks[:cut]`` (U-shaped: with the tail), its adapters at the cut's LoRA
+        rank where tiers set ranks."""
         from raysplit.models.tiers import client_part
 
-        return client_part(self.build(device), cut, self.tail_cut)
+        return client_part(self.build(device, rank=self.rank_at(cut)), cut, self.tail_cut)
+
+    def rank_of(self, cid: int) -> int | None:
+        """Client ``cid``'s LoRA rank where tiers set ranks (None: every client at ``model.lm.adapter.rank``)."""
+        return None if self.ranks is None else self.ranks[int(cid)]
+
+    def rank_at(self, cut: int) -> int | None:
+        """The LoRA rank of the clients at ``cut`` (None: ``model.lm.adapter.rank``, no tier sets one)."""
+        return None if self.ranks is None else self.ranks[self.cuts.index(cut)]
 
     @property
     def shares_base(self) -> bool:
         """A LoRA language model: its parts share this process's one frozen base and carry only adapters."""
         return self.lm is not None and self.lm.adapter.kind == "lora" and self.base_seed is not None
 
-    def build(self, device=None):
+    def build(self, device=None, rank: int | None = None):
         """A fresh model of the zoo (random initial weights; callers load states): the whole
         :class:`~raysplit.models.SplitModel`, for a rule that splits it its own way (Ampere's auxiliary net).
-        A LoRA language model: its own adapters over this process's frozen base on ``device``
-        (:func:`~raysplit.models.causal_lm.shared_base_model`; None: the CPU), which the caller must not move
-        elsewhere (a ``.to`` to another device copies that part's base); otherwise ``device`` is not used."""
+        A LoRA language model: its own adapters (at ``rank``, :func:`~raysplit.models.tiers.ranked_lm`; None: its
+        own) over this process's frozen base on ``device`` (:func:`~raysplit.models.causal_lm.shared_base_model`;
+        None: the CPU; one template per rank, each from the same seed and checked against the same digest), which
+        the caller must not move elsewhere (a ``.to`` to another device copies that part's base); otherwise
+        ``device`` is not used."""
         if self.lm is not None:
             from raysplit.models.causal_lm import build_causal_lm, shared_base_model
+            from raysplit.models.tiers import ranked_lm
 
+            lm = ranked_lm(self.lm, rank)
             if self.shares_base:
-                return shared_base_model(self.lm, vocab_size=self.num_classes, seed=self.base_seed,
+                return shared_base_model(lm, vocab_size=self.num_classes, seed=self.base_seed,
                                          fixed_length=True, device=device, digest=self.base_digest)
-            return build_causal_lm(self.lm, vocab_size=self.num_classes, fixed_length=True)
+            return build_causal_lm(lm, vocab_size=self.num_classes, fixed_length=True)
         from raysplit.models import build_model
 
         return build_model(self.name, self.num_classes, self.input_shape, **self.options)
@@ -136,6 +156,9 @@ class ModelFacts:
         if self.cuts is not None:  # tiered: every block a client holds, the server's from the shallowest cut on
             from raysplit.models.tiers import tiered_parts
 
+            if self.ranks is not None:  # the clients' blocks at the largest rank (the aggregate's shapes)
+                return tiered_parts(self.build(device, rank=self.widest_rank), self.cuts, self.tail_cut)[0], \
+                    tiered_parts(model, self.cuts, self.tail_cut)[1]
             return tiered_parts(model, self.cuts, self.tail_cut)
         if self.tail_cut is not None:
             return model.split_u(self.cut, self.tail_cut)

@@ -29,15 +29,35 @@ from raysplit.models.tiers import block_key
 
 def partial_sum(states: list[dict], weights: list[float]) -> tuple[dict, dict]:
     """One worker's share of a tiered aggregation: per key, the weighted sum (float64) over the states that have it
-    and the summed weight of those states."""
+    and the summed weight of those states. Clients of different LoRA ranks (``model.tiers[i].rank``) hold an entry
+    at different shapes: the sum is then zero-padded to the largest and the weight is per element (a tensor of
+    the sum's shape: the weight of the states holding that rank component; module docstring)."""
     sums: dict[str, torch.Tensor] = {}
-    held: dict[str, float] = {}
+    held: dict[str, float | torch.Tensor] = {}
+    shape: dict[str, tuple] = {}
+    for st in states:
+        for k, v in st.items():
+            shape[k] = tuple(max(a, b) for a, b in zip(shape[k], v.shape)) if k in shape else tuple(v.shape)
     for st, w in zip(states, weights):
         for k, v in st.items():
-            term = v.detach().double() * w
-            sums[k] = term if k not in sums else sums[k] + term
-            held[k] = held.get(k, 0.0) + float(w)
+            if tuple(v.shape) == shape[k] and not isinstance(held.get(k), torch.Tensor):
+                term = v.detach().double() * w
+                sums[k] = term if k not in sums else sums[k] + term
+                held[k] = held.get(k, 0.0) + float(w)
+                continue
+            if not isinstance(held.get(k), torch.Tensor):  # from here on per element: what the key had so far
+                held[k] = torch.full(shape[k], held.get(k, 0.0), dtype=torch.float64)
+                sums[k] = sums[k] if k in sums else torch.zeros(shape[k], dtype=torch.float64)
+            sums[k] = sums[k] + _pad(v.detach().double() * w, shape[k])
+            held[k] = held[k] + _pad(torch.full(tuple(v.shape), float(w), dtype=torch.float64), shape[k])
     return sums, held
+
+
+def _pad(v: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``v`` zero-padded at the end of each dimension to ``shape`` (a lower-rank LoRA entry at a higher rank)."""
+    if tuple(v.shape) == tuple(shape):
+        return v
+    return F.pad(v, [p for d in reversed(range(v.dim())) for p in (0, shape[d] - v.shape[d])])
 
 
 def finish(partials: list[tuple[dict, dict]], total: float, server: dict, like: dict) -> tuple[dict, dict]:
@@ -46,15 +66,22 @@ def finish(partials: list[tuple[dict, dict]], total: float, server: dict, like: 
     client state has every key of ``like`` (the deepest client's part), cast to its dtypes; the server update the
     server's keys that clients hold too (the overlap; a U-shaped client's ``head.<block>`` entry is the server's
     ``<block>``), to be loaded into the server's model. A key that no client
-    holds and the server does not either is an error."""
+    holds and the server does not either is an error. Adapters of several LoRA ranks: ``like`` holds them at the
+    largest rank and the update is cut to the server's (:func:`_finish_ranked`)."""
 
     out: dict[str, torch.Tensor] = {}
     update: dict[str, torch.Tensor] = {}
     for k, ref in like.items():
+        at_server = block_key(k)[1]  # the server's name of the entry (a U-shaped head's ``head.`` dropped)
+        if any(isinstance(p[1].get(k), torch.Tensor) or (k in p[0] and tuple(np.shape(p[0][k])) != tuple(ref.shape))
+               for p in partials) or (at_server in server and tuple(server[at_server].shape) != tuple(ref.shape)):
+            out[k] = _finish_ranked(k, partials, total, server.get(at_server), ref)
+            if at_server in server:
+                update[at_server] = out[k][tuple(slice(0, n) for n in server[at_server].shape)]
+            continue
         s = sum((torch.as_tensor(np.asarray(p[0][k], dtype=np.float64)) for p in partials if k in p[0]),
                 torch.zeros(()))
         w = sum(p[1].get(k, 0.0) for p in partials)
-        at_server = block_key(k)[1]  # the server's name of the entry (a U-shaped head's ``head.`` dropped)
         if at_server in server:  # the server holds it for the clients that cut at or before its block
             s = s + server[at_server].detach().double().cpu() * (total - w)
             w = total
@@ -65,6 +92,39 @@ def finish(partials: list[tuple[dict, dict]], total: float, server: dict, like: 
         if at_server in server:
             update[at_server] = out[k]
     return out, update
+
+
+def _finish_ranked(k: str, partials, total: float, server_value, ref: torch.Tensor) -> torch.Tensor:
+    """One entry held at several LoRA ranks, aggregated by **zero-padding, each rank component averaged over its
+    holders**: every holder's ``lora_A`` (``r x in``) and ``lora_B`` (``out x r``) padded with zeros to the
+    largest rank ``R``; element ``j`` of the aggregate is the sample-weighted mean over the holders whose rank
+    exceeds ``j`` (HeteroFL's rule for nested sub-models, Diao et al., ICLR 2021, on LoRA's rank axis, as
+    HetLoRA, Cho et al., 2024, pads and truncates client adapters of different ranks; the text of HSplitLoRA's
+    "noise-free" aggregation is not in the project's library, so it is not followed here). The server, where it
+    holds the block, weighs what the clients that cut at or before it gave (``total`` less the block's clients:
+    the weight on the first component, which every rank holds). A component no holder has keeps ``ref``'s value.
+    As with every LoRA average, ``mean(B) @ mean(A)`` is not ``mean(B @ A)``. Each client then keeps its first
+    ``r`` components (:func:`raysplit.models.tiers.fit_state`); one scale ``alpha / rank`` for every rank
+    (:func:`raysplit.models.tiers.ranked_lm`) makes the components commensurable."""
+    shape = tuple(ref.shape)
+    s = torch.zeros(shape, dtype=torch.float64)
+    w = torch.zeros(shape, dtype=torch.float64)
+    for sums, held in partials:
+        if k not in sums:
+            continue
+        v = torch.as_tensor(np.asarray(sums[k], dtype=np.float64))
+        h = held[k]
+        h = torch.full(tuple(v.shape), float(h), dtype=torch.float64) if not isinstance(h, torch.Tensor) else h
+        s, w = s + _pad(v, shape), w + _pad(h.double(), shape)
+    if server_value is not None:
+        share = total - float(w.max())  # the weight of the clients the server trained the block for
+        sv = server_value.detach().double().cpu()
+        s = s + _pad(sv * share, shape)
+        w = w + _pad(torch.full(tuple(sv.shape), share, dtype=torch.float64), shape)
+    if float(w.max()) == 0:
+        raise ValueError(f"no holder of {k!r} took part in the aggregation")
+    avg = torch.where(w > 0, s / torch.where(w > 0, w, torch.ones_like(w)), ref.detach().double().cpu())
+    return (avg if ref.is_floating_point() else avg.round()).to(ref.dtype)
 
 
 def merge_copies(main: torch.nn.Module, copies: dict, weights: dict, cuts) -> dict:

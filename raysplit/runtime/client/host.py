@@ -87,7 +87,8 @@ class ClientHost:
                                    state_bytes=int(spill.client_state_mb * 2**20) if spill.client_state_mb else None,
                                    spill_dir=spill.spill_dir, changed=self.changed,
                                    cut_of=plan.model.cut_of if plan.model.cuts is not None else None,
-                                   build_cut=lambda cut: plan.model.part_at(cut, device).to(device))
+                                   build_cut=lambda cut: plan.model.part_at(cut, device).to(device),
+                                   rank_of=plan.model.rank_of if plan.model.ranks is not None else None)
         self.cut = ClientCut(plan.privacy, init_state)
         self.executor = Executor(s.seed, device, rt.pack_clients, plan.model.loss)
         self.tail = (ClientTail(plan.ushape, self.executor, self.states, self.meter, s.train.stop_on_nonfinite)

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from raysplit.models.tiers import block_key
+from raysplit.models.tiers import at_rank, block_key, fit_state
 from raysplit.runtime.state import ModelSlot
 from raysplit.runtime.optim import make_optimizer, set_lr
 from raysplit.runtime.spill import SpillStore
@@ -32,8 +32,10 @@ class ClientStates:
     def __init__(self, build: Callable[[], torch.nn.Module], init_state: dict, optimizer: dict, *,
                  persist: bool, state_bytes: int | None, spill_dir: str | None, changed: set[int],
                  device: torch.device | None = None, cut_of: Callable[[int], int | None] | None = None,
-                 build_cut: Callable[[int], torch.nn.Module] | None = None):
+                 build_cut: Callable[[int], torch.nn.Module] | None = None,
+                 rank_of: Callable[[int], int | None] | None = None):
         self.build = build
+        self.rank_of = rank_of  # tiered LoRA ranks: the global state is at the largest, a client holds its own
         # tiered (clients with their own cuts): client cid's module is build_cut(cut_of(cid)), pooled by its cut; the
         # global state holds every block a client holds (the deepest cut's), each client loads its own blocks
         self.cut_of, self.build_cut = cut_of, build_cut
@@ -79,13 +81,15 @@ class ClientStates:
         if not self.tiered:
             return state
         cut = self.cut_of(cid)
-        return {k: v for k, v in state.items() if k.startswith("tail.") or block_key(k)[0] < cut}
+        mine = {k: v for k, v in state.items() if k.startswith("tail.") or block_key(k)[0] < cut}
+        return mine if self.rank_of is None else at_rank(mine, self.rank_of(cid))
 
     def load(self, module: torch.nn.Module, weights: dict) -> None:
         """``weights`` into ``module``: tiered, the blocks it holds of the global state's (every key it has)."""
         if self.tiered:
             keys = module.state_dict().keys()
-            weights = {k: weights[k] for k in keys}
+            weights = {k: weights[k] for k in keys} if self.rank_of is None else \
+                fit_state(weights, module.state_dict())  # LoRA ranks: its own of the aggregate's largest
         module.load_state_dict(weights)
 
     def state_of(self, cid: int) -> dict:
