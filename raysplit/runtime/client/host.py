@@ -173,8 +173,13 @@ class ClientHost:
         from raysplit.lm_metrics import generate_text
         from raysplit.models import UClient
 
-        client, server = (m.to(self.executor.device) for m in self.plan.parts())
+        from raysplit.models.tiers import Entered
+
+        dev, model = self.executor.device, self.plan.model
+        client, server = (m.to(dev) for m in model.parts(dev))
         server.load_state_dict(transport.unpack_state(server_state.state))
+        if model.cuts is not None:  # tiered: the client's own part, the server entered at its cut
+            client, server = model.client_part(cid, dev).to(dev), Entered(server, model.cut_of(cid))
         client.load_state_dict(client_state.tensors() if client_state is not None else self.states.state_of(cid))
         parts = [client.head, server, client.tail] if isinstance(client, UClient) else [client, server]
         return generate_text(parts, tokenizer, prompts, context_length=self.plan.model.input_shape[0],
