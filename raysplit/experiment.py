@@ -226,6 +226,11 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         want, cuts = (cuts[0], None) if len(set(cuts)) == 1 else (min(cuts), cuts)  # one tier: today's run
     cut, client, server = alg.split_model(model, want)
     tail_cut = cfg.model.tail_cut if lm is None else lm_tail_cut(lm, model, cut, cfg.model.tail_cut, alg)
+    if lm is not None and cuts is None and cut and not any(
+            p.requires_grad for p in model.segment(0, cut).parameters()):  # LoRA's default leaves the embeddings
+        raise ConfigError(f"model.cut={model.block_names[cut - 1]!r}: the client's blocks "
+                          f"({', '.join(model.block_names[:cut])}) train nothing (no adapter in them: "
+                          f"model.lm.adapter.target_modules, e.g. add 'wte'); cut deeper")
     ushape, u_client, u_server = ushape_spec(model, max(cuts) if cuts else cut, tail_cut, cfg.privacy, alg.name,
                                              alg.u_shape, getattr(alg.params, "batched_copies", False),
                                              spec_d.num_classes)

@@ -118,6 +118,14 @@ def test_a_method_that_needs_class_labels_is_refused_naming_it(tmp_path, method,
         run_experiment(cfg)
 
 
+def test_a_cut_whose_client_blocks_train_nothing_is_refused_naming_the_key(tmp_path):
+    """LoRA's default targets leave the embeddings frozen: a client cut at ``embed`` would have nothing to train
+    (its backward failed deep in the client's step); one error naming model.cut before any actor starts."""
+    cfg = lm_config(tmp_path, None, **{"model.cut": "embed", "runtime.backend": "local", "tracking.enabled": False})
+    with pytest.raises(ConfigError, match=r"^model\.cut='embed': the client's blocks \(embed\) train nothing"):
+        run_experiment(cfg)
+
+
 def test_a_run_makes_no_network_call(tmp_path, monkeypatch):
     """A local run without tracking opens no internet socket: the model is built from its config, the tokenizer
     trained here, the corpus read from the Debian package's files (nothing is ever downloaded)."""
