@@ -318,6 +318,8 @@ _NUMPY_GLOBALS = {"numpy._core.multiarray._reconstruct", "numpy.core.multiarray.
                   "numpy.random._pickle.__generator_ctor", "numpy.random.bit_generator.SeedSequence",
                   "numpy.random.bit_generator.__pyx_unpickle_SeedSequence",
                   "builtins.bytes"}  # pickle protocol 2 writes b"" (an empty array's data) as bytes()
+# the functions a checkpoint may name: the model's loss, which the event loop's plan keeps (ModelFacts.loss)
+_LOSS_FUNCTIONS = {"torch.nn.functional.cross_entropy", "raysplit.lm_metrics.lm_loss"}
 
 
 # classes a checkpoint written before the runtime's rooms (issue 69, 2026-12) names by their old place: the old name
@@ -331,7 +333,8 @@ MOVED_CLASSES = {"raysplit.runtime.events.ClientCosts": "raysplit.runtime.server
 
 def load_checkpoint_file(path: Path) -> dict:
     """``torch.load(weights_only=True)`` with an allowlist: tensors, containers, numpy arrays and generators, and
-    classes (never functions) of raysplit and torch.nn. A checkpoint naming anything else (a tampered file) or one
+    classes of raysplit and torch.nn, and no function but the model's loss (``_LOSS_FUNCTIONS``). A checkpoint
+    naming anything else (a tampered file) or one
     that cannot be read (truncated) is a :class:`ConfigError` naming the file, before any of it is unpickled."""
     import importlib
 
@@ -351,6 +354,8 @@ def load_checkpoint_file(path: Path) -> dict:
                 obj = None
             if name not in _NUMPY_GLOBALS and not isinstance(obj, type):
                 obj = None
+        elif name in _LOSS_FUNCTIONS:
+            obj = getattr(importlib.import_module(module), attr)
         if obj is None:
             raise ConfigError(f"checkpoint {path} names {name}, which a raysplit checkpoint never holds; refusing to "
                               "load it (tampered with, or not a raysplit checkpoint)")

@@ -557,7 +557,8 @@ def counting_syncs():
             @functools.wraps(real)
             def call(self, *a, **kw):
                 if depth[0]:
-                    frames = [f for f in traceback.extract_stack()[:-1] if "/raysplit/" in f.filename]
+                    frames = [f for f in traceback.extract_stack()[:-1] if "/raysplit/" in f.filename
+                              and "/site-packages/" not in f.filename]  # a checkout named raysplit holds its venv
                     if frames:
                         f = frames[-1]
                         path = "raysplit/" + f.filename.split("/raysplit/")[-1]

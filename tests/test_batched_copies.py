@@ -303,7 +303,7 @@ def test_switch_is_validated_documented_and_reaches_the_server_host(tmp_path, ml
     field = CopiesParams.model_fields["batched_copies"]
     assert field.default is False and "interleaved" in field.description
     having = sorted(n for n, a in ALGORITHMS.items() if "batched_copies" in a.Params.model_fields)
-    assert having == ["pipar", "psl", "sflv1", "sflv1_prox", "sflv3", "sglr", "splitgp"]
+    assert having == ["pipar", "psl", "sflv1", "sflv1_prox", "sflv3", "sglr", "splitgp", "splitlora"]
     with pytest.raises(ConfigError, match="algorithm.batched_copies"):
         make_config(tmp_path, mlflow_uri, **{"algorithm.name": "psl", "algorithm.batched_copies": "sometimes"})
     with pytest.raises(ConfigError, match="unknown key 'algorithm.batched_copies' for multihead"):
