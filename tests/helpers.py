@@ -561,7 +561,7 @@ def counting_syncs():
                               and "/site-packages/" not in f.filename]  # a checkout named raysplit holds its venv
                     if frames:
                         f = frames[-1]
-                        path = "raysplit/" + f.filename.split("/raysplit/")[-1]
+                        path = "raysplit/" + f.filename.rsplit("/raysplit/", 1)[-1]  # the package's, in any checkout
                         if path not in HOST_MEMORY_FILES:
                             got.syncs[f"{name} {path}:{f.lineno} in {f.name}"] += 1
                 return real(self, *a, **kw)
