@@ -86,15 +86,12 @@ def reconstruction_attack(privacy, seed: int, data, states, cut: ClientCut, exec
         held.load_state_dict(global_state.tensors())
         held.eval()
         lo, hi = to_tensor(priv.input_range, data_spec).split(1)
-    aux = to_tensor(priv.aux_x, data_spec) if mine and attack.needs_aux else None
     if attack.language_model:
         return token_attack(priv, seed, data, states, cut, executor, rule, mine, rnd, attack)
+    aux = to_tensor(priv.aux_x, data_spec) if mine and attack.needs_aux else None
     out = {}
     for c in mine:
-        module = rule.build_module()
-        module.load_state_dict(states.state_of(c))
-        module.eval()
-        encode = rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
+        module, encode = _attacked(rule, states, c, rnd)
 
         def sent(x):  # what the server receives for inputs x
             return encode(x) if defence is None else defence.release(encode(x))[0]
@@ -139,10 +136,7 @@ def token_attack(priv, seed: int, data, states, cut: ClientCut, executor, rule, 
     aux = to_tensor(priv.aux_x, data_spec) if attack.needs_aux else None
     out = {}
     for c in mine:
-        module = rule.build_module()
-        module.load_state_dict(states.state_of(c))
-        module.eval()
-        encode = rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
+        module, encode = _attacked(rule, states, c, rnd)
         order = np.random.default_rng([seed, 0xA77, c]).permutation(data.train_idx[c])
         victim = to_tensor(data.x[np.sort(order[:priv.attack.samples])], data_spec)
         with torch.no_grad(), executor.seeded(c, 3, rnd):
@@ -154,3 +148,12 @@ def token_attack(priv, seed: int, data, states, cut: ClientCut, executor, rule, 
         states.give_back(module)
     states.give_back(public)
     return out
+
+
+def _attacked(rule, states, c: int, rnd: int):
+    """Client ``c``'s part as it stands (a fresh module with its state, in eval mode) and the encoder of what it
+    sends the server, for an attack on it."""
+    module = rule.build_module()
+    module.load_state_dict(states.state_of(c))
+    module.eval()
+    return module, rule.encoder(Tag(c, rnd, 0, "attack"), ModelSlot(module, None))
