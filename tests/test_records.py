@@ -124,6 +124,28 @@ def test_time_and_traffic_to_a_target_read_from_a_runs_curve_and_history():
         _runs.to_target({"curve": [[1, 0.9]]}, 0.8)
 
 
+def test_a_language_models_time_to_target_falls_to_the_lowest_perplexity_both_reach():
+    """A language model's run has no accuracy curve: its history's perplexity is the score (lower is better), the
+    common target the lowest perplexity every run reaches, and the time to it that of the first evaluation at or
+    below it; claims.record_value's percent saved reads it the same way (SplitLoRA's time row)."""
+    cspec = importlib.util.spec_from_file_location("claims", ROOT / "scripts" / "claims.py")
+    claims = importlib.util.module_from_spec(cspec)
+    cspec.loader.exec_module(claims)
+
+    def lm(points):  # (time/sim, perplexity) per round
+        return {"curve": [], "history": [{"round": r, "time/sim": t, "eval/perplexity": p}
+                                         for r, (t, p) in enumerate(points, 1)]}
+
+    fast = lm([(1.0, 300.0), (2.0, 150.0), (3.0, 120.0), (4.0, 110.0)])
+    slow = lm([(3.0, 250.0), (6.0, 140.0), (9.0, 125.0)])
+    assert _runs.common_target([fast, slow]) == -125.0  # the lowest perplexity both reach: slow's best
+    assert _runs.to_target(fast, -125.0) == (3, 3.0, 0.0) and _runs.to_target(slow, -125.0) == (3, 9.0, 0.0)
+    assert claims.record_value("time to target", [fast, slow]) == pytest.approx(100 * (1 - 3.0 / 9.0))
+    assert claims.record_value("time to target", [slow, fast]) == pytest.approx(100 * (1 - 9.0 / 3.0))
+    with pytest.raises(ValueError, match="curve"):
+        _runs.common_target([fast, {"curve": [], "history": [{"round": 1}]}])
+
+
 def test_a_scripts_computation_and_a_run_read_from_elsewhere_keep_records(fake, tmp_path):
     # ampere_drift.py, ampere_aux_cost.py, hydra_head_share.py, ...: kept() computes once, then reads the record
     calls = []

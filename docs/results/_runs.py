@@ -76,21 +76,32 @@ def paired_table(results: dict, pairs: list[tuple[str, str]], partitions: list[s
     return "\n".join(lines)
 
 
+def scores(res: dict) -> list[tuple[int, float, float]]:
+    """A run's evaluated ``(round, time/sim, score)`` points, the score rising as the model gets better: its
+    ``curve`` (accuracy) where it has one; a language model's, which has no accuracy, from its per-round
+    ``history`` (``eval/perplexity`` and ``time/sim`` kept as keys), the score the negative perplexity (so that
+    the highest score all runs reach is the lowest perplexity all reach, and reaching it is falling to it)."""
+    if res.get("curve"):
+        return [tuple(pt) for pt in res["curve"]]
+    return [(h["round"], h["time/sim"], -h["eval/perplexity"]) for h in res.get("history", [])
+            if "eval/perplexity" in h and "time/sim" in h]
+
+
 def common_target(results: list[dict]) -> float:
-    """Issue 73's equal outcome: the highest accuracy every one of ``results`` reaches, the smallest of their best
-    evaluated accuracies (``curve``: ``[(round, time/sim, accuracy), ...]``), the target a time or traffic claim is
-    measured to."""
-    if not results or any(not r.get("curve") for r in results):
-        raise ValueError("a common target needs every run's evaluated curve")
-    return min(max(pt[-1] for pt in r["curve"]) for r in results)
+    """Issue 73's equal outcome: the highest score every one of ``results`` reaches (:func:`scores`: accuracy, or a
+    language model's negative perplexity), the smallest of their best evaluated scores, the target a time or
+    traffic claim is measured to."""
+    if not results or any(not scores(r) for r in results):
+        raise ValueError("a common target needs every run's evaluated curve (accuracy, or perplexity per round)")
+    return min(max(pt[-1] for pt in scores(r)) for r in results)
 
 
 def to_target(res: dict, target: float, keys: tuple[str, ...] = ()) -> tuple[int, float, float]:
-    """``(round, simulated time, traffic)`` of a run at its first evaluation whose accuracy reaches ``target``: the
-    round and ``time/sim`` of that point of its ``curve`` and the per-round values of ``keys`` (its ``history``, e.g.
-    ``comm/bytes_up``) summed over the rounds up to it (0 without keys). Raises ValueError when the run never
+    """``(round, simulated time, traffic)`` of a run at its first evaluation whose score (:func:`scores`) reaches
+    ``target``: the round and ``time/sim`` of that point and the per-round values of ``keys`` (its ``history``,
+    e.g. ``comm/bytes_up``) summed over the rounds up to it (0 without keys). Raises ValueError when the run never
     reaches the target, or its curve has no simulated time."""
-    for pt in res.get("curve", []):
+    for pt in scores(res):
         if len(pt) != 3:
             raise ValueError("to_target needs a curve of (round, time/sim, accuracy) points")
         rnd, t, acc = pt
@@ -99,7 +110,7 @@ def to_target(res: dict, target: float, keys: tuple[str, ...] = ()) -> tuple[int
             if keys and len({h["round"] for h in hist}) < rnd:
                 raise ValueError(f"the history misses rounds before round {rnd}: traffic to it is not known")
             return int(rnd), float(t), float(sum(h.get(k, 0.0) for h in hist for k in keys))
-    raise ValueError(f"the run never reaches accuracy {target:.4f}")
+    raise ValueError(f"the run never reaches the score {target:.4f}")
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,8 @@ def sweep_file(experiment: str, config: Path, runs: list[Run], jobs: int, uri: s
                                                "tracking.uri": uri},
             "arms": arms, "metric": metric, "scheduler": "fifo", "max_concurrent_trials": jobs,
             "max_failures": 1, "checkpoint_every": 10, "storage_path": here(ROOT / "outputs" / "tune")}
+    if metric.endswith(("perplexity", "loss")):  # lower is better: Tune's best trial is the lowest
+        spec["mode"] = "min"
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
     spec["name"] = f"{experiment}-{config.stem}-{digest}"
     path = ROOT / "outputs" / "studies" / f"{spec['name']}.yaml"

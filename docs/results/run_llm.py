@@ -1,0 +1,132 @@
+"""The language-model study (issue 71; docs/results/llm.md): the split families against federated LoRA (FedAvg of
+the whole adapted model) and centralised LoRA on Debian's fortunes, a tiny GPT-2 with LoRA (configs/llm/families.yaml:
+2 decoder blocks, width 64, random initial weights, four clients, one per category), perplexity per round.
+
+    .venv/bin/python docs/results/run_llm.py [--seeds 0 1 2] [--jobs 1] [--dry-run]
+
+Arms, each a full raysplit run logged to MLflow (experiment llm-families in ./mlflow.db), one per method on the same
+config and batches: U-shaped (the clients keep the tokens) for SplitNN, PSL, SFLV1/V2/V3, MiniBatch-SFL; the
+plain split (the server holds the head and receives the targets) for the CycleSL family, whose server trains on
+pooled batches and needs their targets, and for SplitLoRA as its paper runs it (server-side copies averaged, client
+adapters averaged every round). It prints, per arm (median [min, max] over seeds), the final perplexity, the best,
+the simulated time, the client FLOPs of the run, the bytes up and down, and the perplexity at every fourth round;
+then SplitLoRA's two registry measures (docs/results/claims.yaml): its final perplexity over centralised LoRA's,
+and its simulated time to the perplexity both it and federated LoRA reach, over federated LoRA's (paired by seed).
+``--dry-run`` validates every arm's config and prints the arms, running nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _runs import ROOT, Run, median_range, restored, study
+
+CONFIG = ROOT / "configs" / "llm" / "families.yaml"
+PLAIN = {"model.lm.split": "plain"}
+ARMS = {"centralised": {"algorithm.name": "centralised"},
+        "fedavg": {"algorithm.name": "fedavg"},
+        "splitlora": {"algorithm.name": "splitlora", **PLAIN},
+        "sflv1": {"algorithm.name": "sflv1"},
+        "sflv2": {"algorithm.name": "sflv2"},
+        "sflv3": {"algorithm.name": "sflv3"},
+        "psl": {"algorithm.name": "psl"},
+        "splitnn": {"algorithm.name": "splitnn"},
+        "minibatch_sfl": {"algorithm.name": "minibatch_sfl"},
+        "cyclesfl": {"algorithm.name": "cyclesfl", **PLAIN},
+        "cyclepsl": {"algorithm.name": "cyclepsl", **PLAIN}}
+KEYS = ("eval/perplexity", "time/sim", "comm/bytes_up", "comm/bytes_down")
+OUT = ROOT / "outputs" / "studies" / "llm"
+EVERY = 4  # the rounds the curve table shows
+
+
+def runs(seeds) -> list[tuple[str, int, Run]]:
+    return [(arm, seed, Run(CONFIG, {**over, "seed": seed}, f"{arm} seed {seed}", OUT / f"llm_{arm}_s{seed}.json",
+                            keys=KEYS))
+            for seed in seeds for arm, over in ARMS.items()]  # seed by seed: a study cut short has whole seeds
+
+
+def curve(res: dict) -> list[tuple[int, float, float]]:
+    """``(round, time/sim, perplexity)`` at every evaluated round of a run, from its per-round history."""
+    return [(h["round"], h["time/sim"], h["eval/perplexity"]) for h in res["history"]
+            if "eval/perplexity" in h and "time/sim" in h]
+
+
+def common_perplexity(a: dict, b: dict) -> float:
+    """The lowest perplexity both runs reach: the larger of their best (a lower-is-better common target)."""
+    return max(min(p for *_, p in curve(a)), min(p for *_, p in curve(b)))
+
+
+def time_to(res: dict, target: float) -> float:
+    """Simulated time at a run's first evaluation at or below perplexity ``target``."""
+    return next(t for _, t, p in curve(res) if p <= target + 1e-9)
+
+
+def claims(by_arm: dict) -> list[str]:
+    """SplitLoRA's registry measures, paired by seed: final perplexity over centralised's, and simulated time to
+    the perplexity both reach over federated LoRA's."""
+    lines = []
+    sl, cen, fed = (dict(by_arm.get(k, [])) for k in ("splitlora", "centralised", "fedavg"))
+    seeds = sorted(set(sl) & set(cen))
+    if seeds:
+        r = [sl[s]["eval/perplexity"] / cen[s]["eval/perplexity"] for s in seeds]
+        lines.append(f"splitlora / centralised final perplexity: {median_range(r, '.4f')} "
+                     f"({', '.join(f'{x:.4f} (seed {s})' for s, x in zip(seeds, r))})")
+    seeds = sorted(set(sl) & set(fed))
+    if seeds:
+        tgt = {s: common_perplexity(sl[s], fed[s]) for s in seeds}
+        r = [time_to(sl[s], tgt[s]) / time_to(fed[s], tgt[s]) for s in seeds]
+        lines.append(f"splitlora / fedavg simulated time to the common perplexity: {median_range(r, '.4f')} "
+                     f"({', '.join(f'{x:.4f} (seed {s}, target {tgt[s]:.2f})' for s, x in zip(seeds, r))})")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--report", action="store_true", help="print the tables from the caches and records only")
+    a = ap.parse_args()
+    todo = runs(a.seeds)
+    if a.dry_run:
+        from raysplit.config import load_config
+
+        for arm, seed, r in todo:
+            cfg = load_config(r.config, r.overrides)
+            print(f"{r.label:24s} {cfg.algorithm.name} split={cfg.model.lm.split}")
+        return
+    if a.report:
+        import json
+
+        from _runs import named
+        results = [named(json.loads(restored(r.out).read_text())) if restored(r.out).is_file() else None
+                   for *_, r in todo]
+    else:
+        results = study("llm-families", [r for *_, r in todo], a.jobs, metric="eval/perplexity")
+    by_arm: dict[str, list] = {}
+    for (arm, seed, _), res in zip(todo, results):
+        if res is not None:
+            by_arm.setdefault(arm, []).append((seed, res))
+    rounds = max(h["round"] for v in by_arm.values() for _, r in v for h in r["history"])
+    marks = list(range(EVERY, rounds + 1, EVERY))
+    cols = ["perplexity", "best", "time/sim (s)", "client GFLOPs", "MB up", "MB down"]
+    print("| arm | seeds | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 2) + "|")
+    for arm, got in by_arm.items():
+        rs = [r for _, r in got]
+        cells = [median_range([r["eval/perplexity"] for r in rs], ".1f"),
+                 median_range([min(p for *_, p in curve(r)) for r in rs], ".1f"),
+                 median_range([r["time/sim"] for r in rs], ".1f"),
+                 median_range([r["compute/client_flops"] / 1e9 for r in rs], ".1f"),
+                 median_range([r["comm/bytes_up"] / 1e6 for r in rs], ".1f"),
+                 median_range([r["comm/bytes_down"] / 1e6 for r in rs], ".1f")]
+        print(f"| {arm} | {len(rs)} | " + " | ".join(cells) + " |")
+    print("\n| arm | " + " | ".join(f"round {m}" for m in marks) + " |\n" + "|---" * (len(marks) + 1) + "|")
+    for arm, got in by_arm.items():
+        cells = [median_range([next(p for rr, _, p in curve(r) if rr == m) for _, r in got], ".1f") for m in marks]
+        print(f"| {arm} | " + " | ".join(cells) + " |")
+    print()
+    print("\n".join(claims(by_arm)))
+
+
+if __name__ == "__main__":
+    main()
