@@ -194,3 +194,26 @@ def test_frozen_gives_only_the_input_gradient_and_restores_each_flag():
         with frozen(model):
             raise RuntimeError("inside")
     assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_centralised_clock_runs_the_clients_turns_one_after_another(tmp_path, mlflow_uri):
+    """Centralised training is one machine taking the clients' batches in turn (issue 71): a round's simulated time
+    is the sum of its clients' compute times (each client's FLOPs at its own speed, heterogeneous here), not the
+    longest of them; each turn ends where the next one starts, and nothing is charged as traffic."""
+    cfg = make_config(tmp_path, mlflow_uri, **{
+        "algorithm.name": "centralised", "data.num_clients": 3, "train.local_steps": 2, "train.rounds": 2,
+        "runtime.backend": "local", "clock.profile": "uniform"})
+    _, _, p, stats = run_rounds(cfg)
+    speed = {c: prof.flops for c, prof in enumerate(p.inputs.profiles)}
+    assert len(set(speed.values())) == 3  # the clients' speeds differ: a sum and a parallel maximum disagree
+    for st in stats:
+        turns = {c: row["flops"] / speed[c] for c, row in st.clients.items()}
+        assert len(turns) == 3 and all(t > 0 for t in turns.values())
+        assert st.sim_time == pytest.approx(sum(turns.values()), rel=1e-9)
+        assert st.sim_time > 1.5 * max(turns.values())
+        start = st.t_start  # in the order the turns were taken, each starts where the previous one ended
+        for c in sorted(st.clients, key=lambda c: st.clients[c]["t_end"]):
+            assert st.clients[c]["t_end"] == pytest.approx(start + turns[c], rel=1e-9)
+            start = st.clients[c]["t_end"]
+        assert all(row.get("bytes_up", 0.0) == 0.0 and row.get("bytes_down", 0.0) == 0.0
+                   for row in st.clients.values())
