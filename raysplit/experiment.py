@@ -169,7 +169,8 @@ def base_record(prepared) -> dict | None:
 
 def _text_inputs(cfg: ExperimentConfig, lm):
     """A language model's data and model (``prepare``'s text branch): the blocks of ``data.text`` partitioned
-    over the clients, the labels of a block its tokens (the partition statistics count blocks per source), and the
+    over the clients, the labels of a block its tokens (E2E's prompts masked out under ``data.text.loss_on:
+    completion``; the partition statistics count blocks per source), and the
     model built fixed-length (what crosses the cut is the hidden states tensor) from ``model.lm`` and the
     tokenizer's vocabulary, checked against the context length and the tokenizer."""
     from raysplit.data import partition_counts
@@ -190,7 +191,7 @@ def _text_inputs(cfg: ExperimentConfig, lm):
     files = text.provenance["files"]
     dataset = {**text.provenance, "source": os.path.commonpath(files) if len(files) > 1 else "".join(files),
                "train_samples": int(len(text.x_train)), "test_samples": int(len(text.x_test))}  # the run's input
-    return (spec, text.x_train, text.x_train, text.x_test, text.x_test, text.train_idx, text.test_idx, {},
+    return (spec, text.x_train, text.t_train, text.x_test, text.t_test, text.train_idx, text.test_idx, {},
             dataset, counts, model, text)
 
 

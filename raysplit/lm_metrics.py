@@ -5,6 +5,12 @@ generation from text prompts through a split model's parts, and the scores of ge
 The loss is the mean negative log-likelihood of every next token a block predicts (the logits at position ``t``
 score token ``t + 1``; a padded target is not counted), so perplexity is ``exp`` of it over all tokens of the
 evaluation set together, not the mean of per-batch perplexities. ``tokens`` is how many targets were counted.
+
+The targets are the labels ``y`` a batch carries, the Hugging Face convention: the block's own ids, shifted here
+(``y[:, 1:]``), where a position set to :data:`IGNORE_INDEX` (-100) is no target. E2E's meaning representations
+are so masked (``data.text.loss_on: completion``, :mod:`raysplit.data.text`): every loss, per-sample loss,
+perplexity, next-token accuracy and ``tokens`` here counts the completion's targets only. Elsewhere no position is
+masked and nothing changes.
 """
 
 from __future__ import annotations
@@ -15,46 +21,58 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_nll", "lm_loss", "lm_sample_losses", "evaluate_lm", "lm_eval_metrics", "generate_text",
-           "generation_scores", "throughput_metrics"]
+from raysplit.data.text import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "token_nll", "lm_loss", "lm_sample_losses", "evaluate_lm", "lm_eval_metrics",
+           "generate_text", "generation_scores", "throughput_metrics"]
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of next-token NLL, number of targets)`` of a batch: logits ``(B, T, V)``, ids ``(B, T)``, mask
-    ``(B, T)`` (1 = token; null: all). Both stay on the logits' device (nothing is read back here)."""
+    """``(sum of next-token NLL, number of targets)`` of a batch: logits ``(B, T, V)``, labels ``(B, T)`` (the
+    ids; :data:`IGNORE_INDEX` where a position is no target), mask ``(B, T)`` (1 = token; null: all). Both stay on
+    the logits' device (nothing is read back here)."""
     targets = input_ids[:, 1:]
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none",
+                          ignore_index=IGNORE_INDEX)  # 0 where ignored
+    scored = targets.flatten() != IGNORE_INDEX
     if attention_mask is None:
-        return nll.sum(), torch.tensor(nll.numel(), device=nll.device)
-    keep = attention_mask[:, 1:].flatten().to(nll.dtype)
+        return nll.sum(), scored.sum()
+    keep = attention_mask[:, 1:].flatten().to(nll.dtype) * scored.to(nll.dtype)
     return (nll * keep).sum(), keep.sum().to(torch.long)
 
 
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
             ) -> torch.Tensor:
-    """The causal-LM training loss: the mean next-token NLL over the batch's targets."""
+    """The causal-LM training loss: the mean next-token NLL over the batch's targets (those not
+    :data:`IGNORE_INDEX`; 0 where there are none)."""
     total, count = token_nll(logits, input_ids, attention_mask)
     return total / count.clamp(min=1)
 
 
 def lm_sample_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-sample losses ``(B,)`` of a batch of fixed-length blocks: each block's mean next-token NLL over its
-    ``T - 1`` targets. Blocks of one length count the same targets each, so the plain mean of these is
-    :func:`lm_loss` (up to float rounding); a weighted mean weighs whole blocks (CycleSL's client-size weights)."""
+    targets (its ``T - 1`` next tokens but those :data:`IGNORE_INDEX`; 0 for a block with none). Unmasked blocks
+    of one length count the same targets each, so the plain mean of these is :func:`lm_loss` (up to float
+    rounding); a weighted mean weighs whole blocks (CycleSL's client-size weights). Masked blocks (E2E's
+    completions) count their own numbers of targets, so the plain mean then weighs each block's mean alike, where
+    :func:`lm_loss` weighs every target alike: a block's loss does not depend on the batch it is in."""
     targets = input_ids[:, 1:]
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
-    return nll.view(targets.shape).mean(dim=1)
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none",
+                          ignore_index=IGNORE_INDEX).view(targets.shape)  # 0 where ignored
+    return nll.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
 
 
 @torch.no_grad()
 def evaluate_lm(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[torch.Tensor]) -> dict:
     """``{"loss", "perplexity", "tokens"}`` of ``forward`` (token ids -> logits: a model, or a split model's
-    parts composed, :func:`raysplit.models.causal_lm.compose`) over ``batches`` of fixed-length blocks; the
-    sums stay on the device and are read once at the end."""
+    parts composed, :func:`raysplit.models.causal_lm.compose`) over ``batches`` of fixed-length blocks (each the
+    ids, or ``(ids, labels)`` with :data:`IGNORE_INDEX` where a position is no target); the sums stay on the
+    device and are read once at the end."""
     total = count = None
-    for ids in batches:
-        s, n = token_nll(forward(ids), ids)
+    for batch in batches:
+        ids, labels = batch if isinstance(batch, (tuple, list)) else (batch, batch)
+        s, n = token_nll(forward(ids), labels)
         total = s if total is None else total + s
         count = n if count is None else count + n
     if count is None or int(count) == 0:
@@ -65,7 +83,8 @@ def evaluate_lm(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterab
 
 def lm_eval_metrics(targets, predictions, nll_sum: float) -> dict:
     """A run's evaluation of a language model from the runtime's evaluation loop (every next token of the test
-    blocks: ``targets``, the most likely tokens ``predictions``, the summed NLL): ``loss`` (per token),
+    blocks that is a target, :mod:`raysplit.runtime.evaluation`: ``targets``, the most likely tokens
+    ``predictions``, the summed NLL): ``loss`` (per token),
     ``perplexity`` (``exp`` of it), ``next_token_accuracy`` and ``tokens``. No per-label metrics: the labels are a
     vocabulary."""
     import numpy as np
@@ -129,7 +148,9 @@ def generation_scores(hypotheses, references) -> dict:
 def throughput_metrics(tokens: int, wall_seconds: float, bytes_total: float) -> dict:
     """A language model's round by the token: ``train_tokens`` (every token of the blocks its clients trained
     on), ``tokens_per_s`` (over the round's wall-clock seconds) and ``bytes_per_token`` (the round's bytes up and
-    down over its tokens). Nothing where no token was trained."""
+    down over its tokens). Nothing where no token was trained. These count the tokens the model runs on (a block's
+    every position: what the compute and the hidden states crossing the cut scale with), masked ones included
+    (``data.text.loss_on: completion``): fewer of them are targets of the loss (``eval/tokens`` counts those)."""
     if tokens <= 0:
         return {}
     out = {"train_tokens": int(tokens), "bytes_per_token": float(bytes_total) / tokens}

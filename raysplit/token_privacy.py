@@ -158,9 +158,16 @@ def next_token_scores(g: torch.Tensor, rows: torch.Tensor, norm_weight: torch.Te
 def next_token_leak(g: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                     norm_weight: torch.Tensor | None = None) -> dict[str, float]:
     """``next_token_leak`` (top-1) and ``next_token_top5``: how often the true next token ``ids[:, t+1]`` is the
-    best (among the 5 best) of :func:`next_token_scores` for position ``t``."""
+    best (among the 5 best) of :func:`next_token_scores` for position ``t``, over the positions whose next token
+    is a target (``ids`` the labels: an ``IGNORE_INDEX`` one, a masked E2E prompt token, adds nothing to the loss
+    or the gradient there, so it is not scored; nothing where no position is)."""
+    from raysplit.lm_metrics import IGNORE_INDEX
+
     s = next_token_scores(g, rows, norm_weight)
     y = ids[:, 1:].to(s.device).long()
     top = s.topk(min(5, s.shape[-1]), dim=-1).indices
-    return {"next_token_leak": float((top[..., 0] == y).float().mean()),
-            "next_token_top5": float((top == y[..., None]).any(-1).float().mean())}
+    scored = y != IGNORE_INDEX
+    if not bool(scored.any()):
+        return {}
+    return {"next_token_leak": float((top[..., 0] == y)[scored].float().mean()),
+            "next_token_top5": float((top == y[..., None]).any(-1)[scored].float().mean())}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 import yaml
 
 from raysplit.data.text import (GenerationConfig, TextConfig, generation_prompts, load_corpus, load_e2e,
@@ -129,6 +131,183 @@ def test_a_missing_or_malformed_e2e_file_is_one_error_naming_it_and_the_key(tmp_
         load_corpus(TextConfig(corpus="e2e", root=str(root)))
 
 
+# ---- E2E's loss on the completion only (data.text.loss_on) -------------------------------------------------------
+def hand_mask(blocks: np.ndarray, sources: np.ndarray, tok, eos: int) -> np.ndarray:
+    """Which labels of packed E2E blocks (consecutive within a source, each source's stream starting with a
+    record's MR) are targets, found here without the library's offsets: every token up to the one whose text so
+    far ends with ``" ||"`` is the prompt's (masked), every later one up to and with the end-of-text token the
+    completion's."""
+    keep, in_prompt, text = np.zeros(blocks.shape, bool), True, ""
+    for idx, t in np.ndenumerate(blocks):
+        if idx[1] == 0 and idx[0] > 0 and sources[idx[0]] != sources[idx[0] - 1]:
+            in_prompt, text = True, ""
+        keep[idx] = not in_prompt
+        if in_prompt:
+            text += tok.decode([int(t)])
+            in_prompt = not text.endswith(" ||")
+        elif t == eos:
+            in_prompt, text = True, ""
+    return keep
+
+
+def e2e_text(root, **over) -> TextConfig:
+    return TextConfig(corpus="e2e", root=str(root), context_length=24, tokenizer={"vocab_size": 300}, **over)
+
+
+def test_e2e_labels_mask_the_prompt_and_loss_on_all_keeps_the_blocks_as_labels(tmp_path):
+    from raysplit.data.text import IGNORE_INDEX, load_text_partitioned
+
+    root = write_e2e(tmp_path / "e2e", n_train=16)
+    part = validate_data({"partition": {"name": "iid"}}).partition
+    masked = load_text_partitioned(e2e_text(root), part, 1, 0.0, 0)
+    plain = load_text_partitioned(e2e_text(root, loss_on="all"), part, 1, 0.0, 0)
+    assert e2e_text(root).scored == "completion" and TextConfig().scored == "all"  # the per-corpus default
+    assert masked.provenance["loss_on"] == "completion" and plain.provenance["loss_on"] == "all"
+    np.testing.assert_array_equal(masked.x_train, plain.x_train)  # the same blocks; only the labels differ
+    assert plain.t_train is plain.x_train and plain.t_test is plain.x_test  # today's labels: the blocks
+    tok, eos = masked.tokenizer, masked.tokenizer.eos_id
+    for x, t, src in ((masked.x_train, masked.t_train, masked.y_train), (masked.x_test, masked.t_test,
+                                                                          masked.y_test)):
+        keep = hand_mask(x, src, tok, eos)
+        np.testing.assert_array_equal(t, np.where(keep, x, IGNORE_INDEX))
+    # the targets of the first two blocks (the first record's MR fills the first): its reference, no MR
+    first = masked.t_train[:2].reshape(-1)
+    text = tok.decode([int(i) for i in first[first != IGNORE_INDEX]])
+    assert text.startswith(" The Eagle is a French restaurant in the")
+    assert 0.3 < (masked.t_train == IGNORE_INDEX).mean() < 0.8 and "||" not in text and "name[" not in text
+
+
+def validate_data(data: dict):
+    from raysplit.config import validate
+
+    return validate({"data": data}).data
+
+
+@pytest.mark.parametrize("corpus, extra", [("fortunes", {}), ("files", {"paths": ["x.txt"]}),
+                                           ("shakespeare", {})])
+def test_loss_on_completion_for_a_corpus_without_prompts_is_one_error_naming_the_key(corpus, extra):
+    with pytest.raises(ConfigError, match=rf"data.text.loss_on=completion: corpus {corpus} has no prompt.*"
+                                          r"set data.text.loss_on=all"):
+        validate_data({"text": {"corpus": corpus, "loss_on": "completion", **extra}})
+    assert validate_data({"text": {"corpus": corpus, **extra}}).text.scored == "all"
+
+
+def test_the_lm_losses_and_the_evaluation_loop_skip_the_ignored_targets():
+    from raysplit.data import DataSpec
+    from raysplit.lm_metrics import IGNORE_INDEX, evaluate_lm, lm_eval_metrics, lm_loss, lm_sample_losses, token_nll
+    from raysplit.runtime.evaluation import EvalTally, predict_batches
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, 11, generator=g)
+    ids = torch.randint(0, 11, (3, 6), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = IGNORE_INDEX  # a prompt of 4 tokens: targets at positions 4, 5 of block 0
+    labels[1, :] = IGNORE_INDEX  # a block of prompt only
+    logp = torch.log_softmax(logits, -1)
+    nll = -logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # (3, 5): the NLL of every next token
+    keep = labels[:, 1:] != IGNORE_INDEX
+    assert int(keep.sum()) == 2 + 0 + 5
+    torch.testing.assert_close(lm_loss(logits, labels), nll[keep].mean())
+    total, count = token_nll(logits, labels)
+    torch.testing.assert_close(total, nll[keep].sum())
+    assert int(count) == 7
+    torch.testing.assert_close(lm_sample_losses(logits, labels), torch.stack([nll[0, 3:].mean(), torch.tensor(0.0),
+                                                                               nll[2].mean()]))
+    torch.testing.assert_close(lm_loss(logits, ids), nll.mean())  # nothing ignored: every next token, as before
+    torch.testing.assert_close(lm_sample_losses(logits, ids), nll.mean(1))
+    ev = evaluate_lm(lambda x: logits, [(ids, labels)])
+    assert ev["tokens"] == 7 and ev["loss"] == pytest.approx(float(nll[keep].mean()), rel=1e-6)
+    tally = predict_batches(ids.numpy(), labels.numpy(), DataSpec("t", "tokens", (6,), 11), 3, lambda x: logits,
+                            EvalTally(), language_model=True)
+    y, p, loss = tally.result()
+    np.testing.assert_array_equal(y, ids[:, 1:][keep].numpy())
+    np.testing.assert_array_equal(p, logits[:, :-1].argmax(-1)[keep].numpy())
+    m = lm_eval_metrics(y, p, loss)
+    assert m["tokens"] == 7 and m["loss"] == pytest.approx(float(nll[keep].mean()), rel=1e-6)
+
+
+def test_masked_labels_pass_the_servers_screen_and_are_not_scored_by_the_next_token_attack():
+    from types import SimpleNamespace
+
+    from raysplit.lm_metrics import IGNORE_INDEX
+    from raysplit.runtime.screening import activation_form_fault
+    from raysplit.token_privacy import next_token_leak
+
+    y = np.array([[IGNORE_INDEX, IGNORE_INDEX, 3, 4]])
+    act = SimpleNamespace(x=np.zeros((1, 4, 2), np.float32), y=y, tag=SimpleNamespace(round=0))
+    assert activation_form_fault(act, (4, 2), np.float32, 10, 0, label_shape=(4,)) == ""
+    act.y = np.array([[-1, 2, 3, 4]])  # any other negative label is still out of range
+    assert "out of range" in activation_form_fault(act, (4, 2), np.float32, 10, 0, label_shape=(4,))
+    rows = torch.randn(10, 2, generator=torch.Generator().manual_seed(1))  # the head's rows, one per token
+    ids = torch.tensor([[0, 5, 3, 4]])
+    g = -rows[torch.tensor([[5, 3, 4, 0]])]  # a perfect leak at every position
+    assert next_token_leak(g, ids, rows)["next_token_leak"] == 1.0
+    g[0, 0] = rows[5]  # position 0's gradient points away from its target 5
+    assert next_token_leak(g, ids, rows)["next_token_leak"] == pytest.approx(2 / 3)
+    masked = torch.tensor([[0, IGNORE_INDEX, 3, 4]])  # ... which is masked: not scored
+    assert next_token_leak(g, masked, rows)["next_token_leak"] == 1.0
+    assert next_token_leak(g, torch.full((1, 4), IGNORE_INDEX), rows) == {}
+
+
+@pytest.mark.parametrize("loss_on", ["completion", "all"])
+def test_an_e2e_runs_loss_is_the_mean_cross_entropy_over_the_completion_tokens(tmp_path, loss_on):
+    """SFLV1, U-shaped, one client whose batch is every block it holds, LoRA, Adam, against a loop written here
+    with ``peft``'s LoRA on the same initial weights and blocks, the loss the mean cross-entropy over the next
+    tokens :func:`hand_mask` finds to be references (``loss_on: completion``, E2E's default) or over every next
+    token (``all``, today's). After 2 rounds of 2 steps the adapters agree to float rounding; the run's first
+    logged loss is the loop's first."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers import make_config, run_rounds
+    from raysplit.runtime import transport
+    from test_lm_methods import assert_states_close, full_model_state
+
+    root = write_e2e(tmp_path / "e2e", n_train=16)
+    over = {**{k: v for k, v in e2e_overrides(root, tmp_path, None).items()
+               if not k.startswith(("tracking.", "runtime.server", "runtime.client"))},
+            "data.num_clients": 1, "data.partition.name": "iid", "train.participation.count": 1,
+            "train.batch_size": 4096, "data.text.generation.prompts": 0, "tracking.enabled": False,
+            "data.dataset": "digits", "data.text.loss_on": loss_on,
+            "model.lm.adapter.target_modules": ["c_attn", "c_fc", "lm_head"]}
+    cfg = make_config(tmp_path, None, **over)
+    client, server, p, stats = run_rounds(cfg)
+    facts, lm, adapter = p.inputs.plan.model, cfg.model.lm, cfg.model.lm.adapter
+    init = full_model_state(facts, transport.unpack_state(p.inputs.client_init),
+                            transport.unpack_state(p.inputs.server_init))
+    torch.manual_seed(123)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=facts.num_classes, n_positions=lm.max_positions, n_embd=lm.width,
+                                      n_layer=lm.layers, n_head=lm.heads, n_inner=4 * lm.width, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    peft_model = get_peft_model(base, LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0,
+                                                 target_modules=list(adapter.target_modules), fan_in_fan_out=True,
+                                                 bias="none"))
+    prefix = "base_model.model."
+    peft_model.load_state_dict({prefix + k: v for k, v in init.items()})
+    opt = torch.optim.Adam([prm for prm in peft_model.parameters() if prm.requires_grad], lr=cfg.train.optimizer.lr)
+    order = np.sort(p.inputs.train_idx[0])  # the client's blocks, source by source, in order
+    blocks = p.inputs.train_data["x"][order]
+    x = torch.as_tensor(blocks)
+    keep = torch.as_tensor(hand_mask(blocks, p.text.y_train[order], p.text.tokenizer, p.text.tokenizer.eos_id))
+    keep = keep[:, 1:]
+    if loss_on == "all":
+        keep = torch.ones_like(keep)
+    assert 0 < int(keep.sum()) and (loss_on == "all") == bool(keep.all())
+    losses = []
+    for _ in range(cfg.train.rounds * cfg.train.local_steps):
+        opt.zero_grad()
+        logits = peft_model(input_ids=x).logits
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="none")
+        loss = nll[keep.flatten()].mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+    loop = {k[len(prefix):]: v.detach() for k, v in peft_model.state_dict().items()}
+    assert_states_close(full_model_state(facts, client, server), loop, init, atol=2e-5)
+    first = stats[0].clients[0]
+    assert first["loss_sum"] / first["loss_n"] == pytest.approx(sum(losses[:2]) / 2, rel=1e-4)
+
+
 def test_leaf_shakespeare_is_each_roles_lines_stitched_with_leafs_test_held_out(tmp_path):
     root = write_leaf_shakespeare(tmp_path / "leaf")
     corpus = load_corpus(TextConfig(corpus="shakespeare", root=str(root)))
@@ -224,7 +403,7 @@ def e2e_run(tmp_path_factory):
 def test_an_e2e_run_logs_generations_scores_tokenizer_and_throughput(e2e_run):
     from mlflow.tracking import MlflowClient
 
-    result, uri, _, _ = e2e_run
+    result, uri, root, tmp = e2e_run
     client = MlflowClient(uri)
     files = {a.path for a in client.list_artifacts(result.run_id, "generations")}
     assert files == {"generations/round_000.json", "generations/round_001.json"}  # one per evaluation
@@ -245,6 +424,14 @@ def test_an_e2e_run_logs_generations_scores_tokenizer_and_throughput(e2e_run):
     assert m["train/tokens"] == 2 * 2 * 8 * 24 and m["train/tokens_per_s"] > 0
     assert m["comm/bytes_per_token"] == pytest.approx((m["comm/bytes_up"] + m["comm/bytes_down"]) / m["train/tokens"])
     assert list(result.rounds["eval/perplexity"].dropna().index) == [0, 1]  # the Python API's rounds
+    # E2E's default loss_on: completion: the evaluation counts the held-out references' next tokens only
+    from raysplit.config import load_config
+    from raysplit.data.text import IGNORE_INDEX, load_text_partitioned
+
+    cfg = load_config(None, e2e_overrides(root, tmp, uri))
+    text = load_text_partitioned(cfg.data.text, cfg.data.partition, 2, 0.0, cfg.seed)
+    scored = int((text.t_test[:, 1:] != IGNORE_INDEX).sum())
+    assert 0 < scored < text.t_test[:, 1:].size and m["eval/tokens"] == scored
 
 
 def test_compare_tables_language_model_runs_by_perplexity(e2e_run):

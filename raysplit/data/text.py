@@ -19,7 +19,13 @@
   ``vocab.json`` + ``merges.txt``) or a byte-level BPE trained with ``tokenizers`` on the training split and saved.
 * **Blocks**: a client's documents, tokenized, joined by the end-of-text token and cut into blocks of
   ``context_length`` tokens (the remainder shorter than a block is dropped), as ``transformers``' causal-LM
-  examples group texts. A block is both the input and, shifted by one, the labels.
+  examples group texts. A block is both the input and, shifted by one, the targets: its labels are its ids, with
+  :data:`IGNORE_INDEX` (-100, the Hugging Face convention) where a position is no target. ``data.text.loss_on``:
+  ``completion`` (E2E's default, the setting of SplitLoRA and of LoRA's E2E experiment, whose dataset masks the
+  context's loss) sets every token of a record's prompt (``"<mr> ||"``) to it, so the loss, perplexity, next-token
+  accuracy and ``eval/tokens`` cover the references and the end-of-text token after each; ``all`` (every other
+  corpus's default and only choice) scores every token. The records stay packed (no padding); a block that starts
+  inside a reference scores it without the MR before it, a block of prompt tokens only scores nothing.
 * **Partitions** over documents: ``iid``, ``dirichlet`` (over sources: the source is the label the existing
   partitioners see) and ``natural`` (each client holds whole sources).
 * **Generation prompts** (:class:`GenerationConfig`, :func:`generation_prompts`): a few held-out documents, as
@@ -39,7 +45,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raysplit.errors import ConfigError
 
@@ -49,6 +55,7 @@ from .partition import client_train_test_split, partition
 __all__ = [
     "E2E_FILES",
     "FORTUNES_DIR",
+    "IGNORE_INDEX",
     "GenerationConfig",
     "GenerationPrompt",
     "TextConfig",
@@ -57,6 +64,7 @@ __all__ = [
     "TextTokenizer",
     "TokenizerConfig",
     "causal_blocks",
+    "causal_labels",
     "generation_prompts",
     "load_e2e",
     "load_shakespeare_text",
@@ -80,6 +88,11 @@ END_OF_TEXT = "<|endoftext|>"
 E2E_FILES = {"train": "trainset.csv", "dev": "devset.csv", "test": "testset_w_refs.csv"}
 #: What joins an E2E meaning representation and its reference (the LoRA code's E2E files, which SplitLoRA reads).
 E2E_SEPARATOR = " || "
+#: A label that is no target: ``torch.nn.functional.cross_entropy``'s default ``ignore_index``, as in
+#: ``transformers`` (a masked prompt token, :func:`causal_labels`).
+IGNORE_INDEX = -100
+#: The corpora whose documents are a prompt and its completion (``data.text.loss_on: completion``).
+PROMPTED_CORPORA = ("e2e",)
 
 
 class TokenizerConfig(BaseModel):
@@ -138,12 +151,30 @@ class TextConfig(BaseModel):
     text_field: str = Field(default="text", description="jsonl: the field holding a document")
     client_field: str = Field(default="client", description="jsonl: the optional field naming a document's "
                               "source (the natural partition's client)")
+    loss_on: Literal["all", "completion"] | None = Field(
+        default=None, description="which next tokens the loss and the evaluation score: all (every token); "
+        "completion (e2e: a record's reference and its end-of-text token, the MR and its || masked out as SplitLoRA "
+        "and LoRA's E2E setup do); null: completion for e2e, all for the other corpora (which have no prompt)")
     context_length: int = Field(default=64, ge=2, description="tokens per block (at most the model's positions)")
     test_fraction: float = Field(default=0.1, ge=0, lt=1, description="documents held out per source for "
                                  "evaluation")
     tokenizer: TokenizerConfig = Field(default=TokenizerConfig(), description="how text becomes token ids")
     generation: GenerationConfig = Field(default=GenerationConfig(), description="samples generated at each "
                                          "evaluation")
+
+    @model_validator(mode="after")
+    def _completion_needs_a_prompt(self):
+        if self.loss_on == "completion" and self.corpus not in PROMPTED_CORPORA:
+            raise ConfigError(f"data.text.loss_on=completion: corpus {self.corpus} has no prompt and completion to "
+                              f"tell apart (only {', '.join(PROMPTED_CORPORA)} has); set data.text.loss_on=all")
+        return self
+
+    @property
+    def scored(self) -> str:
+        """``loss_on`` resolved: ``completion`` or ``all`` (null: ``completion`` for a corpus with prompts)."""
+        if self.loss_on is not None:
+            return self.loss_on
+        return "completion" if self.corpus in PROMPTED_CORPORA else "all"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -423,6 +454,17 @@ class TextTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(e.ids) for e in self.tokenizer.encode_batch(list(texts))]
 
+    def prompt_lengths(self, texts: Sequence[str], prompts: Sequence[str]) -> list[int]:
+        """How many of the first tokens of each of ``texts`` (as :meth:`encode_batch` cuts it) are its prompt (a
+        prefix of it, the same index of ``prompts``): those that start within the prompt's characters (a token
+        across the boundary is the prompt's)."""
+        out = []
+        for enc, text, prompt in zip(self.tokenizer.encode_batch(list(texts)), texts, prompts):
+            if not text.startswith(prompt):
+                raise ValueError(f"prompt {prompt[:40]!r} is not a prefix of its document {text[:40]!r}")
+            out.append(sum(1 for start, _ in enc.offsets if start < len(prompt)))
+        return out
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
@@ -499,6 +541,21 @@ def causal_blocks(token_lists: Sequence[Sequence[int]], context_length: int, eos
     return np.asarray(flat[: n * context_length], dtype=np.int64).reshape(n, context_length)
 
 
+def causal_labels(token_lists: Sequence[Sequence[int]], prompt_lengths: Sequence[int], context_length: int,
+                  eos_id: int) -> np.ndarray:
+    """The labels of :func:`causal_blocks`' blocks of the same documents: their ids, with :data:`IGNORE_INDEX`
+    on the first ``prompt_lengths[i]`` tokens of document ``i`` (its prompt; its end-of-text token is a target,
+    the completion's end, as LoRA's E2E dataset scores it)."""
+    flat: list[int] = []
+    for ids, n_prompt in zip(token_lists, prompt_lengths):
+        n_prompt = min(int(n_prompt), len(ids))
+        flat.extend([IGNORE_INDEX] * n_prompt)
+        flat.extend(ids[n_prompt:])
+        flat.append(eos_id)
+    n = len(flat) // context_length
+    return np.asarray(flat[: n * context_length], dtype=np.int64).reshape(n, context_length)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Generation prompts
 # ----------------------------------------------------------------------------------------------------------------
@@ -552,7 +609,9 @@ class TextData:
     context_length)`` int64 blocks of every client (client ``c``'s are ``train_idx[c]``, its own test split
     ``test_idx[c]``), ``x_test`` the blocks of the held-out documents; ``y_*`` the source index of each block (for
     partition statistics: a block's tokens are its labels). ``spec.num_classes`` is the tokenizer's vocabulary.
-    ``prompts``: what generation at each evaluation starts from (:func:`generation_prompts`)."""
+    ``prompts``: what generation at each evaluation starts from (:func:`generation_prompts`). ``t_train`` and
+    ``t_test``: the labels of the blocks, row for row (:func:`causal_labels` where ``data.text.loss_on`` is
+    ``completion``; else the blocks themselves, the same arrays)."""
 
     spec: DataSpec
     x_train: np.ndarray
@@ -565,19 +624,32 @@ class TextData:
     source_names: list[str]
     provenance: dict
     prompts: list[GenerationPrompt] = dataclasses.field(default_factory=list)
+    t_train: np.ndarray | None = None
+    t_test: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.t_train = self.x_train if self.t_train is None else self.t_train
+        self.t_test = self.x_test if self.t_test is None else self.t_test
 
 
-def _blocks_of(corpus: TextCorpus, docs: np.ndarray, tokenizer: TextTokenizer, context_length: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks of ``docs`` source by source (a block never mixes two sources) and each block's source."""
-    xs, ys = [np.zeros((0, context_length), np.int64)], [np.zeros(0, np.int64)]
+def _blocks_of(corpus: TextCorpus, docs: np.ndarray, tokenizer: TextTokenizer, context_length: int,
+               completion: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of ``docs`` source by source (a block never mixes two sources), their labels (``completion``:
+    the prompts masked, :func:`causal_labels`; else the blocks themselves) and each block's source."""
+    xs, ts, ys = [np.zeros((0, context_length), np.int64)], [np.zeros((0, context_length), np.int64)], \
+        [np.zeros(0, np.int64)]
     for k in np.unique(corpus.sources[docs]):
         mine = docs[corpus.sources[docs] == k]
-        blocks = causal_blocks(tokenizer.encode_batch([corpus.documents[i] for i in mine]), context_length,
-                               tokenizer.eos_id)
+        texts = [corpus.documents[i] for i in mine]
+        ids = tokenizer.encode_batch(texts)
+        blocks = causal_blocks(ids, context_length, tokenizer.eos_id)
         xs.append(blocks)
+        if completion:
+            ts.append(causal_labels(ids, tokenizer.prompt_lengths(texts, [corpus.prompts[i] for i in mine]),
+                                    context_length, tokenizer.eos_id))
         ys.append(np.full(len(blocks), k, np.int64))
-    return np.concatenate(xs), np.concatenate(ys)
+    x = np.concatenate(xs)
+    return x, (np.concatenate(ts) if completion else x), np.concatenate(ys)
 
 
 def text_tokenizer(config: TextConfig, train_texts: Sequence[str], *, pretrained: str | None = None,
@@ -613,10 +685,15 @@ def load_text_partitioned(text: TextConfig, partition_config, num_clients: int, 
         raise ConfigError(f"data.partition: {exc}") from None
     tokenizer = text_tokenizer(text, [corpus.documents[i] for i in train_docs], pretrained=pretrained,
                                save_dir=save_dir)
-    xs, ys, owners = [], [], []
+    completion = text.scored == "completion"
+    if completion and corpus.prompts is None:  # the config refuses it; a corpus built by hand may not have them
+        raise ConfigError(f"data.text.loss_on=completion: corpus {corpus.name} has no prompts; set "
+                          "data.text.loss_on=all")
+    xs, ts, ys, owners = [], [], [], []
     for c, docs in enumerate(parts):
-        x, y = _blocks_of(corpus, docs, tokenizer, text.context_length)
+        x, t, y = _blocks_of(corpus, docs, tokenizer, text.context_length, completion)
         xs.append(x)
+        ts.append(t)
         ys.append(y)
         owners.append(np.full(len(x), c, np.int64))
     empty = [c for c, x in enumerate(xs) if len(x) == 0]
@@ -624,7 +701,8 @@ def load_text_partitioned(text: TextConfig, partition_config, num_clients: int, 
         raise ConfigError(f"data.text.context_length={text.context_length}: clients {empty[:10]} hold less text "
                           f"than one block; lower it or data.num_clients")
     x_train, y_train, owner = np.concatenate(xs), np.concatenate(ys), np.concatenate(owners)
-    x_test, y_test = _blocks_of(corpus, test_docs, tokenizer, text.context_length)
+    t_train = np.concatenate(ts) if completion else x_train
+    x_test, t_test, y_test = _blocks_of(corpus, test_docs, tokenizer, text.context_length, completion)
     by_client = [np.flatnonzero(owner == c) for c in range(num_clients)]
     train_idx, test_idx = client_train_test_split(by_client, client_test_fraction, rng)
     spec = DataSpec(name=corpus.name, kind="tokens", input_shape=(text.context_length,),
@@ -633,7 +711,8 @@ def load_text_partitioned(text: TextConfig, partition_config, num_clients: int, 
                   "documents": len(corpus.documents), "tokenizer": tokenizer.source,
                   "partition": {"name": partition_config.name, **partition_config.params(),
                                 "num_clients": num_clients},
-                  "train_blocks": int(len(x_train)), "test_blocks": int(len(x_test)), "seed": seed}
+                  "train_blocks": int(len(x_train)), "test_blocks": int(len(x_test)), "loss_on": text.scored,
+                  "seed": seed}
     prompts = generation_prompts(corpus, test_docs, tokenizer, text.generation)
     return TextData(spec, x_train, y_train, x_test, y_test, train_idx, test_idx, tokenizer, corpus.source_names,
-                    provenance, prompts)
+                    provenance, prompts, t_train, t_test)

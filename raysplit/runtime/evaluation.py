@@ -1,7 +1,8 @@
 """The one evaluation loop (predictions and loss over a test set in batches). For a language model
 (``language_model``) a sample is a token block, its labels the block itself: what is tallied is every next token
-(the targets ``y[:, 1:]``, the predictions at ``0 .. T-2``) and the summed next-token NLL, so the loss divided by
-the number of labels is the per-token loss (:func:`raysplit.lm_metrics.lm_eval_metrics`)."""
+that is a target (the targets ``y[:, 1:]`` but those :data:`~raysplit.lm_metrics.IGNORE_INDEX`, E2E's masked
+prompts; the predictions at the same positions of ``0 .. T-2``) and the summed next-token NLL over them, so the loss
+divided by the number of labels is the per-token loss (:func:`raysplit.lm_metrics.lm_eval_metrics`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from raysplit.data import DataSpec, to_tensor
-from raysplit.lm_metrics import token_nll
+from raysplit.lm_metrics import IGNORE_INDEX, token_nll
 from raysplit.models import end_to_end
 from raysplit.models.tiers import entered
 
@@ -43,8 +44,10 @@ def predict_batches(x: np.ndarray, y: np.ndarray, data_spec: DataSpec, batch_siz
         out = logits(xb)
         if language_model:
             tally.loss += token_nll(out, yb)[0].item()
-            tally.ys.append(yb[:, 1:].reshape(-1).cpu().numpy())
-            tally.preds.append(out[:, :-1].argmax(-1).reshape(-1).cpu().numpy())
+            targets = yb[:, 1:].reshape(-1).cpu().numpy()
+            scored = targets != IGNORE_INDEX
+            tally.ys.append(targets[scored])
+            tally.preds.append(out[:, :-1].argmax(-1).reshape(-1).cpu().numpy()[scored])
             continue
         tally.loss += F.cross_entropy(out, yb, reduction="sum").item()
         tally.ys.append(yb.cpu().numpy())
