@@ -32,6 +32,12 @@ Where the code differs from the paper, and what raysplit does:
 - Not built: the code's label smoothing (0.1) and its linear warm-up schedule (raysplit's schedules are
   ``train.optimizer.schedule``'s); the code's client-side model holds three of GPT-2's twelve blocks
   (``model.cut: block3``).
+- Read from the code at a549b60 (benchmarks/peers/splitlora/README.md, file:line there): LoRA on the query and
+  value projections of ``c_attn`` only (``enable_lora=[True, False, True]``; raysplit's ``target_modules`` and
+  peft's ``c_attn`` adapt the fused projection whole); the loss over the completion only (its ``clm`` mask; raysplit's
+  ``data.text.loss_on``, ``completion`` by default on E2E); its learning-rate schedule drives the server's optimizer
+  only (the clients' stays constant); its averaging snapshots four client states for three clients (one counted
+  twice) and its global client model restarts from the initial checkpoint every epoch: neither copied.
 """
 
 from __future__ import annotations
