@@ -30,7 +30,21 @@ ONE_ROUND = {"train.rounds": 1, "train.local_steps": 1, "runtime.backend": "loca
 def test_every_config_in_configs_llm_is_run_here():
     """A config added to configs/llm/ needs its one-round run below."""
     # splitlora.yaml: tests/test_lm_methods.py
-    assert {p.name for p in CONFIGS.glob("*.yaml")} == set(NAMED) | set(PAPER_SCALE) | {"splitlora.yaml"}
+    assert {p.name for p in CONFIGS.glob("*.yaml")} == (set(NAMED) | set(PAPER_SCALE)
+                                                        | {"splitlora.yaml", "families.yaml"})
+
+
+def test_the_studys_base_config_runs_a_round_with_its_held_out_splits():
+    """configs/llm/families.yaml (docs/results/llm.md's base): every arm holds out 10 % of each client's blocks, so
+    PSL, whose clients keep their own models, evaluates on them (eval.mode clients needs them) and the methods with
+    a global model on the held-out text."""
+    small = {**ONE_ROUND, "data.text.categories": ["goedel", "magic", "riddles"], "data.num_clients": 3,
+             "data.text.tokenizer.vocab_size": 300}
+    for name in ("sflv1", "psl"):
+        cfg = load_config(CONFIGS / "families.yaml", {**small, "algorithm.name": name})
+        assert cfg.data.test_fraction == 0.1
+        final = run_experiment(cfg)
+        assert 1 < final["eval/perplexity"] < 1.5 * 300 and final["eval/tokens"] > 0, name
 
 
 NAMED = ["quickstart.yaml", "sflv1.yaml", "psl.yaml", "splitnn.yaml"]
