@@ -256,12 +256,8 @@ def test_an_e2e_runs_loss_is_the_mean_cross_entropy_over_the_completion_tokens(t
     tokens :func:`hand_mask` finds to be references (``loss_on: completion``, E2E's default) or over every next
     token (``all``, today's). After 2 rounds of 2 steps the adapters agree to float rounding; the run's first
     logged loss is the loop's first."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from helpers import make_config, run_rounds
-    from raysplit.runtime import transport
-    from test_lm_methods import assert_states_close, full_model_state
+    from test_lm_methods import assert_states_close, full_model_state, peft_reference
 
     root = write_e2e(tmp_path / "e2e", n_train=16)
     over = {**{k: v for k, v in e2e_overrides(root, tmp_path, None).items()
@@ -272,18 +268,8 @@ def test_an_e2e_runs_loss_is_the_mean_cross_entropy_over_the_completion_tokens(t
             "model.lm.adapter.target_modules": ["c_attn", "c_fc", "lm_head"]}
     cfg = make_config(tmp_path, None, **over)
     client, server, p, stats = run_rounds(cfg)
-    facts, lm, adapter = p.inputs.plan.model, cfg.model.lm, cfg.model.lm.adapter
-    init = full_model_state(facts, transport.unpack_state(p.inputs.client_init),
-                            transport.unpack_state(p.inputs.server_init))
-    torch.manual_seed(123)
-    base = GPT2LMHeadModel(GPT2Config(vocab_size=facts.num_classes, n_positions=lm.max_positions, n_embd=lm.width,
-                                      n_layer=lm.layers, n_head=lm.heads, n_inner=4 * lm.width, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    peft_model = get_peft_model(base, LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0,
-                                                 target_modules=list(adapter.target_modules), fan_in_fan_out=True,
-                                                 bias="none"))
-    prefix = "base_model.model."
-    peft_model.load_state_dict({prefix + k: v for k, v in init.items()})
+    facts = p.inputs.plan.model
+    peft_model, init = peft_reference(cfg, p)
     opt = torch.optim.Adam([prm for prm in peft_model.parameters() if prm.requires_grad], lr=cfg.train.optimizer.lr)
     order = np.sort(p.inputs.train_idx[0])  # the client's blocks, source by source, in order
     blocks = p.inputs.train_data["x"][order]
@@ -302,7 +288,7 @@ def test_an_e2e_runs_loss_is_the_mean_cross_entropy_over_the_completion_tokens(t
         loss.backward()
         losses.append(float(loss.detach()))
         opt.step()
-    loop = {k[len(prefix):]: v.detach() for k, v in peft_model.state_dict().items()}
+    loop = {k[len("base_model.model."):]: v.detach() for k, v in peft_model.state_dict().items()}
     assert_states_close(full_model_state(facts, client, server), loop, init, atol=2e-5)
     first = stats[0].clients[0]
     assert first["loss_sum"] / first["loss_n"] == pytest.approx(sum(losses[:2]) / 2, rel=1e-4)

@@ -49,6 +49,29 @@ def full_model_state(facts, client: dict, server: dict | None) -> dict:
     return {k: v.detach().clone() for k, v in model.hf_model.state_dict().items()}
 
 
+def peft_reference(cfg, p):
+    """The equivalence tests' reference: ``transformers``' GPT-2 under ``peft.get_peft_model``'s LoRA (the run's
+    rank, alpha and targets, no dropout), holding the run's initial weights (``p``: its prepared inputs), with the
+    unsplit initial state (the library model's names)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from raysplit.runtime import transport
+
+    facts, lm, adapter = p.inputs.plan.model, cfg.model.lm, cfg.model.lm.adapter
+    init = full_model_state(facts, transport.unpack_state(p.inputs.client_init),
+                            transport.unpack_state(p.inputs.server_init))
+    torch.manual_seed(123)  # the weights are loaded below: the seed only makes the test repeatable
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=facts.num_classes, n_positions=lm.max_positions, n_embd=lm.width,
+                                      n_layer=lm.layers, n_head=lm.heads, n_inner=4 * lm.width, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    peft_model = get_peft_model(base, LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0,
+                                                 target_modules=list(adapter.target_modules), fan_in_fan_out=True,
+                                                 bias="none"))
+    peft_model.load_state_dict({"base_model.model." + k: v for k, v in init.items()})  # strict: every name
+    return peft_model, init
+
+
 def assert_states_close(got: dict, want: dict, init: dict | None = None, atol: float = 1e-6) -> None:
     assert set(got) == set(want)
     for k, v in want.items():
@@ -81,27 +104,10 @@ def test_sflv1_with_lora_and_one_client_equals_a_plain_peft_loop(tmp_path):
     loop written here: ``transformers``' GPT-2 with ``peft.get_peft_model``'s LoRA (the same rank, alpha and
     targets), the same initial weights, the same batches, Adam over the adapters; the next-token loss written out.
     After 2 rounds of 2 steps the adapters agree to float rounding and the frozen base is untouched."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from raysplit.runtime import transport
-
     cfg = lm_config(tmp_path, **ONE_CLIENT, **{"algorithm.name": "sflv1", "train.batch_size": 4096})
     client, server, p, _ = run_rounds(cfg)
     facts = p.inputs.plan.model
-    lm, adapter = cfg.model.lm, cfg.model.lm.adapter
-    init = full_model_state(facts, transport.unpack_state(p.inputs.client_init),
-                            transport.unpack_state(p.inputs.server_init))
-
-    torch.manual_seed(123)  # the weights are loaded below: the seed only makes the test repeatable
-    base = GPT2LMHeadModel(GPT2Config(vocab_size=facts.num_classes, n_positions=lm.max_positions, n_embd=lm.width,
-                                      n_layer=lm.layers, n_head=lm.heads, n_inner=4 * lm.width, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    peft_model = get_peft_model(base, LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0,
-                                                 target_modules=list(adapter.target_modules), fan_in_fan_out=True,
-                                                 bias="none"))
-    prefix = "base_model.model."
-    peft_model.load_state_dict({prefix + k: v for k, v in init.items()})  # strict: the same names, every one
+    peft_model, init = peft_reference(cfg, p)
     trainable = [prm for prm in peft_model.parameters() if prm.requires_grad]
     opt = torch.optim.Adam(trainable, lr=cfg.train.optimizer.lr)
     x = torch.as_tensor(p.inputs.train_data["x"][p.inputs.train_idx[0]])
@@ -110,7 +116,7 @@ def test_sflv1_with_lora_and_one_client_equals_a_plain_peft_loop(tmp_path):
         logits = peft_model(input_ids=x).logits
         F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
         opt.step()
-    loop = {k[len(prefix):]: v.detach() for k, v in peft_model.state_dict().items()}
+    loop = {k[len("base_model.model."):]: v.detach() for k, v in peft_model.state_dict().items()}
     got = full_model_state(facts, client, server)
     # the two compute the same sums in other orders (peft's forward against the split parts'); Adam divides each
     # step by the gradient's running scale, so an entry whose gradient is nearly zero carries that rounding into a
