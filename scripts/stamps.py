@@ -16,9 +16,10 @@ to it), the seeds and the rounds, and the command that made them::
 page stamped after later commits); the default is HEAD. ``--stale REASON`` stamps a page made before a change it
 has not been rerun for: the check prints it (and the page carries a "Stale" line at its top, or at its section's
 top) but does not fail. ``--made-at A,B`` names the commits the runs were made at where the text names them and
-they are not ``--commit`` (runs spanning commits, a section restamped later): on a result page (docs/results/)
-every commit of this repository the text of a stamped section names must be its stamp's commit or one of its
-``made_at``, else the check fails naming it (issue 73: commits in the text that differ from the stamp). A page whose stamp names a
+they are not ``--commit`` (runs spanning commits, a section restamped later): on every stamped page (docs/results/,
+docs/, benchmarks/RESULTS.md) every commit of this repository the text of a stamped section names must be its
+stamp's commit or one of its ``made_at``, else the check fails naming it (issue 73: commits in the text that differ
+from the stamp). A page whose stamp names a
 fingerprint other than today's fails the check, naming page, section and method: the method's behaviour changed
 (tests/golden/ was rewritten) and the numbers on the page were not made again.
 """
@@ -194,8 +195,7 @@ def check() -> int:
         text = page.read_text()
         rel = page.relative_to(ROOT)
         sections = _sections(text)
-        if page.is_relative_to(ROOT / "docs" / "results"):  # the result pages: their text's commits are held to their stamps
-            changed += [f"{rel} / {line}" for line in named_commits(text)]
+        changed += [f"{rel} / {line}" for line in named_commits(text)]  # every stamped page's text held to its stamps
         for m in STAMP.finditer(text):
             data = json.loads(m.group(1))
             title = data.get("section")

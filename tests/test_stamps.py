@@ -89,6 +89,21 @@ def test_a_commit_the_text_names_beside_its_stamp_fails_until_the_stamp_names_it
         stamps.main(args + ["--made-at", "HEAD"])
 
 
+@pytest.mark.parametrize("where", ["benchmarks/RESULTS.md", "docs/reliability.md"])
+def test_the_commit_check_holds_benchmark_and_docs_pages_too(stamps, tmp_path, monkeypatch, where):
+    # issue 73: not only docs/results: a benchmark section or a docs page naming a commit its stamp does not
+    page = tmp_path / where
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text("# Results\n\n## Runtime III\n\nMeasured at commit 2f7fbc2 on the 2-core machine.\n")
+    args = ["stamp", str(page), "--section", "Runtime III", "--methods", "gas", "--seeds", "0", "--rounds", "4",
+            "--command", "make bench", "--commit", "3b7179e"]
+    stamps.main(args)
+    monkeypatch.setattr(stamps, "_commits", lambda toks: toks & {"2f7fbc2", "3b7179e"})
+    assert stamps.check() == 1
+    stamps.main(args + ["--made-at", "2f7fbc2"])
+    assert stamps.check() == 0
+
+
 def test_stale_on_purpose_is_printed_with_a_banner_at_the_top_and_does_not_fail(stamps, tmp_path, capsys):
     page = tmp_path / "docs" / "results" / "hydra.md"
     page.write_text("# Hydra\n\nintro\n\n## Table\n\nrows\n")
