@@ -5,21 +5,23 @@ the whole adapted model) and centralised LoRA on Debian's fortunes, a tiny GPT-2
     .venv/bin/python docs/results/run_llm.py [--seeds 0 1 2] [--jobs 1] [--dry-run]
 
 Arms, each a full raysplit run logged to MLflow (experiment llm-families in ./mlflow.db), one per method on the same
-config and batches: U-shaped (the clients keep the tokens) for SplitNN, PSL, SFLV1/V2/V3, MiniBatch-SFL; the
-plain split (the server holds the head and receives the targets) for the CycleSL family, whose server trains on
-pooled batches and needs their targets, and for SplitLoRA as its paper runs it (server-side copies averaged, client
-adapters averaged every round). It prints, per arm (median [min, max] over seeds), the final perplexity,
-the simulated time, the client FLOPs and the bytes up and down of the last round (as the run logs them), and the
-perplexity at every fifth round; then SplitLoRA's two registry measures (docs/results/claims.yaml): its final
-perplexity over centralised LoRA's, and the simulated time it saves to the lowest perplexity both it and federated
-LoRA reach (percent of federated LoRA's; claims.record_value's rule), paired by seed. ``--report`` prints the same
-from the caches and records, running nothing.
+config and batches: U-shaped (the clients keep the tokens) for SplitNN, PSL, SFLV1/V2/V3; the plain split (the server
+holds the head and receives the targets) for MiniBatch-SFL and the CycleSL family, whose server trains on pooled
+batches and needs their targets, and for SplitLoRA as its paper runs it (server-side copies averaged, client adapters
+averaged every round). It prints, per arm (median [min, max] over seeds), the final perplexity, the simulated time,
+the client FLOPs and the bytes up and down of the last round (as the run logs them; medians), and the median perplexity at every fifth
+round; then SplitLoRA's two registry measures (docs/results/claims.yaml): its final perplexity over centralised
+LoRA's, and the simulated time it saves to the lowest perplexity both it and federated LoRA reach (percent of
+federated LoRA's; claims.record_value's rule), paired by seed. ``--report`` prints the same from the caches and
+records, running nothing.
 ``--dry-run`` validates every arm's config and prints the arms, running nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 
 from _runs import ROOT, Run, median_range, restored, study
 
@@ -33,7 +35,7 @@ ARMS = {"centralised": {"algorithm.name": "centralised"},
         "sflv3": {"algorithm.name": "sflv3"},
         "psl": {"algorithm.name": "psl"},
         "splitnn": {"algorithm.name": "splitnn"},
-        "minibatch_sfl": {"algorithm.name": "minibatch_sfl"},
+        "minibatch_sfl": {"algorithm.name": "minibatch_sfl", **PLAIN},
         "cyclesfl": {"algorithm.name": "cyclesfl", **PLAIN},
         "cyclepsl": {"algorithm.name": "cyclepsl", **PLAIN}}
 KEYS = ("eval/perplexity", "time/sim", "comm/bytes_up", "comm/bytes_down")
@@ -77,16 +79,14 @@ def claims(by_arm: dict) -> list[str]:
     seeds = sorted(set(sl) & set(cen))
     if seeds:
         r = [sl[s]["eval/perplexity"] / cen[s]["eval/perplexity"] for s in seeds]
-        lines.append(f"splitlora / centralised final perplexity: {median_range(r, '.4f')} "
-                     f"({', '.join(f'{x:.4f} (seed {s})' for s, x in zip(seeds, r))})")
+        lines.append("splitlora / centralised final perplexity: " + ", ".join(f"seed {s} {x:.4f}" for s, x in zip(seeds, r)))
     seeds = sorted(set(sl) & set(fed))
     if seeds:
         tgt = {s: common_perplexity(sl[s], fed[s]) for s in seeds}
         r = [100 * (1 - time_to(sl[s], tgt[s]) / time_to(fed[s], tgt[s])) for s in seeds]
-        each = [f"{x:+.1f} (seed {s}: target {tgt[s]:.2f}, {time_to(sl[s], tgt[s]):.2f} s against "
-                f"{time_to(fed[s], tgt[s]):.2f} s)" for s, x in zip(seeds, r)]
-        lines.append("simulated time splitlora saves to the common perplexity, % of fedavg's: "
-                     f"{median_range(r, '+.1f')} ({', '.join(each)})")
+        each = [f"seed {s} {x:+.1f} ({time_to(sl[s], tgt[s]):.1f} s vs {time_to(fed[s], tgt[s]):.1f} s to {tgt[s]:.1f})"
+                for s, x in zip(seeds, r)]
+        lines.append("time splitlora saves to the common perplexity, % of fedavg's: " + ", ".join(each))
     return lines
 
 
@@ -125,13 +125,13 @@ def main() -> None:
         rs = [r for _, r in got]
         cells = [median_range([r["eval/perplexity"] for r in rs], ".1f"),
                  median_range([r["time/sim"] for r in rs], ".1f"),
-                 median_range([r["compute/client_flops"] / 1e9 for r in rs], ".1f"),
-                 f"{median_range([r['comm/bytes_up'] / 1e6 for r in rs], '.1f')} / "
-                 f"{median_range([r['comm/bytes_down'] / 1e6 for r in rs], '.1f')}"]
+                 f"{np.median([r['compute/client_flops'] / 1e9 for r in rs]):.1f}",  # medians: nearly constant
+                 f"{np.median([r['comm/bytes_up'] / 1e6 for r in rs]):.1f} / "
+                 f"{np.median([r['comm/bytes_down'] / 1e6 for r in rs]):.1f}"]
         print(f"| {arm} | {len(rs)} | " + " | ".join(cells) + " |")
     print("\n| arm | " + " | ".join(f"round {m}" for m in marks) + " |\n" + "|---" * (len(marks) + 1) + "|")
     for arm, got in by_arm.items():
-        cells = [median_range([next(p for rr, _, p in curve(r) if rr == m) for _, r in got], ".0f") for m in marks]
+        cells = [f"{np.median([next(p for rr, _, p in curve(r) if rr == m) for _, r in got]):.0f}" for m in marks]
         print(f"| {arm} | " + " | ".join(cells) + " |")
     print()
     print("\n".join(claims(by_arm)))
