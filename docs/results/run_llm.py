@@ -23,7 +23,7 @@ import argparse
 
 import numpy as np
 
-from _runs import ROOT, Run, median_range, restored, study
+from _runs import ROOT, Run, common_target, median_range, restored, scores, study, to_target
 
 CONFIG = ROOT / "configs" / "llm" / "families.yaml"
 PLAIN = {"model.lm.split": "plain"}
@@ -55,20 +55,9 @@ def runs(seeds) -> list[tuple[str, int, Run]]:
             + [run(arm, seed) for seed in seeds for arm in ARMS if arm not in CORE])
 
 
-def curve(res: dict) -> list[tuple[int, float, float]]:
-    """``(round, time/sim, perplexity)`` at every evaluated round of a run, from its per-round history."""
-    return [(h["round"], h["time/sim"], h["eval/perplexity"]) for h in res["history"]
-            if "eval/perplexity" in h and "time/sim" in h]
-
-
-def common_perplexity(a: dict, b: dict) -> float:
-    """The lowest perplexity both runs reach: the larger of their best (a lower-is-better common target)."""
-    return max(min(p for *_, p in curve(a)), min(p for *_, p in curve(b)))
-
-
-def time_to(res: dict, target: float) -> float:
-    """Simulated time at a run's first evaluation at or below perplexity ``target``."""
-    return next(t for _, t, p in curve(res) if p <= target + 1e-9)
+def perplexities(res: dict) -> dict[int, float]:
+    """A run's perplexity at every evaluated round (``_runs.scores``: the negative perplexity from its history)."""
+    return {rnd: -score for rnd, _, score in scores(res)}
 
 
 def claims(by_arm: dict) -> list[str]:
@@ -82,10 +71,10 @@ def claims(by_arm: dict) -> list[str]:
         lines.append("splitlora / centralised final perplexity: " + ", ".join(f"seed {s} {x:.4f}" for s, x in zip(seeds, r)))
     seeds = sorted(set(sl) & set(fed))
     if seeds:
-        tgt = {s: common_perplexity(sl[s], fed[s]) for s in seeds}
-        r = [100 * (1 - time_to(sl[s], tgt[s]) / time_to(fed[s], tgt[s])) for s in seeds]
-        each = [f"seed {s} {x:+.1f} ({time_to(sl[s], tgt[s]):.1f} s vs {time_to(fed[s], tgt[s]):.1f} s to {tgt[s]:.1f})"
-                for s, x in zip(seeds, r)]
+        tgt = {s: common_target([sl[s], fed[s]]) for s in seeds}  # the negative of the lowest perplexity both reach
+        t = {s: (to_target(sl[s], tgt[s])[1], to_target(fed[s], tgt[s])[1]) for s in seeds}
+        r = [100 * (1 - t[s][0] / t[s][1]) for s in seeds]
+        each = [f"seed {s} {x:+.1f} ({t[s][0]:.1f} s vs {t[s][1]:.1f} s to {-tgt[s]:.1f})" for s, x in zip(seeds, r)]
         lines.append("time splitlora saves to the common perplexity, % of fedavg's: " + ", ".join(each))
     return lines
 
@@ -131,7 +120,7 @@ def main() -> None:
         print(f"| {arm} | {len(rs)} | " + " | ".join(cells) + " |")
     print("\n| arm | " + " | ".join(f"round {m}" for m in marks) + " |\n" + "|---" * (len(marks) + 1) + "|")
     for arm, got in by_arm.items():
-        cells = [f"{np.median([next(p for rr, _, p in curve(r) if rr == m) for _, r in got]):.0f}" for m in marks]
+        cells = [f"{np.median([perplexities(r)[m] for _, r in got]):.0f}" for m in marks]
         print(f"| {arm} | " + " | ".join(cells) + " |")
     print()
     print("\n".join(claims(by_arm)))
