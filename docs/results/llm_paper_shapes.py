@@ -42,11 +42,11 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import kept  # noqa: E402
 
+from raysplit.clock import FlopCache, nbytes  # noqa: E402
 from raysplit.lm_metrics import lm_loss  # noqa: E402
 from raysplit.models.adapters import AdapterConfig, trainable_state  # noqa: E402
 from raysplit.models.causal_lm import LMConfig, build_causal_lm  # noqa: E402
@@ -63,13 +63,12 @@ SHAPES = [
 
 
 def _flops(fn) -> int:
-    with FlopCounterMode(display=False) as c:
-        fn()
-    return int(c.get_total_flops())
+    """``fn()``'s FLOPs as the clock counts a part's step (raysplit/clock.py's FlopCache)."""
+    return FlopCache().count((), fn)
 
 
-def _nbytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def _nbytes(tensors) -> int:
+    return sum(nbytes(t) for t in tensors)
 
 
 def count(layers, width, heads, vocab, positions, context, batch, rank, targets, cut, counted_batch) -> dict:
@@ -93,10 +92,10 @@ def count(layers, width, heads, vocab, positions, context, batch, rank, targets,
 
     def whole_step():
         lm_loss(model(ids), ids).backward()
-    act = h.element_size() * h.nelement() * scale  # the hidden states up; their gradient, of their shape, down
+    act = nbytes(h) * scale  # the hidden states up; their gradient, of their shape, down
     return {"client_flops": scale * _flops(client_step), "server_flops": scale * _flops(server_step),
             "whole_flops": scale * _flops(whole_step), "hidden_bytes": act, "counted_batch": counted_batch,
-            "target_bytes": ids.element_size() * ids.nelement() * scale,
+            "target_bytes": nbytes(ids) * scale,
             "client_adapter_bytes": _nbytes(trainable_state(client).values()),
             "model_adapter_bytes": _nbytes(trainable_state(model).values())}
 
