@@ -222,8 +222,21 @@ def report(results: dict) -> str:
                       for r in (results[s] for s in seeds))
     lines += ["", f"Seeds {', '.join(map(str, seeds))}. Fine-tuning gain in held-out loss (the base's minus the last "
               f"evaluation's, nats): raysplit {gain('raysplit')}; Split_LoRA {gain('theirs')}. Largest |raysplit - "
-              f"Split_LoRA| over the {rounds} evaluations: {worst} nats."]
+              f"Split_LoRA| over the {rounds} evaluations: {worst} nats.", "", verdict(results, seeds, rounds)]
     return "\n".join(lines)
+
+
+def verdict(results: dict, seeds: list, rounds: int) -> str:
+    """peers.md's rule: "within the seeds' spread" when the median paired difference between the codes (final
+    held-out perplexity) is smaller than either code's spread (largest minus smallest) over its seeds."""
+    ours_ = [float(np.exp(results[s]["raysplit"]["loss"][rounds - 1])) for s in seeds]
+    them = [float(np.exp(results[s]["theirs"]["loss"][rounds - 1])) for s in seeds]
+    diff = float(np.median([a - b for a, b in zip(ours_, them)]))
+    spread = (max(ours_) - min(ours_), max(them) - min(them))
+    within = len(seeds) > 1 and abs(diff) < min(spread)
+    return (f"Verdict: **{'within' if within else 'not within'} the seeds' spread** at step "
+            f"{results[seeds[0]]['theirs']['steps'][rounds - 1]}: raysplit minus Split_LoRA {diff:+.2f} perplexity "
+            f"(median, paired by seed; spreads {spread[0]:.2f} and {spread[1]:.2f}; seeds {len(seeds)}).")
 
 
 def main() -> int:
