@@ -346,9 +346,12 @@ class Reporter:
             self.progress.close()
         cfg, hist, tr, out = self.cfg, self.hist, self.tracker, self.out_dir
         gm, gs = M.mean_std(hist.grad_norms)
-        tr.log_metrics({"summary/best_accuracy": hist.best_accuracy, "summary/grad_norm_mean": gm,
-                        "summary/grad_norm_std": gs, "summary/sim_time": hist.t_sim, "summary/wall_time": hist.wall},
-                       step=hist.last_round)
+        # the best evaluation: a classifier's highest accuracy, a language model's lowest perplexity (it has no
+        # accuracy; its best_accuracy would be a meaningless 0)
+        ppl = [v for _, v in hist.curves.get("perplexity", [])]
+        best = {"summary/best_perplexity": min(ppl)} if ppl else {"summary/best_accuracy": hist.best_accuracy}
+        tr.log_metrics({**best, "summary/grad_norm_mean": gm, "summary/grad_norm_std": gs,
+                        "summary/sim_time": hist.t_sim, "summary/wall_time": hist.wall}, step=hist.last_round)
         plot_curves(hist.curves, str(out / "curves.png"), title=cfg.name)
         tr.log_artifact(out / "curves.png")
         if hist.rounds:

@@ -43,6 +43,8 @@ def test_a_local_run_logs_falling_perplexity(tmp_path, mlflow_uri):
     assert final["eval/tokens"] > 0 and final["comm/bytes_up"] > 0 and final["compute/client_flops"] > 0
     assert final["comm/bytes_up_labels"] == 0 and final["comm/bytes_down_middle"] > 0  # U-shaped: the text stays
     assert not [k for k in final if k.startswith("eval/label_acc") or k in ("eval/accuracy", "eval/f1_macro")]
+    summary = client.get_run(final["run_id"]).data.metrics  # the best evaluation: the lowest perplexity
+    assert summary["summary/best_perplexity"] == pytest.approx(min(ppl)) and "summary/best_accuracy" not in summary
 
 
 def test_a_ray_run_equals_the_local_run(ray_session, tmp_path, mlflow_uri):
