@@ -119,7 +119,7 @@ def inputs(cfg, seed: int, where: Path) -> dict:
 def pretrain(hf, tokenizer, context: int, seed: int) -> dict:
     """Full training of the random model on the fortune categories the clients do not hold (PRETRAIN_STEPS steps of
     16 blocks, AdamW 1e-3): a base with something for LoRA to adapt, as SplitLoRA fine-tunes a pretrained GPT-2
-    (LoRA on the attention of a random base barely moves in a few hundred steps)."""
+    (in a first try on the random base, not kept, LoRA on the attention alone barely moved either code's loss)."""
     import torch
 
     from raysplit.data.text import causal_blocks, load_fortunes
