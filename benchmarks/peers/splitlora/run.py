@@ -137,7 +137,7 @@ def pretrain(hf, tokenizer, context: int, seed: int) -> dict:
         opt.step()
     hf.eval()
     return {"categories": PRETRAIN_ON, "blocks": int(len(blocks)), "steps": PRETRAIN_STEPS,
-            "last_loss": round(float(loss), 4)}
+            "last_loss": round(loss.item(), 4)}
 
 
 def theirs(src: Path, loralib: str, where: Path, seed: int, rounds: int, heldout: int, vocab: int) -> dict:
