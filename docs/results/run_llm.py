@@ -14,12 +14,14 @@ round; then SplitLoRA's two registry measures (docs/results/claims.yaml): its fi
 LoRA's, and the simulated time it saves to the lowest perplexity both it and federated LoRA reach (percent of
 federated LoRA's; claims.record_value's rule), paired by seed. ``--report`` prints the same from the caches and
 records, running nothing.
-``--dry-run`` validates every arm's config and prints the arms, running nothing.
+``--dry-run`` validates every arm's config, prepares the first seed's as a run would (data, tokenizer, model: no
+actor, no training; a refusal such as a pooled method's U-shape shows there) and prints the arms, running nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -87,13 +89,22 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="print the tables from the caches and records only")
     a = ap.parse_args()
     todo = runs(a.seeds)
-    if a.dry_run:
+    if a.dry_run:  # every arm's config through prepare(), as a run starts it (no actor): a refusal shows here
         from raysplit.config import load_config
+        from raysplit.errors import ConfigError
+        from raysplit.experiment import prepare
 
+        refused = 0
         for arm, seed, r in todo:
             cfg = load_config(r.config, r.overrides)
-            print(f"{r.label:24s} {cfg.algorithm.name} split={cfg.model.lm.split}")
-        return
+            try:
+                prepare(cfg) if seed == a.seeds[0] else None  # the first seed's: the others differ by the seed only
+                state = "prepared" if seed == a.seeds[0] else "validated"
+            except ConfigError as e:
+                refused += 1
+                state = f"REFUSED: {e}"
+            print(f"{r.label:24s} {cfg.algorithm.name} split={cfg.model.lm.split}: {state}")
+        sys.exit(1 if refused else 0)
     if a.report:
         import json
 
