@@ -348,8 +348,11 @@ class Reporter:
         gm, gs = M.mean_std(hist.grad_norms)
         # the best evaluation: a classifier's highest accuracy, a language model's lowest perplexity (it has no
         # accuracy; its best_accuracy would be a meaningless 0)
-        ppl = [v for _, v in hist.curves.get("perplexity", [])]
-        best = {"summary/best_perplexity": min(ppl)} if ppl else {"summary/best_accuracy": hist.best_accuracy}
+        if self.prepared.inputs.plan.model.language_model:
+            ppl = [v for _, v in hist.curves.get("perplexity", [])]
+            best = {"summary/best_perplexity": min(ppl)} if ppl else {}
+        else:
+            best = {"summary/best_accuracy": hist.best_accuracy}
         tr.log_metrics({**best, "summary/grad_norm_mean": gm, "summary/grad_norm_std": gs,
                         "summary/sim_time": hist.t_sim, "summary/wall_time": hist.wall}, step=hist.last_round)
         plot_curves(hist.curves, str(out / "curves.png"), title=cfg.name)
