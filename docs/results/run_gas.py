@@ -73,8 +73,9 @@ def to_targets(results) -> str:
              "GAS's time saved vs the fastest (%) |", "|---" * 6 + "|"]
     for part, _ in PARTITIONS:
         gas = dict(results.get(("GAS", part), []))
+        sync = {m: dict(results.get((m, part), [])) for m in SYNC}
         for s in sorted(gas):
-            others = {m: dict(results.get((m, part), []))[s] for m in SYNC if s in dict(results.get((m, part), []))}
+            others = {m: runs[s] for m, runs in sync.items() if s in runs}
             if not others:
                 continue
             try:

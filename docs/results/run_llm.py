@@ -97,9 +97,11 @@ def main() -> None:
         refused = 0
         for arm, seed, r in todo:
             cfg = load_config(r.config, r.overrides)
+            state = "validated"
             try:
-                prepare(cfg) if seed == a.seeds[0] else None  # the first seed's: the others differ by the seed only
-                state = "prepared" if seed == a.seeds[0] else "validated"
+                if seed == a.seeds[0]:  # the first seed's: the others differ by the seed only
+                    prepare(cfg)
+                    state = "prepared"
             except ConfigError as e:
                 refused += 1
                 state = f"REFUSED: {e}"

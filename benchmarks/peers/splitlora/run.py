@@ -13,8 +13,9 @@ science and people, one client each; BPE of 512 trained on the training document
 each client's training blocks and the held-out blocks in their jsonl (``{"context": block[:1], "completion":
 block[1:]}``: their ``clm`` mask then scores the block's 63 next tokens, as raysplit's loss does); raysplit's
 initial model for the seed (``torch.manual_seed(seed)`` then ``build_causal_lm``, as a run's driver builds it: 4
-blocks, width 64, 4 heads, tied head) is written as their ``init.pt`` (a ``GPT2Model`` state dict without its
-``transformer.`` prefix), and check_load.py checks their loaders take every tensor unchanged. Both then train the
+blocks, width 64, 4 heads, tied head), pretrained (:func:`pretrain`), is saved as the ``model.lm.pretrained``
+directory raysplit's run loads and as their ``init.pt`` (a ``GPT2Model`` state dict without its ``transformer.``
+prefix), and check_load.py checks their loaders take every tensor unchanged. Both then train the
 same schedule: 3 clients taking turns batch by batch on one shared server model, batch 8, 33 batches per client
 between averagings of the client-side LoRA (their ``--aggregate_step 99``, an edit: theirs is fixed at 100), the
 mean uniform, AdamW lr 0.003 (betas 0.9/0.999, eps 1e-8, weight decay 0.01, constant), LoRA rank 4 alpha 32
@@ -69,7 +70,7 @@ OVERRIDES = {"algorithm.server_side": "shared", "algorithm.aggregation_interval"
              "runtime.backend": "local", "runtime.torch_threads": 1, "tracking.checkpoint_every": 0,
              "tracking.progress": False, "tracking.log_checkpoint_artifact": False,
              "tracking.experiment": "peers-splitlora"}
-EVAL = re.compile(r"\| Eval +\d+ at step +(\d+) \|.*\| valid loss +([\d.]+) \| valid ppl +([\d.]+)")
+EVAL = re.compile(r"\| Eval +\d+ at step +(\d+) \|.*\| valid loss +([\d.]+) \|")
 
 
 def overrides(seed: int, rounds: int) -> dict:
@@ -81,7 +82,6 @@ def inputs(cfg, seed: int, where: Path) -> dict:
     import torch
 
     from raysplit.data.text import load_text_partitioned
-    from raysplit.models.adapters import base_digest
     from raysplit.models.causal_lm import build_causal_lm
 
     text = load_text_partitioned(cfg.data.text, cfg.data.partition, cfg.data.num_clients, cfg.data.test_fraction,
@@ -104,15 +104,12 @@ def inputs(cfg, seed: int, where: Path) -> dict:
         ids = torch.from_numpy(text.x_test)
         pre["heldout_loss"] = round(float(hf(input_ids=ids, labels=ids).loss), 4)
     hf.save_pretrained(where / "base", safe_serialization=True)  # model.lm.pretrained of raysplit's run
-    model = build_causal_lm(cfg.model.lm.model_copy(update={"pretrained": str(where / "base")}))
-    state = {}
-    for key, value in model.hf_model.state_dict().items():
-        if "lora_" in key or key.startswith("lm_head."):
-            continue  # their head is tied to their server's wte copy
-        state[key.replace(".base_layer.", ".").removeprefix("transformer.")] = value.clone()
-    torch.save(state, where / "init.pt")
+    # the same weights as their GPT2Model state dict: no transformer. prefix, no head (theirs is tied to their
+    # server's wte copy)
+    torch.save({k.removeprefix("transformer."): v.clone() for k, v in hf.state_dict().items()
+                if not k.startswith("lm_head.")}, where / "init.pt")
     return {"clients": [int(len(i)) for i in text.train_idx], "heldout_blocks": int(len(text.x_test)),
-            "vocab": int(text.spec.num_classes), "base_digest": base_digest(model), "pretraining": pre,
+            "vocab": int(text.spec.num_classes), "pretraining": pre,
             "first_block": text.x_train[text.train_idx[0][0]][:8].tolist()}
 
 
@@ -162,11 +159,11 @@ def theirs(src: Path, loralib: str, where: Path, seed: int, rounds: int, heldout
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=3600)
     (where / "theirs.log").write_text(proc.stdout + proc.stderr)
-    evals = [(int(s), float(l), float(p)) for s, l, p in EVAL.findall(proc.stdout)]
+    evals = [(int(s), float(l)) for s, l in EVAL.findall(proc.stdout)]
     if len(evals) < rounds:
         raise RuntimeError(f"their run ended with {len(evals)} of {rounds} evaluations (exit {proc.returncode}); "
                            f"see {where / 'theirs.log'}")
-    return {"steps": [s for s, _, _ in evals[:rounds]], "loss": [l for _, l, _ in evals[:rounds]],
+    return {"steps": [s for s, _ in evals[:rounds]], "loss": [l for _, l in evals[:rounds]],
             "seconds": round(time.time() - t0, 1), "check_load": check.stdout.strip()}
 
 
