@@ -256,6 +256,15 @@ class EvalConfig(_Strict):
     batch_size: int = Field(default=1000, ge=1, description="evaluation batch size")
     target_accuracy: float | None = Field(default=None, gt=0, le=1, description="log the first round at which "
                                           "accuracy reaches it (eval/rounds_to_target)")
+    validation: bool = Field(default=False, description="beside the global test set, evaluate every client's "
+                             "held-out split (data.test_fraction) as a validation set at each evaluation, as "
+                             "eval.mode=clients would (each client's current model: the aggregate where the "
+                             "round installs it on every client, as SplitFed does): eval/validation_accuracy and "
+                             "eval/validation_loss (a language model: eval/validation_perplexity), and at the end "
+                             "the test metric of the best-validated evaluation (summary/best_validation_round, "
+                             "summary/accuracy_at_best_validation or summary/perplexity_at_best_validation): "
+                             "model selection on validation, as early stopping with a restored best would give. "
+                             "Needs eval.mode=global")
 
 
 class ActorResources(_Strict):

@@ -262,6 +262,16 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         raise ConfigError(f"eval.mode={eval_mode} {why} for {alg.name} (supported: {', '.join(modes)})")
     if eval_mode == "clients" and cfg.data.test_fraction == 0:
         raise ConfigError("eval.mode=clients needs data.test_fraction > 0 (per-client test splits)")
+    if cfg.eval.validation:
+        if eval_mode != "global":
+            raise ConfigError(f"eval.validation=true evaluates the clients' held-out splits beside the global test "
+                              f"set; it needs eval.mode=global (here {eval_mode}: those splits are the test set)")
+        if "clients" not in modes:
+            raise ConfigError(f"eval.validation=true: {alg.name} cannot evaluate the clients' held-out splits "
+                              f"(its eval modes: {', '.join(modes)})")
+        if cfg.data.test_fraction == 0:
+            raise ConfigError("eval.validation=true needs data.test_fraction > 0 (the held-out split each client "
+                              "validates on)")
 
     sizes = tuple(int(n) for n in counts.sum(axis=1))
     events = EventPlan(active=m, local_steps=cfg.train.local_steps, client_sizes=sizes, profiles=tuple(profiles),

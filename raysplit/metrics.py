@@ -84,6 +84,8 @@ GROUPED = {
     "bleu": "eval/bleu", "rouge_l": "eval/rouge_l", "train_tokens": "train/tokens",
     "tokens_per_s": "train/tokens_per_s", "bytes_per_token": "comm/bytes_per_token",
     "backward_transfer": "eval/backward_transfer", "rounds_to_target": "eval/rounds_to_target",
+    "validation_accuracy": "eval/validation_accuracy", "validation_loss": "eval/validation_loss",
+    "validation_perplexity": "eval/validation_perplexity",
     "train_loss": "train/loss", "grad_norm_mean": "train/grad_norm_mean", "grad_norm_std": "train/grad_norm_std",
     "dropped_clients": "train/dropped_clients",
     "client_flops": "compute/client_flops", "server_flops": "compute/server_flops",

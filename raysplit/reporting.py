@@ -138,6 +138,33 @@ def evaluate(rt, prepared, global_handle, clients) -> dict:
     return M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
 
 
+def validation(rt, prepared) -> dict:
+    """``eval.validation``: every client's held-out split through the model ``eval.mode=clients`` evaluates (each
+    client's current one), as a validation set beside the global test set: ``validation_accuracy`` and
+    ``validation_loss`` (a language model: ``validation_perplexity`` and ``validation_loss``, per token)."""
+    who = list(range(len(prepared.inputs.test_idx)))
+    y, p, loss = prepared.algorithm.evaluate(rt, "clients", None, who)
+    if prepared.inputs.plan.model.language_model:
+        from raysplit.lm_metrics import lm_eval_metrics
+
+        ev = lm_eval_metrics(y, p, loss)
+        return {"validation_perplexity": ev["perplexity"], "validation_loss": ev["loss"]}
+    ev = M.classification_metrics(y, p, prepared.num_classes, loss_sum=loss)
+    return {"validation_accuracy": ev["accuracy"], "validation_loss": ev["loss"]}
+
+
+def best_validated(curves: dict, language_model: bool) -> dict:
+    """Model selection on validation (``eval.validation``): the first evaluation with the best validation score
+    (highest accuracy; a language model's lowest perplexity) and the test metric there, as an early stop that
+    restores its best-validated model reports it; empty without a validation curve."""
+    key, test = ("validation_perplexity", "perplexity") if language_model else ("validation_accuracy", "accuracy")
+    val, at = curves.get(key, []), dict(curves.get(test, []))
+    if not val:
+        return {}
+    best = (min if language_model else max)(val, key=lambda pt: pt[1])  # the first of equal bests
+    return {"summary/best_validation_round": best[0], f"summary/{test}_at_best_validation": at[best[0]]}
+
+
 class Reporter:
     """Records one run: ``start`` (new runs), ``record`` after every round, ``finish`` at the end."""
 
@@ -273,9 +300,16 @@ class Reporter:
     def _evaluation(self, rnd: int, rt, global_handle, participants) -> dict:
         hist = self.hist
         ev = evaluate(rt, self.prepared, global_handle, participants)
+        if self.cfg.eval.validation:
+            val = validation(rt, self.prepared)
+            for k, v in val.items():
+                if k != "validation_loss":
+                    hist.add(k, rnd, v)
         if "perplexity" in ev:  # a language model: no per-label metrics (its labels are a vocabulary)
             for k in ("loss", "perplexity"):
                 hist.add(k, rnd, ev[k])
+            if self.cfg.eval.validation:
+                ev.update(val)
             ev.update(self._generation(rnd, rt, global_handle, participants))
             return ev
         la = ev.pop("label_accuracy")
@@ -295,6 +329,8 @@ class Reporter:
             ev.update({f"position_acc_{i}": a for i, a in enumerate(M.position_accuracy(la, self.positions))})
         for k in ("accuracy", "loss", "f1_macro"):
             hist.add(k, rnd, ev[k])
+        if self.cfg.eval.validation:
+            ev.update(val)
         return ev
 
     def _generation(self, rnd: int, rt, global_handle, participants) -> dict:
@@ -353,6 +389,8 @@ class Reporter:
             best = {"summary/best_perplexity": min(ppl)} if ppl else {}
         else:
             best = {"summary/best_accuracy": hist.best_accuracy}
+        selected = best_validated(hist.curves, self.prepared.inputs.plan.model.language_model)
+        best.update(selected)
         tr.log_metrics({**best, "summary/grad_norm_mean": gm, "summary/grad_norm_std": gs,
                         "summary/sim_time": hist.t_sim, "summary/wall_time": hist.wall}, step=hist.last_round)
         plot_curves(hist.curves, str(out / "curves.png"), title=cfg.name)
@@ -383,7 +421,8 @@ class Reporter:
                   ([c] + [totals[c].get(k, 0) for k in keys] for c in sorted(totals)))
         if cfg.tracking.log_checkpoint_artifact and ckpt_path.is_file():
             tr.log_artifact(ckpt_path)
-        return {**self.final, "run_id": tr.run_id, "summary/grad_norm_mean": gm, "summary/grad_norm_std": gs}
+        return {**self.final, **selected, "run_id": tr.run_id, "summary/grad_norm_mean": gm,
+                "summary/grad_norm_std": gs}
 
     def _csv(self, name: str, header: list, rows) -> None:
         with open(self.out_dir / name, "w", newline="") as f:

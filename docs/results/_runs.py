@@ -113,6 +113,29 @@ def to_target(res: dict, target: float, keys: tuple[str, ...] = ()) -> tuple[int
     raise ValueError(f"the run never reaches the score {target:.4f}")
 
 
+def early_stop(res: dict, patience: int, key: str = "eval/validation_accuracy") -> tuple[int, int, float]:
+    """Early stopping read from a run's recorded curves, the rule Ampere's phases apply (``Ampere._improved``): the
+    validation score (``key``, per round in its ``history``) improves when it is strictly above the best so far; the
+    run stops at the ``patience``-th evaluation in a row without an improvement, or at its last. Returns ``(best
+    round, stop round, test accuracy at the best round)``: the model an early stop that restores its best-validated
+    weights reports. A run stopped at round r is the first r rounds of the recorded one where nothing after r feeds
+    back (a constant learning rate; no schedule over ``train.rounds``). Raises ValueError without the curve."""
+    val = [(h["round"], h[key]) for h in res.get("history", []) if key in h]
+    test = {int(pt[0]): pt[-1] for pt in res.get("curve", [])}
+    if not val or not test:
+        raise ValueError(f"early_stop needs the run's {key} per round (eval.validation) and its test curve")
+    best, best_round, bad, stop = float("-inf"), val[0][0], 0, val[-1][0]
+    for rnd, v in val:
+        if v > best:
+            best, best_round, bad = v, rnd, 0
+        else:
+            bad += 1
+            if bad >= patience:
+                stop = rnd
+                break
+    return int(best_round), int(stop), float(test[int(best_round)])
+
+
 @dataclass(frozen=True)
 class Run:
     """One run of a study: ``config`` with the dotted ``overrides``, named ``label`` (its arm in the sweep and its

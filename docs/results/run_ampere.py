@@ -48,14 +48,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _runs import ROOT, Run, common_target, median_range, named, restored, run_all, to_target
+from _runs import ROOT, Run, common_target, early_stop, median_range, named, restored, run_all, to_target
 
 METHODS = [("Ampere", None), ("SplitFed", {"name": "sflv1"}), ("PiPar", {"name": "pipar"}),
            ("SplitGP", {"name": "splitgp"}), ("SplitFed+SCAFFOLD", {"name": "sflv1_scaffold"})]
 HERE = Path(__file__).resolve().parent
 OUT = HERE / ".ampere_runs"
 KEYS = ("comm/bytes_up", "comm/bytes_down", "comm/bytes_up_model", "comm/bytes_down_model",
-        "comm/bytes_up_activations", "comm/bytes_down_gradients", "compute/client_flops", "method/server_epochs")
+        "comm/bytes_up_activations", "comm/bytes_down_gradients", "compute/client_flops", "method/server_epochs",
+        "eval/validation_accuracy")  # the last: the arms run with eval.validation (--stopping)
 DEVICES = 10
 BYTES = ("comm/bytes_up", "comm/bytes_down")  # device-server traffic, models included
 
@@ -349,6 +350,40 @@ def targets(res: dict, alphas, seeds) -> str:
     return "\n".join(lines)
 
 
+# issue 73 item 4, an accuracy claim with both arms stopped by one rule: the paper's early stopping (§5.2.1: patience
+# 15 on validation accuracy, the best-validated model kept), Ampere's own for its phases (CONVERGED's server batch 320
+# arm); SplitFed validated every round on the same held-out splits (eval.validation) for 200 rounds, its stop read
+# from that curve (a run stopped at round r is the first r rounds of this one: a constant rate)
+PATIENCE = 15
+STOPPING = [("SplitFed, 200 rounds, validated", {"name": "sflv1"}, (("train.rounds", 200), ("eval.validation", True))),
+            CONVERGED[5]]
+
+
+def stopping(res: dict, alphas, seeds) -> str:
+    """--stopping: per alpha and seed, Ampere's final accuracy (its server block of the best validation epoch,
+    restored) and SplitFed's test accuracy at its best validation round under the same patience
+    (:func:`_runs.early_stop`), its stop round, and its last round's; then Ampere minus SplitFed paired by seed, both
+    ways."""
+    amp, sf = STOPPING[1][0], STOPPING[0][0]
+    lines = ["| alpha | seed | Ampere (%) | SplitFed stopped (%) | SplitFed's best / stop round | SplitFed round 200 "
+             "(%) | Ampere minus SplitFed stopped | Ampere minus SplitFed round 200 |", "|---" * 8 + "|"]
+    diffs: dict = {}
+    for a in alphas:
+        for s in seeds:
+            if (amp, a, s) not in res or (sf, a, s) not in res:
+                continue
+            r = res[(sf, a, s)]
+            best, stop, acc = early_stop(r, PATIENCE)
+            ampere, last = 100 * res[(amp, a, s)]["eval/accuracy"], 100 * r["eval/accuracy"]
+            diffs.setdefault(a, []).append((ampere - 100 * acc, ampere - last))
+            lines.append(f"| {a} | {s} | {ampere:.2f} | {100 * acc:.2f} | {best} / {stop} | {last:.2f} | "
+                         f"{ampere - 100 * acc:+.2f} | {ampere - last:+.2f} |")
+    for a, d in diffs.items():
+        lines.append(f"| {a} | median [min, max] | | | | | {median_range([x for x, _ in d], '+.2f')} | "
+                     f"{median_range([y for _, y in d], '+.2f')} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.1, 0.33, 1.0])
@@ -363,6 +398,8 @@ def main() -> int:
                     help="only Ampere against SplitFed and PiPar in parallel, timed to a common accuracy")
     ap.add_argument("--report", action="store_true", help="--to-target: run nothing, the table from the runs cached "
                     "(or recorded)")
+    ap.add_argument("--stopping", action="store_true", help="only Ampere against SplitFed, both stopped by the "
+                    "paper's patience on validation accuracy")
     ap.add_argument("--arms", type=int, nargs="*", default=None,
                     help="--converge: only these arms (indices into CONVERGED), run in the order given")
     args = ap.parse_args()
@@ -380,6 +417,11 @@ def main() -> int:
         todo = [(arm, alg, a, s, extra) for a in args.alphas for arm, alg, extra in arms for s in args.seeds]
         done = run_all("ampere-fmnist", todo, one, args.jobs)
         print(converged(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
+        return 0
+    if args.stopping:
+        todo = [(arm, alg, a, s, extra) for a in args.alphas for arm, alg, extra in STOPPING for s in args.seeds]
+        done = run_all("ampere-fmnist", todo, one, args.jobs)
+        print(stopping(dict(((job[0], job[2], job[3]), res) for job, res in done), args.alphas, args.seeds))
         return 0
     if args.clock:
         arms = [("Ampere", None, ()), ("SplitFed", {"name": "sflv1"}, ()),
