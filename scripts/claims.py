@@ -132,12 +132,18 @@ class Measure(_Strict):
                                      "docs/results/records/) its value is made from: [minuend, subtrahend] of a "
                                      "difference of final accuracies in points, or [run] for a single run's; "
                                      "to a target (from_records): [the method, a baseline, ...]")
-    from_records: Literal["accuracy", "time to target", "traffic to target", "perplexity ratio"] = Field(
+    from_records: Literal["accuracy", "accuracy at early stop", "time to target", "traffic to target",
+                          "perplexity ratio"] = Field(
         default="accuracy", description="what a seed's records give (issue 73, item 4, equal outcomes): accuracy, "
-        "the final accuracies' difference (or one run's) in points; time (traffic) to target, the percent of "
+        "the final accuracies' difference (or one run's) in points; accuracy at early stop, the same with every run "
+        "stopped by one rule: a run with a validation curve (eval.validation) read at its best validation round "
+        "under ``patience`` (docs/results/_runs.py: early_stop), a run without one at its final accuracy (a "
+        "method that stops itself by that rule, as Ampere's phases do); time (traffic) to target, the percent of "
         "simulated time (device-server bytes) the method saves to the common target, the highest accuracy every "
         "run of the seed reaches, against the fastest (least-traffic) of its baselines, all on one clock; "
         "perplexity ratio, a language model's final perplexity over another's")
+    patience: int | None = Field(default=None, ge=1, description="accuracy at early stop: the evaluations in a row "
+                                 "without a better validation accuracy that stop a run")
 
     @model_validator(mode="after")
     def _paired(self):
@@ -147,7 +153,11 @@ class Measure(_Strict):
                              "baseline, ...]) a seed, in the order of values")
         if self.from_records == "accuracy" and any(len(r) not in (1, 2) for r in self.records):
             raise ValueError("measure.records: one [minuend, subtrahend] (or [run]) a seed, in the order of values")
-        if self.from_records != "accuracy" and any(len(r) < 2 for r in self.records):
+        if (self.from_records == "accuracy at early stop") != (self.patience is not None):
+            raise ValueError("measure.patience: given exactly when from_records is 'accuracy at early stop'")
+        if self.from_records == "accuracy at early stop" and any(len(r) != 2 for r in self.records):
+            raise ValueError("measure.records: one [minuend, subtrahend] a seed, in the order of values")
+        if self.from_records not in ("accuracy", "accuracy at early stop") and any(len(r) < 2 for r in self.records):
             raise ValueError("measure.records to a target: [the method, a baseline, ...] a seed")
         if (self.scale == "ratio") != (self.unit == "x"):
             raise ValueError("a ratio measure (scale: ratio) has unit x, and a measure in x is a ratio")
@@ -749,9 +759,11 @@ RECORDS = TABLE_PAGE.parent / "records"
 BYTES = ("comm/bytes_up", "comm/bytes_down")  # device-server traffic, models included: a run's history keeps them
 
 
-def record_value(kind: str, results: list[dict]) -> float:
+def record_value(kind: str, results: list[dict], patience: int | None = None) -> float:
     """What one seed's run results (the ``result`` of each record, in the measure's order) give (``from_records``):
-    ``accuracy``, the first's final accuracy minus the second's in points (or the one run's); ``perplexity ratio``,
+    ``accuracy``, the first's final accuracy minus the second's in points (or the one run's); ``accuracy at early
+    stop``, the same with a run that has a validation curve read at its best validation round under ``patience``
+    (``_runs.early_stop``) and one without at its final accuracy; ``perplexity ratio``,
     the first's final perplexity over the second's (language models); ``time to target`` and
     ``traffic to target``, the percent of simulated time (device-server bytes, ``BYTES`` summed over the rounds) the
     first saves against the fastest (least-traffic) of the others, each run taken at its first evaluation reaching
@@ -763,7 +775,12 @@ def record_value(kind: str, results: list[dict]) -> float:
     if kind == "perplexity ratio":
         return results[0]["eval/perplexity"] / results[1]["eval/perplexity"]
     sys.path.insert(0, str(ROOT / "docs" / "results"))
-    from _runs import common_target, to_target
+    from _runs import common_target, early_stop, to_target
+
+    if kind == "accuracy at early stop":
+        acc = [early_stop(r, patience)[2] if any("eval/validation_accuracy" in h for h in r.get("history", []))
+               else r["eval/accuracy"] for r in results]
+        return 100 * (acc[0] - acc[1])
 
     target = common_target(results)
     at = [to_target(r, target, BYTES if kind == "traffic to target" else ()) for r in results]
@@ -785,7 +802,8 @@ def record_traces(reg: Registry, records: Path | None = None) -> list[str]:
         pairs = list(zip(m.values, m.records)) + [(x, r) for ch in c.checks for x, r in zip(ch.values, ch.records)]
         for x, paths in pairs:
             try:
-                got = record_value(m.from_records, [json.loads((records / p).read_text())["result"] for p in paths])
+                got = record_value(m.from_records, [json.loads((records / p).read_text())["result"] for p in paths],
+                                   m.patience)
             except (OSError, ValueError, KeyError) as e:
                 out.append(f"{c.id}: record {paths} cannot be read ({e})")
                 continue

@@ -386,6 +386,22 @@ def test_time_and_traffic_to_a_common_target_on_hand_made_curves():
     assert claims.record_value("accuracy", [method, slow]) == pytest.approx(-10.0)
 
 
+def test_accuracy_at_early_stop_reads_the_validated_run_at_its_best_validation_round():
+    # a method that stops itself (its final accuracy is its restored best) against a baseline validated each round
+    method = {"eval/accuracy": 0.86, "curve": [[1, 0.0, 0.86]], "history": [{"round": 1}]}
+    val = [0.70, 0.80, 0.79, 0.78, 0.77, 0.90]  # patience 3: stops at round 5 (0.80 at round 2 not bettered in 3)
+    test = [0.71, 0.83, 0.84, 0.85, 0.86, 0.95]
+    base = {"eval/accuracy": test[-1], "curve": [[r + 1, 0.0, a] for r, a in enumerate(test)],
+            "history": [{"round": r + 1, "eval/validation_accuracy": v} for r, v in enumerate(val)]}
+    assert claims.record_value("accuracy at early stop", [method, base], 3) == pytest.approx(100 * (0.86 - 0.83))
+    # a longer patience reaches round 6's better model; its last round alone would be the plain difference
+    assert claims.record_value("accuracy at early stop", [method, base], 4) == pytest.approx(100 * (0.86 - 0.95))
+    assert claims.record_value("accuracy", [method, base]) == pytest.approx(100 * (0.86 - 0.95))
+    c = next(c for c in claims.load().claims if c.measure is not None and c.measure.from_records == "accuracy")
+    with pytest.raises(ValueError, match="measure.patience"):
+        claims.Claim(**{**c.model_dump(), "measure": {**c.measure.model_dump(), "from_records": "accuracy at early stop"}})
+
+
 def test_a_record_never_left_out_of_its_row(tmp_path):
     import json
 
