@@ -217,3 +217,32 @@ def test_centralised_clock_runs_the_clients_turns_one_after_another(tmp_path, ml
             start = st.clients[c]["t_end"]
         assert all(row.get("bytes_up", 0.0) == 0.0 and row.get("bytes_down", 0.0) == 0.0
                    for row in st.clients.values())
+
+
+def test_centralised_turn_waits_for_the_previous_turns_end_and_an_old_checkpoint_waits_for_nothing():
+    """CentralRule on activation loads the handed-out model and optimizer state, keeps the round's learning rate,
+    and waits for the moment the previous turn ended (the hand-out's third field); a checkpoint written before the
+    turns were chained holds (weights, optimizer state) only, and then the client waits for nothing (0.0)."""
+    from types import SimpleNamespace
+
+    from raysplit.algorithms.centralised import CentralRule
+
+    waits = []
+    ctx = SimpleNamespace(meter=SimpleNamespace(wait_until=lambda cid, t: waits.append((cid, t)) or t))
+    src, dst = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    opt_src = torch.optim.SGD(src.parameters(), lr=0.1, momentum=0.9)
+    src(torch.ones(4, 3)).sum().backward()
+    opt_src.step()  # a momentum buffer to hand on
+    rule = CentralRule(ctx)
+    rule.on_activate(0, SimpleNamespace(module=dst, optimizer=torch.optim.SGD(dst.parameters(), lr=0.5)))
+    assert waits == []  # no model handed out yet: the first turn of the run loads and waits for nothing
+    for central, cid, wait in (((src.state_dict(), opt_src.state_dict(), 7.5), 1, 7.5),
+                               ((src.state_dict(), opt_src.state_dict()), 2, 0.0)):
+        dst = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(dst.parameters(), lr=0.5, momentum=0.9)
+        rule.take(central)
+        rule.on_activate(cid, SimpleNamespace(module=dst, optimizer=opt))
+        assert waits[-1] == (cid, wait)
+        assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
+        assert opt.param_groups[0]["lr"] == 0.5  # the round's rate, not the handed-out optimizer's
+        assert len(opt.state) == 2 and all("momentum_buffer" in s for s in opt.state.values())
