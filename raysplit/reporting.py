@@ -156,15 +156,13 @@ def validation(rt, prepared) -> dict:
 def best_validated(curves: dict, language_model: bool) -> dict:
     """Model selection on validation (``eval.validation``): the first evaluation with the best validation score
     (highest accuracy; a language model's lowest perplexity) and the test metric there, as an early stop that
-    restores its best-validated model reports it; empty without a validation curve. The round is counted as
-    ``eval/rounds_to_target`` counts it, the rounds trained (the curves' step + 1), as the studies' records number
-    their rounds."""
+    restores its best-validated model reports it; empty without a validation curve."""
     key, test = ("validation_perplexity", "perplexity") if language_model else ("validation_accuracy", "accuracy")
     val, at = curves.get(key, []), dict(curves.get(test, []))
     if not val:
         return {}
     best = (min if language_model else max)(val, key=lambda pt: pt[1])  # the first of equal bests
-    return {"summary/best_validation_round": best[0] + 1, f"summary/{test}_at_best_validation": at[best[0]]}
+    return {"summary/best_validation_round": best[0], f"summary/{test}_at_best_validation": at[best[0]]}
 
 
 class Reporter:

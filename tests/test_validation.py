@@ -42,8 +42,7 @@ def test_validation_is_the_held_out_evaluation_and_leaves_training_alone(tmp_pat
     best = max(hist["eval/validation_accuracy"].values())
     first = min(r for r, v in hist["eval/validation_accuracy"].items() if v == best)
     logged = client.get_run(val["run_id"]).data.metrics
-    # counted as rounds trained (eval/rounds_to_target's count, the study records' numbering), the step + 1
-    assert logged["summary/best_validation_round"] == first + 1 == val["summary/best_validation_round"]
+    assert logged["summary/best_validation_round"] == first == val["summary/best_validation_round"]
     assert logged["summary/accuracy_at_best_validation"] == hist["eval/accuracy"][first]
 
 
@@ -58,10 +57,10 @@ def test_validation_refused_where_it_cannot_work(tmp_path, mlflow_uri, over, key
 def test_best_validated_is_the_first_best_and_the_test_metric_there():
     curves = {"validation_accuracy": [(0, 0.5), (1, 0.7), (2, 0.7), (3, 0.6)],
               "accuracy": [(0, 0.4), (1, 0.65), (2, 0.8), (3, 0.9)]}
-    assert best_validated(curves, False) == {"summary/best_validation_round": 2,  # step 1: 2 rounds trained
+    assert best_validated(curves, False) == {"summary/best_validation_round": 1,
                                              "summary/accuracy_at_best_validation": 0.65}
     lm = {"validation_perplexity": [(0, 30.0), (1, 20.0), (2, 25.0)], "perplexity": [(0, 31.0), (1, 22.0), (2, 21.0)]}
-    assert best_validated(lm, True) == {"summary/best_validation_round": 2, "summary/perplexity_at_best_validation": 22.0}
+    assert best_validated(lm, True) == {"summary/best_validation_round": 1, "summary/perplexity_at_best_validation": 22.0}
     assert best_validated({"accuracy": [(0, 0.5)]}, False) == {}
 
 
