@@ -262,7 +262,8 @@ class EvalConfig(_Strict):
                              "round installs it on every client, as SplitFed does): eval/validation_accuracy and "
                              "eval/validation_loss (a language model: eval/validation_perplexity), and at the end "
                              "the test metric of the best-validated evaluation (summary/best_validation_round, "
-                             "summary/accuracy_at_best_validation or summary/perplexity_at_best_validation): "
+                             "counted from 0 as every round is, summary/accuracy_at_best_validation or "
+                             "summary/perplexity_at_best_validation): "
                              "model selection on validation, as early stopping with a restored best would give. "
                              "Needs eval.mode=global")
 

@@ -156,7 +156,9 @@ def validation(rt, prepared) -> dict:
 def best_validated(curves: dict, language_model: bool) -> dict:
     """Model selection on validation (``eval.validation``): the first evaluation with the best validation score
     (highest accuracy; a language model's lowest perplexity) and the test metric there, as an early stop that
-    restores its best-validated model reports it; empty without a validation curve."""
+    restores its best-validated model reports it; empty without a validation curve. The round is counted from 0,
+    as MLflow's steps and every round raysplit names (docs/usage.md); the study records under docs/results number
+    rounds trained (from 1), so ``_runs.early_stop`` names the same evaluation one higher."""
     key, test = ("validation_perplexity", "perplexity") if language_model else ("validation_accuracy", "accuracy")
     val, at = curves.get(key, []), dict(curves.get(test, []))
     if not val:
