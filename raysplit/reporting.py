@@ -304,14 +304,13 @@ class Reporter:
         ev = evaluate(rt, self.prepared, global_handle, participants)
         if self.cfg.eval.validation:
             val = validation(rt, self.prepared)
+            ev.update(val)  # its keys are its own (validation_*): the test metrics below leave them alone
             for k, v in val.items():
                 if k != "validation_loss":
                     hist.add(k, rnd, v)
         if "perplexity" in ev:  # a language model: no per-label metrics (its labels are a vocabulary)
             for k in ("loss", "perplexity"):
                 hist.add(k, rnd, ev[k])
-            if self.cfg.eval.validation:
-                ev.update(val)
             ev.update(self._generation(rnd, rt, global_handle, participants))
             return ev
         la = ev.pop("label_accuracy")
@@ -331,8 +330,6 @@ class Reporter:
             ev.update({f"position_acc_{i}": a for i, a in enumerate(M.position_accuracy(la, self.positions))})
         for k in ("accuracy", "loss", "f1_macro"):
             hist.add(k, rnd, ev[k])
-        if self.cfg.eval.validation:
-            ev.update(val)
         return ev
 
     def _generation(self, rnd: int, rt, global_handle, participants) -> dict:
